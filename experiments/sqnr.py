@@ -11,7 +11,8 @@ scale. Embeddings and lm_head stay 16-bit in qerl and are not measured.
 
 Writes results/sqnr/<model-name>.json (provenance: command, git sha, date, versions) and prints
 a markdown table. Runtime: ~10-20 s on 2 CPU cores for the 135M model (plus a one-off GGUF
-conversion into the qerl cache).
+conversion into the qerl cache); on a CPU shared with other jobs, OMP_NUM_THREADS=1 avoids
+thread oversubscription (10x faster there).
 
 Caveat for the embedded model: its GGUF is Q4_1, so the "original" weights are already Q4_1
 values (dequantized by transformers); SQNR is measured against those, not against the
@@ -202,6 +203,7 @@ def main(argv=None):
         "columns": {c: {"format": f, "fused_global_scale": fz, "bits_per_weight": formats.bits_per_weight(f)}
                     for c, f, fz in COLUMNS},
         "time_s": {"load": round(t_load, 2), "quantize_all_formats": round(t_measure, 2)},
+        "torch_threads": torch.get_num_threads(),
         "summary": summary,
         "per_matrix": rows,
     }

@@ -9,7 +9,7 @@ the tokenizer files, and *.safetensors with `<module>.weight_packed` / `.weight_
 `.weight_absmax` (nf4, qerl-only), the module names as in the source checkpoint.
 
 Subcommands live in one table (COMMANDS): each has an `add_<name>_args(subparser)` and a
-`run_<name>(args) -> int`. `train` and `eval` go there (see the placeholder below).
+`run_<name>(args) -> int`; `train` and `eval` come from qerl/cli_train.py.
 """
 
 from __future__ import annotations
@@ -44,13 +44,26 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# train / eval: add here as add_train_args/run_train and add_eval_args/run_eval, then list them
-# in COMMANDS below.
+# train / eval live in qerl/cli_train.py (add_train_args/run_train, add_eval_args/run_eval);
+# imported lazily so that `quantize` never depends on the training stack.
+
+
+def _from_cli_train(name: str):
+    def call(*args):
+        from qerl import cli_train
+
+        return getattr(cli_train, name)(*args)
+
+    return call
 
 
 COMMANDS = {
     # name: (help, add_args, run)
     "quantize": ("quantize an HF checkpoint to a 4-bit format", add_quantize_args, run_quantize),
+    "train": ("RL training (GRPO/DAPO) with a 4-bit base and LoRA",
+              _from_cli_train("add_train_args"), _from_cli_train("run_train")),
+    "eval": ("evaluate a model or adapter (pass@1)",
+             _from_cli_train("add_eval_args"), _from_cli_train("run_eval")),
 }
 
 
@@ -58,13 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m qerl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add_args, _) in COMMANDS.items():
-        add_args(sub.add_parser(name, help=help_, description=help_))
+        sp = sub.add_parser(name, help=help_, description=help_)
+        try:
+            add_args(sp)
+        except ImportError as exc:  # a broken optional stack must not take `quantize` down
+            sp.set_defaults(_unavailable=f"`{name}` is unavailable: {exc}")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status. Expected errors print one line, not a traceback."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "_unavailable", None):
+        print(f"error: {args._unavailable}", file=sys.stderr)
+        return 2
     _, _, run = COMMANDS[args.command]
     try:
         return run(args)

@@ -32,6 +32,8 @@ import os
 import random
 from pathlib import Path
 
+from qerl.rewards import gold_to_str, last_boxed
+
 logger = logging.getLogger(__name__)
 
 DATASETS = ("arith", "gsm8k", "math500", "aime24", "aime25", "amc23", "bigmath")
@@ -73,16 +75,7 @@ def gsm8k_gold(solution: str) -> str:
 
 def boxed_answer(solution: str) -> str | None:
     """Content of the last ``\\boxed{...}`` in a solution, or None."""
-    from qerl.rewards import last_boxed
-
     return last_boxed(solution)
-
-
-def _gold_str(value) -> str:
-    # 27.0 (amc23 stores floats) -> "27"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value).strip()
 
 
 def _normalise(row: dict, name: str, split: str, index: int) -> dict:
@@ -93,7 +86,7 @@ def _normalise(row: dict, name: str, split: str, index: int) -> dict:
     if name == "gsm8k":
         answer = gsm8k_gold(row["answer"])
     elif row.get("answer") not in (None, ""):
-        answer = _gold_str(row["answer"])
+        answer = gold_to_str(row["answer"])  # amc23 stores 27.0, aime25 ints
     elif row.get("solution"):
         solution = str(row["solution"])
         # MATH-style solutions end in \boxed{}; BigMath's "solution" is already the final answer.
@@ -175,6 +168,10 @@ def load_dataset_split(
     shuffle = bool(kw.pop("shuffle", False))
 
     if name == "arith":
+        unknown = sorted(set(kw) - {"levels", "num_examples", "test_fraction"})
+        if unknown:
+            raise ValueError(f"unexpected options for 'arith': {', '.join(unknown)}; "
+                             f"allowed: levels, num_examples, test_fraction, shuffle")
         records = generate_arith(split, seed=seed, **kw)
     else:
         config = kw.pop("config", BIGMATH_CONFIGS[0]) if name == "bigmath" else None
@@ -217,7 +214,7 @@ def build_prompt(question: str, tokenizer, system_prompt: str | None = None, suf
 
 ARITH_LEVELS = {
     1: "one step: a + b or a - b, numbers of 1-2 digits",
-    2: "two steps with a multiplication: a * b + c or a * b - c, small numbers",
+    2: "two steps with a multiplication: a * b + c or a * b - c, a <= 12, b <= 15, c <= 50",
     3: "three steps, numbers up to 3 digits: a + b * c - d, (a + b) * p - d",
     4: "four steps with an exact division, up to 3 digits: (a * b + c) / k, (a + b * c - d) / k",
 }
@@ -237,9 +234,9 @@ def _level1(rng):
 
 
 def _level2(rng):
-    a, b = rng.randint(2, 9), rng.randint(2, 12)
+    a, b = rng.randint(2, 12), rng.randint(2, 15)
     if rng.random() < 0.5:
-        c = rng.randint(1, 30)
+        c = rng.randint(1, 50)
         return 0, dict(a=a, b=b, c=c), a * b + c, (
             "{n} buys {a} bags of {i}. Each bag has {b} {i}. Then {n} finds {c} more {i}. "
             "How many {i} does {n} have in total?")
@@ -323,10 +320,12 @@ def generate_arith(
     want_test = split == "test"
     seen: set = set()
     records: list[dict] = []
-    attempts, max_attempts = 0, 200 * max(n, 1)
+    # Give up after this many draws in a row that add nothing: the problem space of the levels is
+    # (nearly) used up. Near the end of a legitimate request a miss streak is ~10x(space/left).
+    misses, max_misses = 0, 100_000
     while len(records) < n:
-        attempts += 1
-        if attempts > max_attempts:
+        misses += 1
+        if misses > max_misses:
             raise ValueError(
                 f"could only generate {len(records)} distinct arith {split} problems of levels "
                 f"{levels} (asked for {n}); ask for fewer or add harder levels")
@@ -340,6 +339,7 @@ def generate_arith(
         if key in seen or _in_test_split(level, template, numbers, test_fraction) != want_test:
             continue
         seen.add(key)
+        misses = 0
         question = text.format(n=rng.choice(_NAMES), i=rng.choice(_ITEMS), **fields)
         records.append({
             "id": f"arith-{split}-{seed}-{len(records)}",

@@ -23,7 +23,6 @@ one output shard, not the model.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time

@@ -156,12 +156,12 @@ class QuantLinear(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "bf16":
-            y = F.linear(x, self.weight)
+        if self.fmt == "bf16":  # bias inside F.linear: bit-exact with nn.Linear (one rounding)
+            y = F.linear(x, self.weight, self.bias)
         else:
             y = _PackedMatmul.apply(x, self)
-        if self.bias is not None:
-            y = y + self.bias
+            if self.bias is not None:
+                y = y + self.bias
         if self.r and self._adapters_enabled:
             a = self.lora_A.weight
             lora = self.lora_B(self.lora_A(self.lora_dropout(x.to(a.dtype)))) * self.scaling

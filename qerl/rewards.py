@@ -16,8 +16,10 @@ Guards, so one bad completion cannot stall a training step:
 - candidate answers are cut to ``MAX_ANSWER_CHARS`` before parsing (math-verify's own regexes
   and SymPy are the slow parts; the tag/box/number search here is linear in the text);
 - math-verify's timeouts (``signal.alarm``, whole seconds) bound parsing and comparison when
-  called from the main thread; signals do not work in other threads, so there qerl turns them off
-  and relies on the length cap alone.
+  called from the main thread. Signals do not work in other threads, so there qerl turns them off
+  and instead scores 0 (without calling SymPy) the inputs known to make SymPy run for minutes:
+  power towers (``9^{9^{9}}``) and factorials of large numbers. Call from the main thread for the
+  full guarantee.
 
 ``format_reward`` is 1.0 for the full structure, ``PARTIAL_FORMAT_REWARD`` (0.5) when only the
 answer block is there, 0.0 otherwise: the partial credit gives a small model that never writes
@@ -31,6 +33,7 @@ Typical use in the RL loop::
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import re
@@ -62,6 +65,8 @@ _WORD_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
 # \text{...} and friends hold words that belong to the answer ("\\text{Evelyn}", units), and
 # \begin{pmatrix} names an environment: neither makes the answer prose.
 _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname|begin|end)\s*\{[^{}]*\}")
+# Inputs that make SymPy evaluate astronomically large numbers: nested powers, big factorials.
+_PATHOLOGICAL_RE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\(?-?\d+\)?\s*\^|\*\*[^*]*\*\*|\d{3,}\s*!|\d{4,}\s*\^\s*\{?\s*\d{3,}")
 # Inline math "$...$": the opening "$" is followed and the closing "$" preceded by a non-space, so
 # the currency signs in "$18 and $20" do not pair up.
 _LATEX_MATH_RE = re.compile(r"\$(?=\S)[^$]*?(?<=\S)\$")
@@ -72,7 +77,8 @@ class RewardResult:
     """Per-completion rewards for one batch.
 
     rewards: accuracy in {0.0, 1.0}; format: format reward in {0.0, 0.5, 1.0};
-    unparsed: how many completions gave no prediction math-verify could parse (these score 0);
+    unparsed: how many completions gave no prediction math-verify could parse, or one refused as
+    pathological outside the main thread (these score 0);
     sources: where each prediction came from (one of SOURCES).
     """
 
@@ -123,12 +129,10 @@ def last_boxed(text: str) -> str | None:
 
 def last_number(text: str) -> str | None:
     """The last number in the text, thousands separators removed; None if there is none."""
-    last = None
-    for last in _NUMBER_RE.finditer(text):
-        pass
-    if last is None:
+    tail = collections.deque(_NUMBER_RE.finditer(text), maxlen=1)
+    if not tail:
         return None
-    return _THOUSANDS_RE.sub("", last.group(0)).replace(" ", "")
+    return _THOUSANDS_RE.sub("", tail[0].group(0)).replace(" ", "")
 
 
 def extract_answer(completion: str, fallback: bool = True) -> tuple[str | None, str]:
@@ -203,7 +207,10 @@ def _parse_gold(gold: str, timeout_s: int | None):
     text = gold.strip().replace("\\$", "")
     if not (_LATEX_ENV_RE.search(text) or _LATEX_MATH_RE.search(text)):
         text = f"${text}$"
-    return tuple(_parse(text, timeout_s))
+    parsed = tuple(_parse(text, timeout_s))
+    if not parsed:  # logged once per gold thanks to the cache
+        logger.warning("gold answer %r could not be parsed; comparing as text", gold)
+    return parsed
 
 
 def gold_to_str(value) -> str:
@@ -222,12 +229,16 @@ def _verify_candidate(candidate: str | None, gold: str, timeout_s: int | None) -
     from math_verify import verify
 
     gold_parsed = _parse_gold(gold_to_str(gold), timeout_s)
-    pred_parsed = _parse(_prepare_prediction(candidate), timeout_s)
+    prepared = _prepare_prediction(candidate)
+    if _timeout(timeout_s) is None and _PATHOLOGICAL_RE.search(prepared):
+        # No timer can stop SymPy here (see the module docstring): refuse rather than hang.
+        logger.warning("refusing to evaluate %r without a timeout; scoring 0", prepared[:100])
+        return 0.0, False
+    pred_parsed = _parse(prepared, timeout_s)
     if not pred_parsed:
         return 0.0, False
     if not gold_parsed:
-        # An unparseable gold can still match exactly as text (e.g. "\text{(C)}").
-        logger.warning("gold answer %r could not be parsed; comparing as text", gold)
+        # An unparseable gold can still match exactly as text.
         return float(candidate.strip() == gold_to_str(gold)), True
     try:
         ok = verify(list(gold_parsed), pred_parsed, timeout_seconds=_timeout(timeout_s))

@@ -30,7 +30,7 @@ from qerl import loss as qloss
 from qerl import rewards as qrewards
 from qerl.config import TrainConfig
 from qerl.logging import RunLogger
-from qerl.noise import AQNConfig, noisy_norms
+from qerl.noise import AQNConfig, keep_norms_fp32, noisy_norms
 from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
 from qerl.qlinear import QuantLinear
 from qerl.rollout import GenerateEngine, sequence_logprobs
@@ -47,15 +47,19 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None):
-    """Load the model and turn it into the method's policy. Returns (model, tokenizer, trainable, info)."""
+def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora: bool = True):
+    """Load the model and turn it into the method's policy. Returns (model, tokenizer, trainable, info).
+
+    lora=False gives the untrained rows of Table 1: the base in cfg.fmt with no adapter (bf16: the
+    dense model untouched).
+    """
     from qerl import models
 
     device = device or pick_device()
     if model is None:
         model, tokenizer = models.load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
     info = {"method": cfg.method, "fmt": cfg.fmt}
-    if cfg.method == "bf16_full":
+    if cfg.method == "bf16_full" or (cfg.fmt == "bf16" and not lora):
         for p in model.parameters():
             p.requires_grad_(True)
         trainable = [p for p in model.parameters()]
@@ -64,10 +68,11 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None):
         if fmt == "nf4" and device.type == "cpu":
             print("[qerl] nf4 on CPU: using qerl's pure-torch NF4 (bitsandbytes-compatible codes) instead of "
                   "bitsandbytes kernels; same quantized weights, slower")
-        rep = quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        rep = quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=cfg.lora_rank if lora else 0, lora_alpha=cfg.lora_alpha,
                                               lora_dropout=cfg.lora_dropout, backend=cfg.backend))
         info.update(rep)
         trainable = lora_parameters(model)
+    info["norms_fp32"] = keep_norms_fp32(model)  # so small AQN sigmas are not rounded away (see noise.py)
     info["model_size_bytes"] = model_size_bytes(model)
     info["trainable_params"] = sum(p.numel() for p in trainable)
     if cfg.gradient_checkpointing:
@@ -149,17 +154,21 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
                         "python": random.getstate()}}, path / "state.pt")
     if cfg.method != "bf16_full":
         try:
-            from qerl.models import export_peft_adapter
+            from qerl.export import export_peft_adapter
 
             export_peft_adapter(model, path / "adapter", base_model_name_or_path=cfg.model)
         except Exception as e:  # the adapter is a convenience copy; trainable.safetensors is the checkpoint
             print(f"[qerl] PEFT adapter export skipped: {e}")
 
 
-def load_checkpoint(path: Path, model, opt, sched) -> int:
+def load_trainable(path, model):
+    """Load a checkpoint's trainable tensors (LoRA, or all weights for bf16_full) into the model."""
     from safetensors.torch import load_file
 
-    state = load_file(str(path / "trainable.safetensors"))
+    f = Path(path) / "trainable.safetensors"
+    if not f.exists():
+        raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N)")
+    state = load_file(str(f))
     params = dict(model.named_parameters())
     missing = set(state) - set(params)
     if missing:
@@ -167,6 +176,10 @@ def load_checkpoint(path: Path, model, opt, sched) -> int:
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t.to(params[n].device))
+
+
+def load_checkpoint(path: Path, model, opt, sched) -> int:
+    load_trainable(path, model)
     st = torch.load(path / "state.pt", weights_only=False)
     opt.load_state_dict(st["optimizer"])
     sched.load_state_dict(st["scheduler"])

@@ -36,13 +36,15 @@ def make_tiny_model(model_type: str = "llama", seed: int = 0, dtype=torch.bfloat
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_tiny_config(model_type, **overrides))
+    # dtype at construction (not .to(dtype) afterwards) keeps the rotary inv_freq in fp32, as
+    # from_pretrained does, so a saved-and-reloaded tiny model computes the same logits.
+    model = AutoModelForCausalLM.from_config(make_tiny_config(model_type, **overrides), dtype=dtype)
     if model_type == "qwen2":  # random non-zero biases, so that exporting them is tested
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.02)
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def make_tiny_tokenizer():

@@ -160,6 +160,21 @@ def test_works_outside_the_main_thread():
     assert out and out[0].rewards == [1.0, 0.0]
 
 
+def test_pathological_input_outside_the_main_thread_does_not_hang():
+    # No signal-based timeout there: known SymPy traps are refused before SymPy sees them.
+    completions = [tagged("9^{9^{9^{9^{9}}}}"), tagged("100000!"), tagged("2^{10}"), tagged("(x^2)^3")]
+    out = []
+    start = time.time()
+    thread = threading.Thread(target=lambda: out.append(score_batch(completions, ["1", "1", "1024", "x^6"])),
+                              daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert out, "score_batch hung in a worker thread"
+    assert out[0].rewards[:3] == [0.0, 0.0, 1.0]
+    assert out[0].unparsed >= 2
+    assert time.time() - start < 10
+
+
 # ---------------------------------------------------------------------------------------------
 # format
 

@@ -17,7 +17,7 @@ and GPU alike.
 
 import torch
 
-from qerl.formats.e2m1 import e2m1_codes_to_float, pack_e2m1, round_to_e2m1_codes, unpack_e2m1
+from qerl.formats.e2m1 import decode_packed_e2m1, pack_e2m1, round_to_e2m1_codes
 
 BLOCK_SIZE = 32
 E8M0_BIAS = 127
@@ -90,7 +90,7 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bflo
             f"mxfp4 weight_scale must be uint8 {(out_f, in_f // BLOCK_SIZE)} for weight_packed "
             f"{tuple(packed.shape)}, got {scale.dtype} {tuple(scale.shape)}"
         )
-    q = e2m1_codes_to_float(unpack_e2m1(packed)).reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
+    q = decode_packed_e2m1(packed).reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
     step = _exp2_int(scale.to(torch.int32) - E8M0_BIAS)
     step = torch.where(scale == 0xFF, torch.full_like(step, float("nan")), step)
     return (q * step.unsqueeze(-1)).reshape(out_f, in_f).to(dtype)

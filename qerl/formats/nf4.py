@@ -14,6 +14,8 @@ QLoRA baseline is bitsandbytes itself; this module is the CPU/GPU reference and 
 
 import torch
 
+from qerl.formats.e2m1 import pair_table
+
 BLOCK_SIZE = 64
 
 NF4_CODE = (
@@ -72,7 +74,7 @@ def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[
     scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(-1), -1, 1)
     code = _code(w.device)
     midpoints = (code[:-1] + code[1:]) / 2
-    q = torch.bucketize(scaled, midpoints).to(torch.uint8).reshape(out_f, in_f)
+    q = torch.bucketize(scaled, midpoints, out_int32=True).to(torch.uint8).reshape(out_f, in_f)
     return {
         "weight_packed": (q[:, 0::2] << 4) | q[:, 1::2],
         "weight_absmax": absmax,
@@ -90,6 +92,7 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bflo
             f"nf4 weight_absmax has {absmax.numel()} blocks, expected {out_f * in_f // BLOCK_SIZE} "
             f"for weight_packed {tuple(packed.shape)}"
         )
-    idx = torch.stack((packed >> 4, packed & 0x0F), dim=-1).reshape(-1, BLOCK_SIZE)
-    values = _code(packed.device)[idx.long()] * absmax.unsqueeze(-1)
+    # One gather through a [256, 2] table (high nibble first) instead of unpack + lookup.
+    table = pair_table(_code(packed.device), high_first=True)
+    values = table[packed.long()].reshape(-1, BLOCK_SIZE) * absmax.unsqueeze(-1)
     return values.reshape(out_f, in_f).to(dtype)

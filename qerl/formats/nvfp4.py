@@ -19,13 +19,7 @@ so do not "simplify" these casts.
 
 import torch
 
-from qerl.formats.e2m1 import (
-    F4_E2M1_MAX,
-    e2m1_codes_to_float,
-    pack_e2m1,
-    round_to_e2m1_codes,
-    unpack_e2m1,
-)
+from qerl.formats.e2m1 import F4_E2M1_MAX, decode_packed_e2m1, pack_e2m1, round_to_e2m1_codes
 
 BLOCK_SIZE = 16
 F8_E4M3_MAX = 448.0
@@ -126,6 +120,6 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bflo
             f"nvfp4 weight_scale shape {tuple(scale.shape)} does not match weight_packed "
             f"{tuple(packed.shape)}: expected {(out_f, in_f // BLOCK_SIZE)}"
         )
-    q = e2m1_codes_to_float(unpack_e2m1(packed)).reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
+    q = decode_packed_e2m1(packed).reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
     step = scale.to(torch.float32) / gs
     return (q * step.unsqueeze(-1)).reshape(out_f, in_f).to(dtype)

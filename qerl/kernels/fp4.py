@@ -25,8 +25,8 @@ so the tensor-core operand is exact and the only rounding is the fp32 accumulati
 constant powers of two and the NVFP4 global divisor are applied once, in the epilogue.
 
 Split-K partial sums are reduced without extra launches: each program atomically adds its fp32
-tile into a per-(device, stream) workspace, bumps a per-tile counter, and the last program to
-arrive reads the sum back while zeroing the workspace (atomic exchange), stores the output in
+tile into a per-(device, stream) workspace (one per device), bumps a per-tile counter, and the last program to
+arrive reads the sum back and zeroes the workspace, stores the output in
 x.dtype and resets the counter. The workspace is therefore all-zero between calls; it grows
 (a fresh allocation) only when a larger M*N is seen, so warm up once before capturing a CUDA
 graph.
@@ -100,7 +100,10 @@ def _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, ti
         # acq_rel: our adds are visible before the count, and the last arriver sees everyone's.
         count = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
         if count == n_split - 1:
-            total = tl.atomic_xchg(ws_ptrs, tl.zeros_like(acc), mask=mask, sem="relaxed")
+            # Read the sum where the atomics left it (L2), then zero it for the next call: every
+            # other program of this tile is done, so a plain store cannot race.
+            total = tl.atomic_add(ws_ptrs, tl.zeros_like(acc), mask=mask, sem="relaxed")
+            tl.store(ws_ptrs, tl.zeros_like(acc), mask=mask)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile_id, 0)
 
@@ -113,7 +116,7 @@ def _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, ti
 def _fwd_fma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_xm, stride_om, tiles_per_split,
                     IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    GROUPS: tl.constexpr):
+                    GROUPS: tl.constexpr, X_VEC: tl.constexpr):
     """y = x W^T for M <= BLOCK_M <= 16 rows. Grid (cdiv(N, BLOCK_N), split_k).
 
     A tile is BLOCK_N rows x GROUPS scale blocks; the block scale multiplies the per-block dot
@@ -144,8 +147,13 @@ def _fwd_fma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
         lo, hi = _decode_e2m1(b.to(tl.int32))
         for mi in tl.static_range(BLOCK_M):
             x_mask = b_mask[:, None] & ((kh * 0 + mi) < M)
-            xe = tl.load(x_ptr + mi * stride_xm + 2 * kh, mask=x_mask, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + mi * stride_xm + 2 * kh + 1, mask=x_mask, other=0.0).to(tl.float32)
+            if X_VEC:  # one contiguous load, split into even/odd elements in registers
+                xv = tl.load(x_ptr + mi * stride_xm + (2 * kh)[:, :, None] + tl.arange(0, 2)[None, None, :],
+                             mask=x_mask[:, :, None], other=0.0).to(tl.float32)
+                xe, xo = tl.split(xv)
+            else:  # two stride-2 loads
+                xe = tl.load(x_ptr + mi * stride_xm + 2 * kh, mask=x_mask, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + mi * stride_xm + 2 * kh + 1, mask=x_mask, other=0.0).to(tl.float32)
             part = tl.sum(tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2) * sc, axis=1)
             if BLOCK_M == 1:
                 acc += part[None, :]
@@ -249,11 +257,15 @@ def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
 # ----------------------------------------------------------------------------------------------
 # configs
 
-# Largest M served by the CUDA-core GEMV kernel, and by the split-K tensor-core kernel.
-FMA_MAX_M = 4
+# Largest M served by the CUDA-core GEMV kernel, and by the 16-row tensor-core kernel
+# (H200 sweep, Qwen2.5-7B shapes: the FMA kernel wins at M <= 2, tl.dot from M = 3 on).
+FMA_MAX_M = 2
 SKINNY_MAX_M = 16
 # Programs to aim for when choosing split-K, in multiples of the SM count.
 WAVES = 4
+# The FMA kernel loads x as one contiguous vector split in registers (True) or as two stride-2
+# loads (False); the H200 sweep found no difference (the kernel is bound by decode arithmetic).
+X_VEC_DEFAULT = False
 
 _SM_COUNT: dict = {}
 
@@ -277,17 +289,19 @@ def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -
 
 def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
     """Heuristic launch config for ``kind`` in {"fma", "dot", "bwd"} (overridable by callers)."""
+    # Winners of the config sweep in experiments/bench_kernels.py --sweep (H200, 7B shapes).
     if kind == "fma":
         bm = 1 if M <= 1 else triton.next_power_of_2(M)
-        return dict(BLOCK_M=bm, BLOCK_N=32, GROUPS=16 if is_nv else 8, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=bm, BLOCK_N=16, GROUPS=16 if is_nv else 8, X_VEC=X_VEC_DEFAULT,
+                    num_warps=4, num_stages=2)
     if kind == "dot":
         if M <= SKINNY_MAX_M:
-            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3)
-        if M <= 64:
-            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+            return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=5)
+        if M >= 512 and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= 64:
+            return dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     if kind == "bwd":
-        return dict(BLOCK_M=128, BLOCK_K=128, BLOCK_R=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=4, num_stages=4)
     raise ValueError(f"kind must be one of ('fma', 'dot', 'bwd'), got {kind!r}")
 
 
@@ -308,9 +322,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _workspace(device: torch.device, n_out: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The zeroed fp32 split-K workspace and tile counters for this device and stream."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    """The zeroed fp32 split-K workspace and tile counters for this device.
+
+    One per device, not per stream, so that a CUDA graph captured on a side stream reuses the one
+    allocated during warm-up; split-K launches must therefore not run concurrently on two
+    streams of one device (qerl runs everything on one stream).
+    """
+    key = str(device)
     ws, cnt = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < n_out:
         ws = torch.zeros(max(n_out, 1 << 16), dtype=torch.float32, device=device)
@@ -367,6 +385,8 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
     if kind is None:
         kind = "fma" if M <= FMA_MAX_M else "dot"
     cfg = _fit(config or pick_config(kind, M, N, K, is_nv), K)
+    if kind == "fma":
+        cfg.setdefault("X_VEC", X_VEC_DEFAULT)
     sms = _num_sms(x.device)
     meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
     if kind == "fma":
@@ -385,8 +405,8 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
     elif kind == "dot":
         k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
         n_tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-        if split_k is None:
-            split = _split(n_tiles, k_tiles, sms) if M <= SKINNY_MAX_M else 1
+        if split_k is None:  # split K only when the output tiles alone cannot fill the GPU
+            split = _split(n_tiles, k_tiles, sms) if n_tiles < 2 * sms else 1
         else:
             split = split_k
         tps = triton.cdiv(k_tiles, split)

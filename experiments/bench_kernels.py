@@ -1,0 +1,359 @@
+"""Benchmark the W4A16 kernels (issue 4): nvfp4 and mxfp4 (qerl Triton) against bf16 cuBLAS
+(torch.nn.functional.linear) and bitsandbytes NF4, side by side in one run.
+
+Per model linear shape and M: milliseconds, achieved TB/s (bytes of weights + activations in +
+out, over time) and TFLOP/s; grad-input (dx = dy W) against bf16 at the larger M. Writes
+results/kernels/<gpu>.json with gpu, git_sha, date, rows, summary (the six ratios of issue 4, each
+over the sum of the seven linears of one Qwen2.5-7B decoder layer) and prints a table; the last
+stdout line is the summary as one JSON object.
+
+Timing: each measurement captures a CUDA graph of R calls rotating over C copies of the weights
+(C * bytes > 3 x L2, so the weights come from HBM, not L2), replays it after warm-up, and takes
+the median over many replays, timed with CUDA events; the graph removes Python launch overhead
+for every method alike. Copy bandwidth (bytes read + written by a 1 GiB device-to-device copy) is
+measured in the same run.
+
+Run:   python experiments/bench_kernels.py                   (all models, about 2 min on an H200)
+       python experiments/bench_kernels.py --models qwen2.5-7b --m 1 8 2048
+       python experiments/bench_kernels.py --sweep           (also try launch configs, 7B layer)
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from qerl import formats, kernels  # noqa: E402
+from qerl.kernels import fp4  # noqa: E402
+from qerl.kernels.shapes import MODEL_DIMS, PROJECTIONS, linear_shapes  # noqa: E402
+
+M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 2048)
+BYTES_PER_WEIGHT = {"nvfp4": 0.5625, "mxfp4": 0.53125, "bf16": 2.0, "nf4": 0.5 + 4 / 64}
+TARGETS = {
+    "qwen2.5-7b/layer/M1/nvfp4_over_bf16": 3.0,
+    "qwen2.5-7b/layer/M1/hbm_fraction": 0.75,
+    "qwen2.5-7b/layer/M8/nvfp4_over_bf16": 2.5,
+    "qwen2.5-7b/layer/M2048/nvfp4_over_bf16": 0.8,
+    "qwen2.5-7b/layer/M2048/grad_input_nvfp4_over_bf16": 0.7,
+    "qwen2.5-7b/layer/M1/nvfp4_over_nf4": 3.0,
+}
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+def time_graph(fns, min_reps=8, target_s=0.15):
+    """Median seconds per call of fns (rotated), from CUDA-graph replays timed with events.
+
+    Falls back to timing an eager loop (still events, median of many) if capture fails.
+    """
+    for f in fns:  # warm-up: compile, autotune, allocate workspaces
+        f()
+    torch.cuda.synchronize()
+    reps = max(min_reps, len(fns))
+    mode = "graph"
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                fns[i % len(fns)]()
+        run = g.replay
+    except Exception as e:  # noqa: BLE001 - any capture failure: measure eagerly, say so
+        print(f"  graph capture failed ({type(e).__name__}: {str(e)[:80]}); timing eagerly")
+        torch.cuda.synchronize()
+        mode = "eager"
+
+        def run():
+            for i in range(reps):
+                fns[i % len(fns)]()
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-6)
+    n = int(min(200, max(10, target_s / one)))
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times), mode
+
+
+def copy_bandwidth():
+    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
+    nbytes = 1 << 30
+    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(30):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times) / 1e12
+
+
+# ----------------------------------------------------------------------------------------------
+# methods
+
+
+def n_copies(nbytes, l2):
+    return int(min(64, max(1, math.ceil(3 * l2 / max(nbytes, 1)))))
+
+
+def make_bnb(w, copies):
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bf
+
+    out = []
+    for _ in range(copies):
+        packed, state = bf.quantize_4bit(w, quant_type="nf4", blocksize=64, compress_statistics=True)
+        out.append((packed, state))
+    return lambda x, pq: bnb.matmul_4bit(x, pq[0].t(), quant_state=pq[1]), out
+
+
+def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    q = {fmt: formats.quantize(w.float(), fmt) for fmt in ("nvfp4", "mxfp4")}
+    c = {m: n_copies(n * k * BYTES_PER_WEIGHT[m], l2) for m in BYTES_PER_WEIGHT}
+    qc = {fmt: [{kk: v.clone() for kk, v in q[fmt].items()} for _ in range(c[fmt])] for fmt in q}
+    wc = [w.clone() for _ in range(c["bf16"])]
+    nf4 = make_bnb(w, c["nf4"]) if bnb_ok else None
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        res = {}
+        for fmt in ("nvfp4", "mxfp4"):
+            res[fmt] = time_graph([lambda t=t: kernels.linear(x, fmt, t, n, k, backend="triton") for t in qc[fmt]])
+        res["bf16"] = time_graph([lambda wi=wi: F.linear(x, wi) for wi in wc])
+        if nf4 is not None:
+            f, packs = nf4
+            res["nf4"] = time_graph([lambda p=p: f(x, p) for p in packs])
+        kind = "fma" if m <= fp4.FMA_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
+        for meth, (sec, mode) in res.items():
+            moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
+            rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="linear",
+                             method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
+                             tflops=2 * m * n * k / sec / 1e12, timing=mode,
+                             kernel=kind if meth in ("nvfp4", "mxfp4") else None))
+    for m in grad_ms:
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        res = {}
+        for fmt in ("nvfp4", "mxfp4"):
+            res[fmt] = time_graph([lambda t=t: kernels.grad_input(dy, fmt, t, n, k, backend="triton") for t in qc[fmt]])
+        res["bf16"] = time_graph([lambda wi=wi: torch.matmul(dy, wi) for wi in wc])
+        for meth, (sec, mode) in res.items():
+            moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
+            rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="grad_input",
+                             method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
+                             tflops=2 * m * n * k / sec / 1e12, timing=mode, kernel="bwd-dot"))
+    del qc, wc, nf4
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# config sweep (optional): which launch config wins per 7B shape and M
+
+
+def sweep(l2, out_rows):
+    fwd_cfgs = {
+        "fma": [dict(BLOCK_N=bn, GROUPS=g, X_VEC=xv, num_warps=w, num_stages=2)
+                for xv in (True, False)
+                for bn, g, w in [(16, 16, 4), (32, 16, 4), (16, 32, 4), (8, 32, 2), (32, 8, 4)]],
+        "dot16": [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s)
+                  for bn, bk, w, s in [(128, 128, 4, 4), (64, 128, 4, 4), (128, 64, 4, 5), (256, 128, 8, 4)]],
+        "dot": [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
+                for bm, bn, bk, w, s in [(256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4),
+                                         (256, 64, 64, 8, 4), (256, 128, 32, 8, 4), (64, 128, 128, 4, 4)]],
+        "bwd": [dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, num_warps=w, num_stages=s)
+                for bm, bk, br, w, s in [(128, 64, 64, 4, 4), (256, 64, 64, 8, 3), (128, 64, 32, 4, 4),
+                                         (128, 128, 64, 4, 4), (64, 64, 64, 4, 4), (256, 128, 32, 8, 3)]],
+    }
+    shapes = linear_shapes("qwen2.5-7b")
+    uniq = {}
+    for p, s in shapes.items():
+        uniq.setdefault(s, []).append(p)
+    for (n, k), names in uniq.items():
+        w = torch.randn(n, k, device="cuda") * 0.02
+        t = formats.quantize(w, "nvfp4")
+        copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+        args = lambda tt: (tt["weight_packed"], tt["weight_scale"], tt["weight_global_scale"], True)  # noqa: E731
+        for m, kinds in ((1, ("fma",)), (2, ("fma", "dot16")), (8, ("dot16",)), (2048, ("dot", "bwd"))):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            for kind in kinds:
+                for cfg in fwd_cfgs[kind]:
+                    cfg = dict(cfg)
+                    if kind == "fma":
+                        cfg["BLOCK_M"] = triton_next_pow2(m)
+                    try:
+                        if kind == "bwd":
+                            fns = [lambda tt=tt: fp4.launch_grad_input(dy, *args(tt), config=cfg) for tt in copies]
+                        else:
+                            kk = "fma" if kind == "fma" else "dot"
+                            fns = [lambda tt=tt: fp4.launch_linear(x, *args(tt), kind=kk, config=cfg) for tt in copies]
+                        sec, _ = time_graph(fns)
+                    except Exception as e:  # noqa: BLE001 - a config may not compile; record it
+                        print(f"  sweep {kind} {cfg} failed: {type(e).__name__}: {str(e)[:100]}")
+                        continue
+                    out_rows.append(dict(proj="/".join(names), N=n, K=k, M=m, kind=kind, config=cfg,
+                                         us=sec * 1e6, tbps=n * k * 0.5625 / sec / 1e12,
+                                         tflops=2 * m * n * k / sec / 1e12))
+                    print(f"  sweep {'/'.join(names):18s} M={m:5d} {kind:5s} {sec * 1e6:9.1f} us  {cfg}")
+
+
+def triton_next_pow2(m):
+    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+
+def git_sha():
+    try:
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001 - no git on the benchmark machine
+        return None
+
+
+def summarize(rows, copy_tbps):
+    def layer(op, meth, m):
+        shapes = linear_shapes("qwen2.5-7b")
+        total = 0.0
+        for p in PROJECTIONS:
+            n, k = shapes[p]
+            hit = [r["ms"] for r in rows if r["model"] == "qwen2.5-7b" and r["op"] == op
+                   and r["method"] == meth and r["M"] == m and r["N"] == n and r["K"] == k]
+            if not hit:
+                return None
+            total += hit[0]
+        return total
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    s = {}
+    s["qwen2.5-7b/layer/M1/nvfp4_over_bf16"] = ratio(layer("linear", "bf16", 1), layer("linear", "nvfp4", 1))
+    t1 = layer("linear", "nvfp4", 1)
+    nbytes = sum(n * k * 0.5625 for n, k in linear_shapes("qwen2.5-7b").values())
+    s["qwen2.5-7b/layer/M1/hbm_fraction"] = None if t1 is None else nbytes / (t1 / 1e3) / 1e12 / copy_tbps
+    s["qwen2.5-7b/layer/M8/nvfp4_over_bf16"] = ratio(layer("linear", "bf16", 8), layer("linear", "nvfp4", 8))
+    s["qwen2.5-7b/layer/M2048/nvfp4_over_bf16"] = ratio(layer("linear", "bf16", 2048), layer("linear", "nvfp4", 2048))
+    s["qwen2.5-7b/layer/M2048/grad_input_nvfp4_over_bf16"] = ratio(
+        layer("grad_input", "bf16", 2048), layer("grad_input", "nvfp4", 2048))
+    s["qwen2.5-7b/layer/M1/nvfp4_over_nf4"] = ratio(layer("linear", "nf4", 1), layer("linear", "nvfp4", 1))
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODEL_DIMS), choices=list(MODEL_DIMS),
+                    help="models whose linear shapes to time")
+    ap.add_argument("--m", nargs="+", type=int, default=list(M_VALUES), help="rows M of the forward")
+    ap.add_argument("--grad-m", nargs="+", type=int, default=[256, 2048], help="rows M of grad-input")
+    ap.add_argument("--out", default="results/kernels", help="folder for <gpu>.json")
+    ap.add_argument("--git-sha", default=None, help="commit benchmarked (when the machine has no git)")
+    ap.add_argument("--sweep", action="store_true", help="also time launch configs on the 7B shapes")
+    ap.add_argument("--no-nf4", action="store_true", help="skip bitsandbytes NF4")
+    args = ap.parse_args()
+
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(0)
+    name = props.name
+    gpu = "h100" if "H100" in name else "h200" if "H200" in name else name.lower().replace(" ", "_")
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    bnb_version, bnb_why = None, None
+    if args.no_nf4:
+        bnb_why = "--no-nf4"
+    else:
+        try:
+            import bitsandbytes
+
+            bnb_version = bitsandbytes.__version__
+        except Exception as e:  # noqa: BLE001 - record why NF4 is not measured
+            bnb_why = f"bitsandbytes not importable: {type(e).__name__}: {e}"
+    env = dict(gpu_name=name, sms=props.multi_processor_count, l2_bytes=l2, torch=torch.__version__,
+               triton=triton.__version__, cuda=torch.version.cuda, bitsandbytes=bnb_version,
+               python=platform.python_version())
+    print("env:", json.dumps(env))
+    if bnb_why:
+        print("NF4 not measured:", bnb_why)
+
+    copy_tbps = copy_bandwidth()
+    print(f"copy bandwidth (read + write): {copy_tbps:.3f} TB/s")
+
+    sweep_rows = []
+    if args.sweep:
+        sweep(l2, sweep_rows)
+
+    rows = []
+    t_start = time.time()
+    for model in args.models:
+        uniq = {}
+        for p, s in linear_shapes(model).items():
+            uniq.setdefault(s, []).append(p)
+        for (n, k), names in uniq.items():
+            bench_shape(model, names, n, k, args.m, args.grad_m, l2, bnb_version is not None, rows)
+            print(f"  {model} {'/'.join(names)} [{n}x{k}] done ({time.time() - t_start:.0f} s)")
+
+    summary = summarize(rows, copy_tbps)
+    result = dict(gpu=gpu, git_sha=args.git_sha or git_sha(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  env=env, copy_bandwidth_tbps=copy_tbps, nf4_not_measured=bnb_why,
+                  targets=TARGETS, summary=summary, rows=rows)
+    if sweep_rows:
+        result["sweep"] = sweep_rows
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{gpu}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+    print(f"\n{'model':13s} {'proj':18s} {'N':>6s} {'K':>6s} {'M':>5s} {'op':10s} "
+          + " ".join(f"{m:>17s}" for m in ("nvfp4 ms TB/s", "mxfp4 ms TB/s", "bf16 ms TB/s", "nf4 ms TB/s")))
+    keyed = {}
+    for r in rows:
+        keyed.setdefault((r["model"], r["proj"], r["N"], r["K"], r["M"], r["op"]), {})[r["method"]] = r
+    for (model, proj, n, k, m, op), d in keyed.items():
+        cells = []
+        for meth in ("nvfp4", "mxfp4", "bf16", "nf4"):
+            r = d.get(meth)
+            cells.append(f"{r['ms']:9.4f} {r['tbps']:6.2f}" if r else f"{'-':>16s}")
+        print(f"{model:13s} {proj:18s} {n:6d} {k:6d} {m:5d} {op:10s} " + " ".join(cells))
+    print(f"\nwrote {path}")
+    for key, val in summary.items():
+        tgt = TARGETS[key]
+        status = "n/a" if val is None else ("ok" if val >= tgt else "MISSED")
+        print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}  target >= {tgt}  {status}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
