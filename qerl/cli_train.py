@@ -72,6 +72,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--lora-alpha", type=float, default=64.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arith-levels", type=int, nargs="+", default=None, help="levels of the built-in arith set")
     p.add_argument("--out", default=None, help="write results JSON here")
 
 
@@ -89,7 +90,8 @@ def run_eval(args: argparse.Namespace) -> int:
         load_trainable(args.adapter, model)
     res = evaluate_datasets(model, tok, args.datasets, limit=args.limit, data_dir=args.data_dir, seed=args.seed,
                             samples=args.samples, temperature=args.temperature, top_p=args.top_p, greedy=args.greedy,
-                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                            arith_levels=args.arith_levels)
     for d, r in res.items():
         print(f"{d}: accuracy {r['accuracy']:.4f} over {r['num_problems']} problems x {r['samples']} samples")
     if args.out:

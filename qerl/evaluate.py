@@ -57,8 +57,11 @@ def evaluate(model, tokenizer, records: list[dict], samples: int = 1, temperatur
 
 
 def evaluate_datasets(model, tokenizer, datasets, limit: int = 0, data_dir=None, seed: int = 0,
-                      arith_levels=(1, 2), **kw) -> dict[str, dict]:
+                      arith_levels=None, **kw) -> dict[str, dict]:
     """Evaluate on the test split of each dataset; returns {dataset: result}."""
+    from qerl.config import TrainConfig
+
+    arith_levels = arith_levels if arith_levels is not None else TrainConfig.arith_levels
     out = {}
     for name in datasets:
         extra = {"levels": tuple(arith_levels)} if name == "arith" else {}
