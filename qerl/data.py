@@ -333,17 +333,25 @@ def generate_arith(
     want_test = split == "test"
     seen: set = set()
     records: list[dict] = []
-    # Give up after this many draws in a row that add nothing: the problem space of the levels is
-    # (nearly) used up. Near the end of a legitimate request a miss streak is ~10x(space/left).
-    misses, max_misses = 0, 100_000
+    # A level whose problem space is used up (this many draws in a row that add nothing) leaves the
+    # rotation, so a small level (0) never stalls a mix. With the default size, the split is simply
+    # all that the levels hold; an explicit num_examples that cannot be met is an error.
+    misses = {lv: 0 for lv in levels}
+    max_misses = 20_000
+    live = list(levels)
     while len(records) < n:
-        misses += 1
-        if misses > max_misses:
+        if not live:
+            if num_examples is None:
+                break
             raise ValueError(
                 f"could only generate {len(records)} distinct arith {split} problems of levels "
                 f"{levels} (asked for {n}); ask for fewer or add harder levels")
-        level = levels[len(records) % len(levels)]
+        level = live[len(records) % len(live)]
         out = _LEVEL_FNS[level](rng)
+        misses[level] += 1
+        if misses[level] > max_misses:
+            live.remove(level)
+            continue
         if out is None:
             continue
         template, fields, answer, text = out
@@ -352,7 +360,7 @@ def generate_arith(
         if key in seen or _in_test_split(level, template, numbers, test_fraction) != want_test:
             continue
         seen.add(key)
-        misses = 0
+        misses[level] = 0
         question = text.format(n=rng.choice(_NAMES), i=rng.choice(_ITEMS), **fields)
         records.append({
             "id": f"arith-{split}-{seed}-{len(records)}",
