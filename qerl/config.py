@@ -149,9 +149,9 @@ PROFILES: dict[str, dict] = {
                   num_iterations=2, learning_rate=1e-4, lora_rank=8, lora_alpha=16, eval_limit=8,
                   eval_max_completion_length=32, num_stages=3, warmup_ratio=0.0, save_every=2, backend="reference"),
     # One GPU, well under an hour for all Table 1 rows: the embedded model on the built-in arith task.
-    "small": dict(max_steps=40, prompts_per_step=16, num_generations=8, max_completion_length=128,
-                  micro_batch_size=32, num_iterations=1, learning_rate=1e-4, lora_rank=32, lora_alpha=64,
-                  eval_limit=200, eval_every=0, num_stages=5),
+    "small": dict(max_steps=30, prompts_per_step=8, num_generations=8, max_completion_length=64, arith_levels=(0,),
+                  micro_batch_size=64, num_iterations=1, learning_rate=2e-4, lora_rank=32, lora_alpha=64,
+                  eval_limit=0, eval_every=0, num_stages=5),
     # The paper's Table 4 (GSM8K) on Qwen2.5-7B-Instruct; override model= for 3B.
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", dataset="gsm8k", eval_datasets=("gsm8k",), prompts_per_step=16,
                   num_generations=8, max_completion_length=4096, num_iterations=4, mini_batch_size=32,

@@ -8,6 +8,8 @@ Packing (NVFP4 and MXFP4, as in compressed-tensors, torchao, modelopt and Triton
 nibble. NF4 packs the other way round and has its own code in nf4.py.
 """
 
+import functools
+
 import torch
 
 F4_E2M1_MAX = 6.0
@@ -45,6 +47,7 @@ def round_to_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     return idx | ((v < 0).to(torch.uint8) << 3)
 
 
+@functools.lru_cache(maxsize=None)
 def _code_table(device) -> torch.Tensor:
     """fp32 values of codes 0..15 (code 8 is -0.0, as compressed-tensors decodes it)."""
     mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)

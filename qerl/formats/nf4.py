@@ -12,6 +12,8 @@ QLoRA baseline is bitsandbytes itself; this module is the CPU/GPU reference and 
 `nf4` QuantLinear stores.
 """
 
+import functools
+
 import torch
 
 from qerl.formats.e2m1 import pair_table
@@ -53,7 +55,9 @@ def check_shape(shape) -> None:
         )
 
 
+@functools.lru_cache(maxsize=None)
 def _code(device) -> torch.Tensor:
+    # Cached per device: building it is a host-to-device copy, i.e. a sync on every matmul.
     return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
 
 
