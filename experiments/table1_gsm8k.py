@@ -52,6 +52,7 @@ def run_cmd(kind: str, name: str, args, run_dir: Path) -> list[str]:
                  str(cfg.eval_temperature), "--top-p", str(cfg.eval_top_p), "--max-new-tokens",
                  str(cfg.eval_max_completion_length or cfg.max_completion_length), "--batch-size",
                  str(max(cfg.micro_batch_size, 8)), "--out", str(run_dir / "eval.json"),
+                 "--arith-levels", *map(str, cfg.arith_levels), "--seed", str(args.seeds[0]),
                  *(["--data-dir", args.data_dir] if args.data_dir else [])]
 
 

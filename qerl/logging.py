@@ -20,12 +20,16 @@ import torch
 
 def git_info() -> dict:
     """The git sha and dirty flag of the qerl checkout (None outside a checkout)."""
+    if os.environ.get("QERL_GIT_SHA"):  # a copy of the tree without .git (e.g. a remote GPU box)
+        return {"git_sha": os.environ["QERL_GIT_SHA"], "git_dirty": os.environ.get("QERL_GIT_DIRTY") == "1"}
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                     capture_output=True, text=True, timeout=5).stdout.strip())
-        return {"git_sha": sha or None, "git_dirty": dirty}
+        if len(sha) != 40:  # not a git checkout: never record a ref name as a sha
+            return {"git_sha": None, "git_dirty": None}
+        return {"git_sha": sha, "git_dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"git_sha": None, "git_dirty": None}
 
