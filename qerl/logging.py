@@ -114,3 +114,55 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     p = Path(path)
     p = p / "metrics.jsonl" if p.is_dir() else p
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def read_wandb_offline(run_dir: str | os.PathLike) -> dict:
+    """Read back a W&B offline run (<dir>/wandb/offline-run-*/run-*.wandb) without a server.
+
+    The file is W&B's own record log (a 7-byte ':W&B' header, then LevelDB-style 32 KiB blocks of
+    framed protobuf ``Record`` messages from wandb.proto). Returns {"history": [ {key: value} per
+    logged step ], "config": {...}, "summary": {...}, "run_id": str}. Used by the tests to prove
+    that what we log is what W&B stores, and handy for notebooks on machines that never sync.
+    """
+    import glob
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    p = Path(run_dir)
+    files = sorted(glob.glob(str(p / "**" / "run-*.wandb"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no W&B offline run file (run-*.wandb) under {p}")
+    data = Path(files[-1]).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{files[-1]} is not a W&B run file")
+    block, pos, payloads, buf = 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):  # FULL or LAST
+            payloads.append(buf)
+            buf = b""
+    out = {"history": [], "config": {}, "summary": {}, "run_id": None}
+    for raw in payloads:
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        which = rec.WhichOneof("record_type")
+        if which == "history":
+            out["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+        elif which == "config":
+            out["config"].update({i.key: json.loads(i.value_json) for i in rec.config.update})
+        elif which == "summary":
+            out["summary"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.summary.update})
+        elif which == "run":
+            out["run_id"] = rec.run.run_id
+            out["config"].update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+    return out

@@ -1,0 +1,299 @@
+"""Figures and tables from results/ only (no model, no GPU): the notebooks and
+experiments/make_figures.py call these.
+
+Each `plot_*` / `*_table` function reads committed result files with pandas, saves
+`<out_dir>/<name>.png` (figures) and returns the matplotlib Figure or a DataFrame. A missing input
+prints a note and returns None, so a partial results/ tree never crashes a notebook.
+
+    table1(results)        Table 1 at this scale: accuracy before/after GRPO per method, mean and
+                           spread (max - min) over seeds                   -> table1.png (bars)
+    plot_rewards(results)  reward per step per method (mean over seeds, thin line per seed), Fig. 4
+    plot_entropy(results)  training-forward `entropy` and `sampling/entropy` per method, Fig. 5
+    plot_aqn(results)      nvfp4_lora vs nvfp4_lora_aqn reward, `aqn/sigma` on a twin axis, Fig. 8
+    plot_step_time(results) mean `time/rollout_s` and `time/train_s` per method, stacked bars
+    kernel_table(results)  Qwen2.5 decoder-layer linear time per method from results/kernels/h200.json
+"""
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: notebooks and CI have no display
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+TABLE1 = "table1/small"
+# Order the methods as the paper's Table 1 does: full and LoRA bf16, then the 4-bit LoRA variants.
+METHOD_ORDER = ["bf16", "nf4", "mxfp4", "nvfp4", "bf16_full", "bf16_lora", "nf4_lora",
+                "mxfp4_lora", "nvfp4_lora", "nvfp4_lora_aqn"]
+
+
+def _note(msg):
+    print(f"[qerl.plots] skipped: {msg}")
+
+
+def _order(methods):
+    known = [m for m in METHOD_ORDER if m in set(methods)]
+    return known + sorted(set(methods) - set(known))
+
+
+def _out_dir(out_dir, results):
+    path = Path(out_dir) if out_dir is not None else Path(results) / "figures"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _save(fig, out_dir, results, name):
+    path = _out_dir(out_dir, results) / f"{name}.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"[qerl.plots] wrote {path}")
+    return fig
+
+
+# ---------------------------------------------------------------- loading
+
+def load_table(results=RESULTS, experiment=TABLE1):
+    """The long-form table.csv of `experiment`, or None (with a note) if it is missing."""
+    path = Path(results) / experiment / "table.csv"
+    if not path.exists():
+        _note(f"{path} not found")
+        return None
+    return pd.read_csv(path)
+
+
+def load_metrics(results=RESULTS, experiment=TABLE1):
+    """All training steps of all runs in one DataFrame with columns run, method, seed, step, ...
+
+    Only lines that carry a `reward` are kept (the step-0 line holds just the eval before training).
+    Returns None (with a note) if there are no runs.
+    """
+    runs = Path(results) / experiment / "runs"
+    frames = []
+    for run in sorted(runs.glob("*/metrics.jsonl")) if runs.exists() else []:
+        cfg_path = run.parent / "config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        rows = [json.loads(line) for line in run.read_text().splitlines() if line.strip()]
+        df = pd.DataFrame([r for r in rows if r.get("reward") is not None])
+        if df.empty:
+            continue
+        df.insert(0, "run", run.parent.name)
+        df.insert(1, "method", cfg.get("method", run.parent.name.rsplit("-s", 1)[0]))
+        df.insert(2, "seed", cfg.get("seed"))
+        frames.append(df)
+    if not frames:
+        _note(f"no metrics.jsonl under {runs}")
+        return None
+    return pd.concat(frames, ignore_index=True)
+
+
+# ---------------------------------------------------------------- Table 1
+
+def table1(results=RESULTS, out_dir=None, experiment=TABLE1):
+    """Accuracy before/after training per method: mean and spread (max - min) over seeds.
+
+    Untrained baselines (run base-*) have only `accuracy`, reported as `after` with no `before`.
+    Saves table1.png (bar chart: before vs after) and returns the DataFrame indexed by method.
+    """
+    df = load_table(results, experiment)
+    if df is None:
+        return None
+    df = df[df["metric"].isin(["accuracy", "accuracy_before"])]
+    g = df.groupby(["method", "metric"])["value"]
+    stats = pd.DataFrame({"mean": g.mean(), "spread": g.max() - g.min(), "n": g.count()}).unstack("metric")
+    tab = pd.DataFrame({
+        "before_mean": stats[("mean", "accuracy_before")] if ("mean", "accuracy_before") in stats else None,
+        "before_spread": stats[("spread", "accuracy_before")] if ("spread", "accuracy_before") in stats else None,
+        "after_mean": stats[("mean", "accuracy")],
+        "after_spread": stats[("spread", "accuracy")],
+        "seeds": stats[("n", "accuracy")].astype(int),
+    })
+    tab = tab.loc[_order(tab.index)]
+    tab["gain"] = tab["after_mean"] - tab["before_mean"]
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = range(len(tab))
+    half = [(s / 2) for s in tab["before_spread"].fillna(0)]
+    ax.bar([i - 0.2 for i in x], tab["before_mean"].fillna(0), 0.4, yerr=half, label="before RL",
+           color="0.7", capsize=3)
+    ax.bar([i + 0.2 for i in x], tab["after_mean"], 0.4, yerr=tab["after_spread"] / 2,
+           label="after RL (untrained: eval only)", color="C0", capsize=3)
+    ax.set_xticks(list(x), tab.index, rotation=30, ha="right")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"Table 1 at small scale ({experiment}); bars = mean, whiskers = range over seeds")
+    ax.legend()
+    _save(fig, out_dir, results, "table1")
+    return tab
+
+
+# ---------------------------------------------------------------- curves
+
+def _curves(ax, m, key, methods, smooth=1, per_seed=True):
+    for i, method in enumerate(methods):
+        sub = m[m["method"] == method]
+        if key not in sub or sub[key].isna().all():
+            continue
+        color = f"C{i % 10}"
+        if per_seed:
+            for _, run in sub.groupby("run"):
+                ax.plot(run["step"], run[key].rolling(smooth, min_periods=1).mean(), color=color,
+                        alpha=0.25, lw=0.8)
+        mean = sub.groupby("step")[key].mean().rolling(smooth, min_periods=1).mean()
+        ax.plot(mean.index, mean.values, color=color, lw=2, label=method)
+    ax.set_xlabel("step")
+
+
+def plot_rewards(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3):
+    """Mean reward per step per method (thick), one thin line per seed; Fig. 4 at this scale.
+
+    `smooth` is a trailing rolling mean over steps (3 by default: the batches are small and noisy).
+    """
+    m = load_metrics(results, experiment)
+    if m is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _curves(ax, m, "reward", _order(m["method"].unique()), smooth)
+    ax.set_ylabel(f"reward (rolling mean over {smooth} steps)")
+    ax.set_title("Training reward (Fig. 4 analogue)")
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, results, "rewards")
+
+
+def plot_entropy(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3):
+    """Training-forward `entropy` (left) and `sampling/entropy` (right) per method; Fig. 5."""
+    m = load_metrics(results, experiment)
+    if m is None:
+        return None
+    methods = _order(m["method"].unique())
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, key, title in zip(axes, ["entropy", "sampling/entropy"],
+                              ["training forward (entropy)", "rollout sampler (sampling/entropy)"]):
+        _curves(ax, m, key, methods, smooth)
+        ax.set_title(title)
+    axes[0].set_ylabel("mean token entropy (nats)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Token entropy during RL (Fig. 5 analogue)")
+    return _save(fig, out_dir, results, "entropy")
+
+
+def entropy_early_late(results=RESULTS, experiment=TABLE1, n=5):
+    """Mean entropy over the first and last `n` steps per method (over seeds), as a DataFrame."""
+    m = load_metrics(results, experiment)
+    if m is None:
+        return None
+    rows = {}
+    for method, sub in m.groupby("method"):
+        steps = sorted(sub["step"].unique())
+        early, late = sub[sub["step"].isin(steps[:n])], sub[sub["step"].isin(steps[-n:])]
+        rows[method] = {"entropy_early": early["entropy"].mean(), "entropy_late": late["entropy"].mean(),
+                        "sampling_entropy_early": early["sampling/entropy"].mean(),
+                        "sampling_entropy_late": late["sampling/entropy"].mean(),
+                        "reward_early": early["reward"].mean(), "reward_late": late["reward"].mean()}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    return out.loc[_order(out.index)]
+
+
+def plot_aqn(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3,
+             methods=("nvfp4_lora", "nvfp4_lora_aqn")):
+    """AQN ablation (Fig. 8): reward of nvfp4_lora vs nvfp4_lora_aqn, `aqn/sigma` on a twin axis."""
+    m = load_metrics(results, experiment)
+    if m is None:
+        return None
+    m = m[m["method"].isin(methods)]
+    if m.empty:
+        _note(f"no runs of {methods} in {experiment}")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _curves(ax, m, "reward", list(methods), smooth)
+    ax.set_ylabel(f"reward (rolling mean over {smooth} steps)")
+    ax.legend(loc="upper left", fontsize=8)
+    aqn = m[m["method"] == methods[-1]]
+    if "aqn/sigma" in aqn and aqn["aqn/sigma"].notna().any():
+        ax2 = ax.twinx()
+        sigma = aqn.groupby("step")["aqn/sigma"].mean()
+        ax2.step(sigma.index, sigma.values, where="post", color="k", ls="--", lw=1, label="aqn/sigma")
+        ax2.set_ylabel("AQN sigma")
+        ax2.legend(loc="upper right", fontsize=8)
+    ax.set_title("Adaptive quantization noise ablation (Fig. 8 analogue)")
+    return _save(fig, out_dir, results, "aqn")
+
+
+def step_time_table(results=RESULTS, experiment=TABLE1):
+    """Mean seconds per step in rollout and in training per method (over steps and seeds)."""
+    m = load_metrics(results, experiment)
+    if m is None:
+        return None
+    cols = [c for c in ["time/rollout_s", "time/train_s", "step_time"] if c in m]
+    t = m.groupby("method")[cols].mean()
+    return t.loc[_order(t.index)]
+
+
+def plot_step_time(results=RESULTS, out_dir=None, experiment=TABLE1):
+    """Stacked bars: mean `time/rollout_s` and `time/train_s` per step for each method."""
+    t = step_time_table(results, experiment)
+    if t is None:
+        return None
+    if not {"time/rollout_s", "time/train_s"} <= set(t.columns):
+        _note("metrics lack time/rollout_s or time/train_s")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(t.index, t["time/rollout_s"], label="rollout (generation)", color="C1")
+    ax.bar(t.index, t["time/train_s"], bottom=t["time/rollout_s"], label="train (fwd+bwd+step)",
+           color="C0")
+    ax.set_ylabel("seconds per step (mean)")
+    ax.set_title("Where step time goes")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend()
+    return _save(fig, out_dir, results, "step_time")
+
+
+# ---------------------------------------------------------------- kernels
+
+def kernel_table(results=RESULTS, out_dir=None, name="kernels/h200.json"):
+    """Decoder-layer linear time (ms, sum over the seven projections) per model, op, M and method.
+
+    Rows name shared shapes like "q_proj/o_proj"; each name counts once per projection it stands
+    for, as experiments/bench_kernels.py does for its summary. Adds bf16/<fmt> speedup columns
+    (> 1 means the 4-bit kernel is faster). Saves kernels.png (speedup of nvfp4 over bf16 vs M).
+    """
+    path = Path(results) / name
+    if not path.exists():
+        _note(f"{path} not found")
+        return None
+    data = json.loads(path.read_text())
+    df = pd.DataFrame(data.get("rows", []))
+    if df.empty:
+        _note(f"{path} has no rows")
+        return None
+    df["layer_ms"] = df["ms"] * df["proj"].str.count("/").add(1)
+    tab = df.pivot_table(index=["model", "op", "M"], columns="method", values="layer_ms", aggfunc="sum")
+    for fmt in ("nvfp4", "mxfp4", "nf4"):
+        if fmt in tab and "bf16" in tab:
+            tab[f"bf16/{fmt}"] = tab["bf16"] / tab[fmt]
+    if "bf16/nvfp4" in tab:
+        lin = tab.xs("linear", level="op")["bf16/nvfp4"].unstack("model")
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for model in lin.columns:
+            ax.plot(lin.index, lin[model], marker="o", label=model)
+        ax.axhline(1.0, color="k", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (tokens in the matmul)")
+        ax.set_ylabel("bf16 time / nvfp4 time")
+        ax.set_title(f"NVFP4 linear vs bf16 cuBLAS, decoder layer ({data.get('gpu', '?')})")
+        ax.legend(fontsize=8)
+        _save(fig, out_dir, results, "kernels")
+    tab.attrs["summary"] = data.get("summary", {})
+    tab.attrs["targets"] = data.get("targets", {})
+    return tab
+
+
+def make_all(results=RESULTS, out_dir=None):
+    """Draw every figure; returns {name: figure or table or None}. Never raises on missing data."""
+    out = {}
+    for name, fn in [("table1", table1), ("rewards", plot_rewards), ("entropy", plot_entropy),
+                     ("aqn", plot_aqn), ("step_time", plot_step_time), ("kernels", kernel_table)]:
+        out[name] = fn(results=results, out_dir=out_dir)
+        if isinstance(out[name], plt.Figure):
+            plt.close(out[name])
+    return out

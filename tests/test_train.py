@@ -1,0 +1,123 @@
+"""The RL loop end to end: metrics, LoRA updates, W&B offline read-back, exact resume, NaN guard,
+and the CLI smoke profile on the embedded model.
+
+Run: python -m pytest tests/test_train.py -q      (the embedded-model smoke run takes a few minutes)
+"""
+
+import json
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+from conftest import make_tiny_model, make_tiny_tokenizer
+
+from qerl import rewards as qrewards
+from qerl.config import make_config
+from qerl.logging import read_metrics, read_wandb_offline
+from qerl.train import NonFiniteError, train
+
+REQUIRED = ["reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "clip_ratio/low_mean",
+            "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
+            "num_tokens", "step_time", "aqn/sigma", "aqn/stage", "aqn/num_modules", "sampling/entropy",
+            "sampling/logprob_gap", "time/rollout_s", "time/train_s", "throughput/rollout_tokens_per_s",
+            "memory/peak_gib", "loss", "grad_norm", "learning_rate"]
+
+
+@pytest.fixture
+def text_rewards(monkeypatch):
+    """A random tiny model never solves arithmetic: reward a deterministic hash of the text instead,
+    so advantages are non-zero and the update path is exercised (resume stays exact)."""
+
+    def fake(completions, golds, **kw):
+        r = [float(zlib.crc32(c.encode()) % 2) for c in completions]
+        return qrewards.RewardResult(rewards=r, format=[0.0] * len(r), unparsed=0, sources=["none"] * len(r))
+
+    monkeypatch.setattr(qrewards, "score_batch", fake)
+
+
+def tiny_cfg(out, **kw):
+    base = dict(output_dir=str(out), method="nvfp4_lora_aqn", eval_datasets=(), max_steps=3, save_every=1,
+                max_completion_length=8, prompts_per_step=2, num_generations=4, micro_batch_size=4, lora_rank=4,
+                lora_alpha=8, num_stages=3, max_prompt_length=512, wandb_mode="offline", num_iterations=2,
+                sigma_start=0.05, sigma_end=0.01)
+    return make_config("smoke", **{**base, **kw})
+
+
+def lora_state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def test_end_to_end_metrics_lora_and_wandb(tmp_path, text_rewards):
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    summary = train(tiny_cfg(tmp_path / "a"), model=model, tokenizer=tok)
+    assert summary["status"] == "ok"
+    rows = read_metrics(tmp_path / "a")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert r["aqn/num_modules"] in (0, 4)  # 2 layers x (input, post_attention) norms
+    assert rows[0]["aqn/sigma"] == 0.0 and rows[-1]["aqn/sigma"] > 0  # stage 0 is noise-free
+    assert any(abs(r["loss"]) > 0 for r in rows)
+    b = [p for n, p in model.named_parameters() if ".lora_B." in n]
+    assert any(torch.count_nonzero(p) > 0 for p in b), "LoRA B never moved"
+    wb = read_wandb_offline(tmp_path / "a")
+    assert wb["config"]["method"] == "nvfp4_lora_aqn"
+    hist = [h for h in wb["history"] if "reward" in h]
+    assert [h["reward"] for h in hist] == [r["reward"] for r in rows]
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert "git_sha" in cfg["provenance"] and cfg["provenance"]["torch"] == torch.__version__
+
+
+def test_resume_matches_uninterrupted(tmp_path, text_rewards):
+    tok = make_tiny_tokenizer()
+    full = make_tiny_model("llama")
+    train(tiny_cfg(tmp_path / "full"), model=full, tokenizer=tok)
+    train(tiny_cfg(tmp_path / "cut"), model=make_tiny_model("llama"), tokenizer=tok, stop_after=2)
+    resumed = make_tiny_model("llama")
+    train(tiny_cfg(tmp_path / "cut", resume_from="auto"), model=resumed, tokenizer=tok)
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for k in ("reward", "loss", "grad_norm", "entropy", "sampling/entropy", "aqn/sigma"):
+        assert a[2][k] == b[2][k], k
+    for (n, p), (_, q) in zip(lora_state(full).items(), lora_state(resumed).items()):
+        assert torch.equal(p, q), n
+
+
+def test_nan_loss_stops_with_clear_error(tmp_path, text_rewards, monkeypatch):
+    from qerl import loss as qloss
+
+    real = qloss.policy_loss
+
+    def nan_loss(*a, **k):
+        loss, m = real(*a, **k)
+        return loss * float("nan"), m
+
+    monkeypatch.setattr(qloss, "policy_loss", nan_loss)
+    with pytest.raises(NonFiniteError, match="non-finite loss"):
+        train(tiny_cfg(tmp_path / "nan", wandb_mode="disabled"), model=make_tiny_model("llama"),
+              tokenizer=make_tiny_tokenizer())
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="loss_type"):
+        make_config("smoke", loss_type="ppo")
+    with pytest.raises(ValueError, match="unknown method"):
+        make_config("smoke", method="int8_lora")
+    with pytest.raises(ValueError, match="unknown profile"):
+        make_config("huge")
+
+
+def test_cli_smoke_profile_on_embedded_model(tmp_path, smollm2):
+    """The issue's acceptance run: `python -m qerl train --profile smoke` on the embedded model."""
+    out = tmp_path / "smoke"
+    r = subprocess.run([sys.executable, "-m", "qerl", "train", "--profile", "smoke", "--output-dir", str(out),
+                        "--max-steps", "2", "--save-every", "0"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [x["step"] for x in rows if "reward" in x] == [1, 2]
+    assert all(k in rows[0] for k in REQUIRED)
+    assert (out / "checkpoints" / "step-2" / "adapter" / "adapter_config.json").exists()
+    assert read_wandb_offline(out)["config"]["profile"] == "smoke"
