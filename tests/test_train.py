@@ -9,14 +9,22 @@ import subprocess
 import sys
 import zlib
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer
 
 from qerl import rewards as qrewards
 from qerl.config import make_config
 from qerl.logging import read_metrics, read_wandb_offline
 from qerl.train import NonFiniteError, train
+
+# tests/conftest.py's builders (a plain `import conftest` can pick up tests/kernels/conftest.py)
+_spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+make_tiny_model, make_tiny_tokenizer = _conftest.make_tiny_model, _conftest.make_tiny_tokenizer
 
 REQUIRED = ["reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "clip_ratio/low_mean",
             "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
