@@ -3,7 +3,7 @@ PY ?= python
 PROFILE ?= $(shell $(PY) -c "import torch;print('small' if torch.cuda.is_available() else 'smoke')" 2>/dev/null || echo smoke)
 OUT ?= results
 
-.PHONY: help setup test test-all lint reproduce-table1 notebooks train-smoke bench-kernels
+.PHONY: help setup test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -30,8 +30,14 @@ reproduce-table1: ## the paper's Table 1 at PROFILE=smoke|small|paper (auto: sma
 	@echo "reproduce-table1: PROFILE=$(PROFILE)"
 	$(PY) experiments/table1_gsm8k.py --profile $(PROFILE)
 
+model-sizes: ## the paper's Model Size column from the Qwen2.5 configs (CPU, seconds)
+	$(PY) experiments/model_sizes.py
+
 bench-kernels: ## kernel benchmark (GPU): writes results/kernels/<gpu>.json
 	$(PY) experiments/bench_kernels.py
 
+figures: ## regenerate results/figures/*.png from results/
+	$(PY) experiments/make_figures.py
+
 notebooks: ## execute every notebook headless (they read results/ only)
-	for nb in notebooks/*.ipynb; do $(PY) -m jupyter nbconvert --to notebook --execute --inplace $$nb || exit 1; done
+	$(PY) experiments/run_notebooks.py

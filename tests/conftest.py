@@ -13,8 +13,15 @@
 Run everything with: .venv/bin/python -m pytest tests -q
 """
 
+import os
+
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel module is imported: set it here, in the conftest that
+# pytest loads first, so the kernel tests run in the interpreter on machines without CUDA.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,

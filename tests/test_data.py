@@ -244,7 +244,7 @@ def test_arith_answers_score_with_the_reward():
 
 
 def test_arith_bad_arguments():
-    with pytest.raises(ValueError, match=r"\[1, 2, 3, 4\]"):
+    with pytest.raises(ValueError, match=r"\[0, 1, 2, 3, 4\]"):
         generate_arith("train", levels=(5,))
     with pytest.raises(ValueError, match="train"):
         generate_arith("validation")
