@@ -213,6 +213,22 @@ def build_prompt(question: str, tokenizer, system_prompt: str | None = None, suf
     return "\n\n".join(parts) + "\n\n"
 
 
+def tokenize_prompts(records, tokenizer, max_prompt_length: int):
+    """Chat-templated prompt token ids; prompts over max_prompt_length are skipped and counted."""
+    keep, skipped = [], 0
+    for r in records:
+        ids = tokenizer(build_prompt(r["question"], tokenizer), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_length:
+            skipped += 1
+            continue
+        keep.append({**r, "prompt_ids": ids})
+    if skipped:
+        print(f"[qerl] skipped {skipped} prompts longer than max_prompt_length={max_prompt_length}")
+    if not keep:
+        raise ValueError("no prompt fits max_prompt_length")
+    return keep, skipped
+
+
 # ---------------------------------------------------------------------------------------------
 # arith: generated arithmetic word problems
 

@@ -28,13 +28,8 @@ def evaluate(model, tokenizer, records: list[dict], samples: int = 1, temperatur
     engine = GenerateEngine(model, tokenizer)
     was_training = model.training
     model.eval()
-    items, skipped = [], 0
-    for r in records:
-        ids = tokenizer(qdata.build_prompt(r["question"], tokenizer), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_prompt_length:
-            skipped += 1
-            continue
-        items.extend([(ids, r["answer"])] * samples)
+    kept, skipped = qdata.tokenize_prompts(records, tokenizer, max_prompt_length)
+    items = [(r["prompt_ids"], r["answer"]) for r in kept for _ in range(samples)]
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     acc, fmt, lens, unparsed = [], [], [], 0

@@ -31,8 +31,8 @@ from qerl import rewards as qrewards
 from qerl.config import TrainConfig
 from qerl.logging import RunLogger
 from qerl.noise import AQNConfig, keep_norms_fp32, noisy_norms
-from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
 from qerl.qlinear import QuantLinear
+from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
 from qerl.rollout import GenerateEngine, sequence_logprobs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -116,22 +116,6 @@ def make_optimizer(cfg: TrainConfig, params, total_updates: int):
 
 
 # ----------------------------------------------------------------------------- data
-def tokenized_prompts(records, tokenizer, max_prompt_length: int):
-    """Chat-templated prompt token ids; prompts over max_prompt_length are skipped and counted."""
-    keep, skipped = [], 0
-    for r in records:
-        ids = tokenizer(qdata.build_prompt(r["question"], tokenizer), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_prompt_length:
-            skipped += 1
-            continue
-        keep.append({**r, "prompt_ids": ids})
-    if skipped:
-        print(f"[qerl] skipped {skipped} prompts longer than max_prompt_length={max_prompt_length}")
-    if not keep:
-        raise ValueError("no prompt fits max_prompt_length")
-    return keep, skipped
-
-
 def prompts_for_step(n: int, step: int, per_step: int, seed: int) -> list[int]:
     """Indices of the prompts of a step: epochs of seeded permutations, a pure function of step."""
     out = []
@@ -323,7 +307,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
     train_recs = qdata.load_dataset_split(cfg.dataset, "train", data_dir=cfg.data_dir, seed=cfg.seed,
                                           **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else {}))
-    train_recs, skipped = tokenized_prompts(train_recs, tokenizer, cfg.max_prompt_length)
+    train_recs, skipped = qdata.tokenize_prompts(train_recs, tokenizer, cfg.max_prompt_length)
     engine = GenerateEngine(model, tokenizer)
     n_per_rollout = cfg.rollout_batch_size
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
