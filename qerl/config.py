@@ -33,7 +33,7 @@ class TrainConfig:
     lora_alpha: float = 64.0  # LoRA scaling numerator
     lora_dropout: float = 0.0
     dtype: str = "bfloat16"  # activation / 16-bit weight dtype
-    backend: str = "auto"  # 4-bit matmul dispatch: auto | triton | reference
+    backend: str = "auto"  # 4-bit matmul dispatch: auto | triton | reference | bitsandbytes (nf4)
     gradient_checkpointing: bool = False
     # ---- data
     dataset: str = "arith"  # training set: arith | gsm8k | bigmath (see qerl.data.DATASETS)
@@ -107,8 +107,8 @@ class TrainConfig:
             raise ValueError(f"wandb_mode must be offline|online|disabled, got {self.wandb_mode!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16|float16|float32, got {self.dtype!r}")
-        if self.backend not in ("auto", "triton", "reference"):
-            raise ValueError(f"backend must be auto|triton|reference, got {self.backend!r}")
+        if self.backend not in ("auto", "triton", "reference", "bitsandbytes"):
+            raise ValueError(f"backend must be auto|triton|reference|bitsandbytes, got {self.backend!r}")
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2 (group-relative advantages need a group)")
         for name in ("prompts_per_step", "max_completion_length", "max_steps", "num_iterations", "micro_batch_size"):
@@ -152,13 +152,39 @@ PROFILES: dict[str, dict] = {
     "small": dict(max_steps=30, prompts_per_step=8, num_generations=8, max_completion_length=64, arith_levels=(0,),
                   micro_batch_size=64, num_iterations=1, learning_rate=2e-4, lora_rank=32, lora_alpha=64,
                   eval_limit=0, eval_every=0, num_stages=5),
-    # The paper's Table 4 (GSM8K) on Qwen2.5-7B-Instruct; override model= for 3B.
+    # The paper's Table 4, GSM8K column (Table 1: GRPO), on Qwen2.5-7B-Instruct; override model= for 3B.
+    # Table 4: AdamW-8bit; batch 128 = 16 prompts x 8 samples (qerl counts completions); 4 policy
+    # updates per rollout = num_iterations 4 over the whole rollout (mini_batch_size 0: one optimizer
+    # step per pass); max response 4096; temperature 1.0; clip eps 0.2 / eps_high 0.28; no KL or
+    # entropy loss (beta 0); AQN sigma 1e-2 -> 5e-4; LoRA r 32; lr 1e-5 for 4-bit rows (bf16 LoRA:
+    # 5e-6, see PROFILE_METHOD_OVERRIDES). GRPO = TRL's sequence-level loss_type "grpo" (the paper's
+    # DAPO runs use "bnpo": TABLE4_BIGMATH). ~600 steps with K=10 AQN stages (section 3.3).
+    # Evaluation (section 4.1): temperature 0.6, top-p 0.95, 4096 tokens, pass@1.
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", dataset="gsm8k", eval_datasets=("gsm8k",), prompts_per_step=16,
-                  num_generations=8, max_completion_length=4096, num_iterations=4, mini_batch_size=32,
-                  micro_batch_size=8, learning_rate=1e-5, lora_rank=32, lora_alpha=64, epsilon_high=0.28,
-                  loss_type="bnpo", optim="adamw_8bit", gradient_checkpointing=True, max_steps=500,
-                  sigma_start=1e-2, sigma_end=5e-4, num_stages=10, eval_limit=0, eval_samples=1),
+                  num_generations=8, max_completion_length=4096, num_iterations=4, mini_batch_size=0,
+                  micro_batch_size=8, learning_rate=1e-5, lora_rank=32, lora_alpha=64, epsilon=0.2, epsilon_high=0.28,
+                  beta=0.0, loss_type="grpo", optim="adamw_8bit", gradient_checkpointing=True, max_steps=600,
+                  temperature=1.0, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, eval_limit=0, eval_samples=1,
+                  eval_temperature=0.6, eval_top_p=0.95, save_every=50),
 }
+
+
+# Settings a profile gives one method (applied after the profile, before flags).
+PROFILE_METHOD_OVERRIDES: dict[str, dict[str, dict]] = {
+    # Table 4: lr 1e-5 for QeRL / QLoRA, 5e-6 for bf16 LoRA (Appendix E: higher collapses late in training).
+    "paper": {"bf16_lora": dict(learning_rate=5e-6)},
+}
+
+# Table 4's BigMath column (Table 2, Fig. 7; DAPO), as overrides on the paper profile: 8 prompts x 16
+# samples = 128, 1 policy update per rollout (on-policy), max response 8192, DAPO as TRL 0.18 ran it
+# (loss_type "bnpo", beta 0, eps_high 0.28). Evaluation on MATH500 / AIME24 / AIME25 / AMC23 with
+# 4096 tokens (section 4.1). Prompt length 1024 as in the official BigMath script. The paper trains
+# 7B/14B on BigMath levels 3-5 and 32B on levels 4-5 (qerl.data.BIGMATH_CONFIGS; the trainer loads
+# the first, level_3_4_5). Checkpoints were evaluated between 500 and 1000 steps (section 4.1).
+TABLE4_BIGMATH = dict(dataset="bigmath", num_generations=16, prompts_per_step=8, num_iterations=1, mini_batch_size=0,
+                      max_completion_length=8192, max_prompt_length=1024, loss_type="bnpo", beta=0.0,
+                      epsilon_high=0.28, eval_datasets=("math500", "aime24", "aime25", "amc23"),
+                      eval_max_completion_length=4096, max_steps=500)
 
 
 def make_config(profile: str = "small", **overrides) -> TrainConfig:
@@ -169,5 +195,8 @@ def make_config(profile: str = "small", **overrides) -> TrainConfig:
     unknown = set(overrides) - fields
     if unknown:
         raise ValueError(f"unknown config fields {sorted(unknown)}")
-    kw = {**PROFILES[profile], **{k: v for k, v in overrides.items() if v is not None}, "profile": profile}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    method = overrides.get("method", PROFILES[profile].get("method", TrainConfig.method))
+    per_method = PROFILE_METHOD_OVERRIDES.get(profile, {}).get(method, {})
+    kw = {**PROFILES[profile], **per_method, **overrides, "profile": profile}
     return TrainConfig(**kw)

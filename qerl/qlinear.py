@@ -54,12 +54,13 @@ class _PackedMatmul(torch.autograd.Function):
     def forward(ctx, x, module):  # noqa: D401 - autograd signature
         ctx.module = module
         return kernels.linear(x, module.fmt, module.packed_tensors(), module.out_features, module.in_features,
-                              backend=module.backend)
+                              backend=module.backend, cache=module.kernel_cache)
 
     @staticmethod
     def backward(ctx, dy):
         m = ctx.module
-        dx = kernels.grad_input(dy, m.fmt, m.packed_tensors(), m.out_features, m.in_features, backend=m.backend)
+        dx = kernels.grad_input(dy, m.fmt, m.packed_tensors(), m.out_features, m.in_features, backend=m.backend,
+                                cache=m.kernel_cache)
         return dx, None
 
 
@@ -126,6 +127,14 @@ class QuantLinear(nn.Module):
             nn.init.zeros_(self.lora_B.weight)
 
     # ------------------------------------------------------------------ accessors
+    @property
+    def kernel_cache(self) -> dict:
+        """Objects a kernel backend builds once per weight (the bitsandbytes QuantState for nf4)."""
+        cache = self.__dict__.get("_kernel_cache")
+        if cache is None:
+            cache = self.__dict__["_kernel_cache"] = {}
+        return cache
+
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """The packed base tensors by their on-disk names (empty for the bf16 base)."""
         if self.fmt == "bf16":

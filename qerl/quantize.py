@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from qerl import formats
+from qerl import formats, kernels
 from qerl.qlinear import BASE_FORMATS, QuantLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -36,7 +36,7 @@ class QuantizeConfig:
     targets: tuple[str, ...] = DEFAULT_TARGETS  # module names inside each decoder layer
     fuse_global_scales: bool = True  # (q,k,v) and (gate,up) share one NVFP4 global scale
     lora_dtype: str = "float32"  # adapter parameter dtype (PEFT's autocast_adapter_dtype keeps fp32)
-    backend: str = "auto"  # kernel dispatch: auto | triton | reference
+    backend: str = "auto"  # kernel dispatch: auto | triton | reference | bitsandbytes (nf4)
     progress: bool = False  # show a progress bar over decoder layers
 
     def __post_init__(self):
@@ -47,8 +47,8 @@ class QuantizeConfig:
             raise ValueError(f"unknown targets {sorted(bad)}; allowed: {DEFAULT_TARGETS}")
         if self.lora_dtype not in _DTYPES:
             raise ValueError(f"lora_dtype must be one of {tuple(_DTYPES)}, got {self.lora_dtype!r}")
-        if self.backend not in ("auto", "triton", "reference"):
-            raise ValueError(f"backend must be auto|triton|reference, got {self.backend!r}")
+        if self.backend not in kernels.BACKENDS:
+            raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {self.backend!r}")
         self.targets = tuple(self.targets)
 
 

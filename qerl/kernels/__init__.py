@@ -2,8 +2,8 @@
 
 Public API (see CONTRACTS.md):
 
-    linear(x, fmt, tensors, out_features, in_features, backend="auto")      -> y  = x W^T
-    grad_input(dy, fmt, tensors, out_features, in_features, backend="auto") -> dx = dy W
+    linear(x, fmt, tensors, out_features, in_features, backend="auto", cache=None)      -> y  = x W^T
+    grad_input(dy, fmt, tensors, out_features, in_features, backend="auto", cache=None) -> dx = dy W
 
 ``tensors`` holds the on-disk buffers of one quantized Linear, named as in qerl.formats
 (weight_packed, weight_scale, weight_global_scale for nvfp4; weight_packed, weight_scale for
@@ -16,8 +16,15 @@ Backends:
     Raises RuntimeError when it cannot run (tensors not on CUDA and TRITON_INTERPRET unset,
     triton missing, fmt without a kernel): asking for the fast path never silently gets the
     slow one.
-  - "auto": "triton" for CUDA tensors and a format with a kernel, else "reference".
-    (nf4 on CUDA goes to the reference here: the QLoRA baseline runs bitsandbytes itself.)
+  - "bitsandbytes": nf4 only: bitsandbytes.matmul_4bit on a QuantState that views qerl's
+    buffers (qerl.kernels.bnb; qerl's NF4 bytes are bitsandbytes' bytes), any device bitsandbytes
+    runs on. RuntimeError for other formats or when bitsandbytes cannot be imported.
+  - "auto": "triton" for CUDA tensors and a format with a kernel; "bitsandbytes" for nf4 on CUDA
+    (the QLoRA baseline must be bitsandbytes' kernels; if bitsandbytes is missing this is an
+    error naming backend='reference', never a silent fallback); else "reference".
+
+``cache`` (optional, a dict owned by the caller, e.g. one per QuantLinear) keeps per-weight
+objects a backend builds from the buffers (the bitsandbytes QuantState) across calls.
 
 ``linear`` is differentiable with respect to x on both backends (the Triton ops carry a
 registered autograd formula whose backward is ``grad_input``); the packed weights get no
@@ -30,7 +37,9 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "reference")
+from qerl.kernels import bnb
+
+BACKENDS = ("auto", "triton", "reference", "bitsandbytes")
 FORMATS = ("nvfp4", "mxfp4", "nf4")
 TRITON_FORMATS = ("nvfp4", "mxfp4")
 
@@ -79,7 +88,15 @@ def triton_available(device: torch.device) -> tuple[bool, str]:
 def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
     if backend == "reference":
         return "reference"
+    if backend == "bitsandbytes":
+        if fmt != "nf4":
+            raise RuntimeError(f"backend='bitsandbytes' runs nf4 only, not {fmt!r}; use 'auto', 'triton' or 'reference'")
+        bnb.require()
+        return "bitsandbytes"
     if backend == "auto":
+        if device.type == "cuda" and fmt == "nf4":
+            bnb.require()  # raises, naming backend='reference', when bitsandbytes is missing
+            return "bitsandbytes"
         if device.type == "cuda" and fmt in TRITON_FORMATS and triton_available(device)[0]:
             return "triton"
         return "reference"
@@ -87,7 +104,7 @@ def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
     if fmt not in TRITON_FORMATS:
         raise RuntimeError(
             f"backend='triton' has kernels for {TRITON_FORMATS} only, not {fmt!r}; "
-            "use backend='reference' (or bitsandbytes for nf4 on GPU)"
+            "use backend='reference' (or backend='bitsandbytes' for nf4)"
         )
     ok, why = triton_available(device)
     if not ok:
@@ -122,26 +139,34 @@ def _triton_args(fmt: str, tensors: dict) -> tuple:
 
 
 def linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
-           backend: str = "auto") -> torch.Tensor:
+           backend: str = "auto", cache: dict | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W^T for a 4-bit weight W stored as ``tensors`` (fmt format)."""
     _check_args(fmt, tensors, out_features, in_features, backend)
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim, expected in_features={in_features}")
-    if _resolve_backend(backend, fmt, x.device) == "reference":
+    resolved = _resolve_backend(backend, fmt, x.device)
+    if resolved == "reference":
         return linear_reference(x, fmt, tensors, out_features, in_features)
+    if resolved == "bitsandbytes":
+        state = bnb.cached_quant_state(tensors, out_features, in_features, x.dtype, cache)
+        return bnb.linear(x, tensors, state)
     from qerl.kernels import fp4
 
     return fp4.linear(x, fmt, *_triton_args(fmt, tensors))
 
 
 def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
-               backend: str = "auto") -> torch.Tensor:
+               backend: str = "auto", cache: dict | None = None) -> torch.Tensor:
     """dx[..., in] = dy[..., out] @ W for a 4-bit weight W stored as ``tensors`` (fmt format)."""
     _check_args(fmt, tensors, out_features, in_features, backend)
     if dy.shape[-1] != out_features:
         raise ValueError(f"dy has {dy.shape[-1]} features in its last dim, expected out_features={out_features}")
-    if _resolve_backend(backend, fmt, dy.device) == "reference":
+    resolved = _resolve_backend(backend, fmt, dy.device)
+    if resolved == "reference":
         return grad_input_reference(dy, fmt, tensors, out_features, in_features)
+    if resolved == "bitsandbytes":
+        state = bnb.cached_quant_state(tensors, out_features, in_features, dy.dtype, cache)
+        return bnb.grad_input(dy, tensors, state)
     from qerl.kernels import fp4
 
     return fp4.grad_input(dy, fmt, *_triton_args(fmt, tensors))
