@@ -2,8 +2,16 @@
 PY ?= python
 PROFILE ?= $(shell $(PY) -c "import torch;print('small' if torch.cuda.is_available() else 'smoke')" 2>/dev/null || echo smoke)
 OUT ?= results
+PARALLEL ?= 1
+# extra flags for the experiment scripts, e.g. ARGS="--gpus 0 1 --data-dir ../shared/data" or ARGS=--dry-run
+ARGS ?=
+define EXP
+@echo "$@: PROFILE=$(PROFILE) (default: small on a GPU, smoke otherwise)"
+$(PY) experiments/$(1).py --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
+endef
 
-.PHONY: help setup test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes
+.PHONY: help setup test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
+	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -27,8 +35,35 @@ train-smoke: ## a full RL run on the embedded model, on the CPU, in minutes
 	$(PY) -m qerl train --profile smoke --output-dir runs/smoke
 
 reproduce-table1: ## the paper's Table 1 at PROFILE=smoke|small|paper (auto: small on a GPU, smoke otherwise)
-	@echo "reproduce-table1: PROFILE=$(PROFILE)"
-	$(PY) experiments/table1_gsm8k.py --profile $(PROFILE)
+	$(call EXP,table1_gsm8k)
+
+table1: reproduce-table1 ## = reproduce-table1
+
+table2: ## Table 2: BigMath DAPO; MATH500 / AIME24 / AIME25 / AMC23 (needs QERL_DATA_DIR or the hub)
+	$(call EXP,table2_bigmath)
+
+fig4: ## Fig. 4: training reward, GRPO and DAPO, across weight formats
+	$(call EXP,fig4_reward_curves)
+
+fig5: ## Fig. 5: token entropy of the 4-bit vs bf16 LoRA policies
+	$(call EXP,fig5_entropy)
+
+fig7: ## Fig. 7: training reward of QeRL vs LoRA vs full fine-tuning (DAPO, BigMath at paper)
+	$(call EXP,fig7_training_reward)
+
+fig8: ## Fig. 8: AQN ablation (NVFP4 LoRA with / without AQN)
+	$(call EXP,fig8_aqn_ablation)
+
+fig9: ## Fig. 9: AQN noise schedulers (exponential, linear, cosine, logarithmic)
+	$(call EXP,fig9_noise_schedulers)
+
+fig10: ## Fig. 10: LoRA rank 16 / 32 / 64 / 128
+	$(call EXP,fig10_lora_rank)
+
+fig16: ## Fig. 16 / 17: learning-rate ablation of QeRL and bf16 LoRA
+	$(call EXP,fig16_lr_ablation)
+
+reproduce-all: table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 ## every table and figure above at PROFILE
 
 model-sizes: ## the paper's Model Size column from the Qwen2.5 configs (CPU, seconds)
 	$(PY) experiments/model_sizes.py

@@ -5,7 +5,9 @@ breakdown and the kernel speed plot.
     .venv/bin/python experiments/make_figures.py [--results results] [--out results/figures]
 
 Writes table1.png, rewards.png, entropy.png, aqn.png, step_time.png, kernels.png (about 5 s on
-2 CPU cores) and prints the tables. Missing inputs are skipped with a note.
+2 CPU cores), plus <experiment>.png for each experiments/table2_bigmath.py, fig*.py with results at
+the small profile (qerl.plots.EXPERIMENT_FIGURES), and prints the tables. Missing inputs are
+skipped with a note.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""Write notebooks/{table1,rewards,entropy,speed}.ipynb from the cell lists below (nbformat), so
+"""Write notebooks/{table1,rewards,entropy,speed,experiments}.ipynb from the cell lists below (nbformat), so
 the notebooks are reproducible and reviewable as code. They read results/ only.
 
     .venv/bin/python experiments/make_notebooks.py      # write (outputs empty)
@@ -57,6 +57,22 @@ CELLS = {
         "show('kernels')",
         "pd.DataFrame({'measured': k.attrs['summary'], 'target': k.attrs['targets']}) "
         "if k is not None else None",
+    ],
+    "experiments": [
+        "# The paper's other tables and figures (experiments/table2_bigmath.py, fig*.py)\nEach cell "
+        "draws one experiment's figure from `results/<experiment>/small/` (the script's `--profile "
+        "small` run: the embedded SmolLM2-135M-Instruct, not the paper's Qwen2.5 models); an experiment "
+        "without results yet prints a skip note instead.",
+        SETUP,
+        "tab2 = plots.experiment_figure('table2_bigmath')\nif tab2 is not None:\n    show('table2_bigmath')\ntab2",
+        "FIGURES = ['fig4_reward_curves', 'fig5_entropy', 'fig7_training_reward', 'fig8_aqn_ablation',\n"
+        "           'fig9_noise_schedulers', 'fig10_lora_rank', 'fig16_lr_ablation']\n"
+        "for name in FIGURES:\n    if plots.experiment_figure(name) is not None:\n        show(name)",
+        "tables = {n: plots.load_table(experiment=f'{n}/small') for n in FIGURES}\n"
+        "# accuracy after training and mean reward of the last 5 steps, per experiment and run variant\n"
+        "rows = {n: t[t.metric.isin(['accuracy', 'reward_last5'])].groupby(['method', 'dataset', 'metric'])"
+        "['value'].mean().unstack('metric') for n, t in tables.items() if t is not None}\n"
+        "pd.concat(rows) if rows else 'no experiment results under results/ yet'",
     ],
 }
 

@@ -12,6 +12,11 @@ prints a note and returns None, so a partial results/ tree never crashes a noteb
     plot_aqn(results)      nvfp4_lora vs nvfp4_lora_aqn reward, `aqn/sigma` on a twin axis, Fig. 8
     plot_step_time(results) mean `time/rollout_s` and `time/train_s` per method, stacked bars
     kernel_table(results)  Qwen2.5 decoder-layer linear time per method from results/kernels/h200.json
+    plot_curves(results, experiment, by=..., panels=...)  any step metric of an experiment's runs, one
+                           line per value of config fields `by`, one panel per value of `panels`
+                           (Fig. 4, 7, 8, 9, 10, 16 via experiments/fig*.py)
+    table2(results)        Table 2: accuracy per model / method on MATH500, AIME24, AIME25, AMC23
+                           and their average                                -> table2_bigmath.png
 """
 
 import json
@@ -63,11 +68,12 @@ def load_table(results=RESULTS, experiment=TABLE1):
     return pd.read_csv(path)
 
 
-def load_metrics(results=RESULTS, experiment=TABLE1):
+def load_metrics(results=RESULTS, experiment=TABLE1, fields=()):
     """All training steps of all runs in one DataFrame with columns run, method, seed, step, ...
 
     Only lines that carry a `reward` are kept (the step-0 line holds just the eval before training).
-    Returns None (with a note) if there are no runs.
+    `fields`: config.json fields to add as columns (e.g. "lora_rank", "model"). Returns None (with
+    a note) if there are no runs.
     """
     runs = Path(results) / experiment / "runs"
     frames = []
@@ -81,6 +87,9 @@ def load_metrics(results=RESULTS, experiment=TABLE1):
         df.insert(0, "run", run.parent.name)
         df.insert(1, "method", cfg.get("method", run.parent.name.rsplit("-s", 1)[0]))
         df.insert(2, "seed", cfg.get("seed"))
+        for f in fields:
+            if f not in ("method", "seed"):
+                df[f] = cfg.get(f)
         frames.append(df)
     if not frames:
         _note(f"no metrics.jsonl under {runs}")
@@ -90,7 +99,7 @@ def load_metrics(results=RESULTS, experiment=TABLE1):
 
 # ---------------------------------------------------------------- Table 1
 
-def table1(results=RESULTS, out_dir=None, experiment=TABLE1):
+def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
     """Accuracy before/after training per method: mean and spread (max - min) over seeds.
 
     Untrained baselines (run base-*) have only `accuracy`, reported as `after` with no `before`.
@@ -123,7 +132,7 @@ def table1(results=RESULTS, out_dir=None, experiment=TABLE1):
     ax.set_ylabel("accuracy")
     ax.set_title(f"Table 1 at small scale ({experiment}); bars = mean, whiskers = range over seeds")
     ax.legend()
-    _save(fig, out_dir, results, "table1")
+    _save(fig, out_dir, results, name)
     return tab
 
 
@@ -160,7 +169,7 @@ def plot_rewards(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3):
     return _save(fig, out_dir, results, "rewards")
 
 
-def plot_entropy(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3):
+def plot_entropy(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3, name="entropy"):
     """Training-forward `entropy` (left) and `sampling/entropy` (right) per method; Fig. 5."""
     m = load_metrics(results, experiment)
     if m is None:
@@ -173,8 +182,8 @@ def plot_entropy(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3):
         ax.set_title(title)
     axes[0].set_ylabel("mean token entropy (nats)")
     axes[1].legend(fontsize=8)
-    fig.suptitle("Token entropy during RL (Fig. 5 analogue)")
-    return _save(fig, out_dir, results, "entropy")
+    fig.suptitle(f"Token entropy during RL (Fig. 5 analogue; {experiment})")
+    return _save(fig, out_dir, results, name)
 
 
 def entropy_early_late(results=RESULTS, experiment=TABLE1, n=5):
@@ -248,6 +257,88 @@ def plot_step_time(results=RESULTS, out_dir=None, experiment=TABLE1):
     return _save(fig, out_dir, results, "step_time")
 
 
+# ---------------------------------------------------------------- experiment curves and Table 2
+
+def _sort_col(col):
+    """Sort key for a config column: methods in Table 1 order, anything else by its own value."""
+    if col.name == "method":
+        return col.map(lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER))
+    return col
+
+
+def plot_curves(results=RESULTS, experiment=None, by=("method",), panels=None, keys=("reward",), name=None,
+                title="", smooth=3, out_dir=None, panel_names=None):
+    """Step curves of an experiment's runs (experiments/fig*.py): one line per value of the config
+    fields `by` (thick = mean over seeds, thin = one seed), one column of panels per value of the
+    config field `panels` (e.g. "model", "loss_type"), one row per metric in `keys`.
+
+    Saves <name>.png (default: the experiment with "/" -> "-") and returns the Figure, or None.
+    """
+    by = (by,) if isinstance(by, str) else tuple(by)
+    m = load_metrics(results, experiment, fields=by + ((panels,) if panels else ()))
+    if m is None:
+        return None
+    first = m.drop_duplicates("run").sort_values(list(by), key=_sort_col)
+    run_label = {r["run"]: ", ".join(str(r[f]) if f == "method" else f"{f}={r[f]}" for f in by)
+                 for _, r in first.iterrows()}
+    order = list(dict.fromkeys(run_label[r] for r in first["run"]))
+    m = m.assign(method=m["run"].map(run_label))  # _curves draws one line per "method"
+    pvals = sorted(m[panels].dropna().unique(), key=str) if panels else [None]
+    fig, axes = plt.subplots(len(keys), len(pvals), figsize=(6.5 * len(pvals), 4 * len(keys)), squeeze=False)
+    for j, pv in enumerate(pvals):
+        sub = m if pv is None else m[m[panels] == pv]
+        for i, key in enumerate(keys):
+            ax = axes[i][j]
+            sm = 1 if key.startswith("aqn/") else smooth  # the sigma schedule is a step function: draw it raw
+            _curves(ax, sub, key, [o for o in order if o in set(sub["method"])], sm)
+            ax.set_ylabel(f"{key} (rolling mean over {sm} steps)" if sm > 1 else key)
+            if pv is not None and i == 0:
+                ax.set_title((panel_names or {}).get(pv, f"{panels}={pv}"))
+            ax.legend(fontsize=7)
+    fig.suptitle(title or str(experiment))
+    fig.tight_layout()
+    return _save(fig, out_dir, results, name or str(experiment).replace("/", "-"))
+
+
+def table2(results=RESULTS, out_dir=None, experiment="table2_bigmath/small", name="table2_bigmath",
+           datasets=("math500", "aime24", "aime25", "amc23")):
+    """Table 2: mean accuracy (over seeds) per model and method on each benchmark, plus `average`
+    over the four Table 2 benchmarks present. Other evaluated sets (e.g. arith) are kept as columns.
+    Saves <name>.png (grouped bars per model) and returns the DataFrame indexed by (model, method).
+    """
+    df = load_table(results, experiment)
+    if df is None:
+        return None
+    acc = df[df["metric"] == "accuracy"]
+    if acc.empty:
+        _note(f"no accuracy rows in {experiment}")
+        return None
+    tab = acc.pivot_table(index=["model", "method"], columns="dataset", values="value", aggfunc="mean")
+    present = [d for d in datasets if d in tab.columns]
+    if present:
+        tab["average"] = tab[present].mean(axis=1)
+    tab["seeds"] = acc.groupby(["model", "method"])["run"].nunique()
+    rank = {m: i for i, m in enumerate(METHOD_ORDER)}  # "nvfp4_lora (lr=3e-05)" sorts as nvfp4_lora
+    tab = tab.loc[sorted(tab.index, key=lambda ix: (ix[0], rank.get(ix[1].split(" ")[0], len(rank)), ix[1]))]
+    cols = present + (["average"] if present else []) + [c for c in tab.columns if c not in present + ["average", "seeds"]]
+    models = list(dict.fromkeys(tab.index.get_level_values("model")))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        sub = tab.loc[model][cols]
+        width = 0.8 / max(len(cols), 1)
+        for k, c in enumerate(cols):
+            ax.bar([i + k * width for i in range(len(sub))], sub[c].fillna(0), width, label=c)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sub))], sub.index, rotation=30, ha="right")
+        ax.set_ylabel("accuracy (pass@1)")
+        ax.set_title(model)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Table 2 ({experiment})")
+    fig.tight_layout()
+    _save(fig, out_dir, results, name)
+    plt.close(fig)
+    return tab
+
+
 # ---------------------------------------------------------------- kernels
 
 def kernel_table(results=RESULTS, out_dir=None, name="kernels/h200.json"):
@@ -288,6 +379,43 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h200.json"):
     return tab
 
 
+# ---------------------------------------------------------------- one figure per experiment script
+
+# experiments/<name>.py -> how its figure is drawn from results/<name>/<profile>/. The scripts,
+# make_all and the notebooks all draw through experiment_figure(), so there is one definition.
+EXPERIMENT_FIGURES = {
+    "table1": (table1, {}),
+    "table2_bigmath": (table2, {}),
+    "fig4_reward_curves": (plot_curves, dict(
+        by="method", panels="loss_type", title="Training reward across formats (Fig. 4 analogue)",
+        panel_names={"grpo": "GRPO (loss_type grpo)", "bnpo": "DAPO (loss_type bnpo)"})),
+    "fig5_entropy": (plot_entropy, {}),
+    "fig7_training_reward": (plot_curves, dict(
+        by="method", panels="model", title="Training reward: QeRL vs LoRA vs full, DAPO (Fig. 7 analogue)")),
+    "fig8_aqn_ablation": (plot_curves, dict(
+        by="method", panels="model", keys=("reward", "aqn/sigma"), title="AQN ablation (Fig. 8 analogue)")),
+    "fig9_noise_schedulers": (plot_curves, dict(
+        by="noise_schedule", keys=("reward", "aqn/sigma"), title="AQN noise schedulers (Fig. 9 / 15 analogue)")),
+    "fig10_lora_rank": (plot_curves, dict(by="lora_rank", title="LoRA rank ablation, QeRL (Fig. 10 analogue)")),
+    "fig16_lr_ablation": (plot_curves, dict(
+        by="learning_rate", panels="method", title="Learning-rate ablation (Fig. 16 / 17 analogue)",
+        panel_names={"nvfp4_lora_aqn": "QeRL (Fig. 16)", "bf16_lora": "bf16 LoRA (Fig. 17)"})),
+}
+
+
+def experiment_figure(name, profile="small", results=RESULTS, out_dir=None):
+    """Draw experiment `name`'s figure from results/<name>/<profile>/ into <name>.png (small) or
+    <name>-<profile>.png; returns the Figure / table, or None if its results are missing."""
+    if name not in EXPERIMENT_FIGURES:
+        raise ValueError(f"unknown experiment {name!r}; allowed: {sorted(EXPERIMENT_FIGURES)}")
+    fn, kw = EXPERIMENT_FIGURES[name]
+    kw = dict(kw)
+    if "title" in kw:
+        kw["title"] += f", {profile}"
+    return fn(results=results, out_dir=out_dir, experiment=f"{name}/{profile}",
+              name=name if profile == "small" else f"{name}-{profile}", **kw)
+
+
 def make_all(results=RESULTS, out_dir=None):
     """Draw every figure; returns {name: figure or table or None}. Never raises on missing data."""
     out = {}
@@ -296,4 +424,9 @@ def make_all(results=RESULTS, out_dir=None):
         out[name] = fn(results=results, out_dir=out_dir)
         if isinstance(out[name], plt.Figure):
             plt.close(out[name])
+    for name in EXPERIMENT_FIGURES:  # the experiment scripts' figures at the small profile
+        if name != "table1":  # drawn above
+            out[name] = experiment_figure(name, "small", results=results, out_dir=out_dir)
+            if isinstance(out[name], plt.Figure):
+                plt.close(out[name])
     return out

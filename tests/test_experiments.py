@@ -1,0 +1,260 @@
+"""Experiment scripts (experiments/*.py): planning, commands, skipping, table.csv, figures.
+
+No training: planned commands are parsed by qerl's own CLI into TrainConfigs, the run loop is
+driven with a stand-in command that writes a run folder, and table.csv is built from synthetic
+runs (and, where committed, from results/table1/small, which it must reproduce exactly).
+
+Run with: OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_experiments.py -q   (~15 s, CPU)
+"""
+
+import argparse
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from qerl.cli_train import add_eval_args, add_train_args, config_from_args
+from qerl.config import PROFILES, TABLE4_BIGMATH, make_config
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+import _common as C  # noqa: E402
+
+SCRIPTS = ["table1_gsm8k", "table2_bigmath", "fig4_reward_curves", "fig5_entropy", "fig7_training_reward",
+           "fig8_aqn_ablation", "fig9_noise_schedulers", "fig10_lora_rank", "fig16_lr_ablation"]
+# (script, profile) -> number of planned runs with the default seeds and models
+EXPECTED_RUNS = {
+    ("table1_gsm8k", "smoke"): 4 + 6, ("table1_gsm8k", "small"): 4 + 1 + 5 * 2, ("table1_gsm8k", "paper"): 2 * 10,
+    ("table2_bigmath", "smoke"): 6, ("table2_bigmath", "small"): 6, ("table2_bigmath", "paper"): 2 * 6,
+    ("fig4_reward_curves", "smoke"): 10, ("fig4_reward_curves", "small"): 10, ("fig4_reward_curves", "paper"): 10,
+    ("fig5_entropy", "smoke"): 4, ("fig5_entropy", "small"): 8, ("fig5_entropy", "paper"): 4,
+    ("fig7_training_reward", "smoke"): 3, ("fig7_training_reward", "small"): 6, ("fig7_training_reward", "paper"): 6,
+    ("fig8_aqn_ablation", "smoke"): 2, ("fig8_aqn_ablation", "small"): 6, ("fig8_aqn_ablation", "paper"): 4,
+    ("fig9_noise_schedulers", "smoke"): 4, ("fig9_noise_schedulers", "small"): 8, ("fig9_noise_schedulers", "paper"): 4,
+    ("fig10_lora_rank", "smoke"): 4, ("fig10_lora_rank", "small"): 8, ("fig10_lora_rank", "paper"): 4,
+    ("fig16_lr_ablation", "smoke"): 4, ("fig16_lr_ablation", "small"): 8, ("fig16_lr_ablation", "paper"): 4,
+}
+
+
+def _plan(script, profile, tmp_path, *extra):
+    exp = importlib.import_module(script).EXPERIMENT
+    args = C.parse_args(exp, ["--profile", profile, "--results", str(tmp_path / "results"),
+                              "--runs-dir", str(tmp_path / "runs"), "--data-dir", "DATA", *extra])
+    return exp, args, C.planned(exp, args)
+
+
+def _train_cfg(cmd):
+    """The TrainConfig `python -m qerl train ...` would build from a planned command."""
+    assert cmd[1:4] == ["-m", "qerl", "train"], cmd
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    return config_from_args(p.parse_args(cmd[4:]))
+
+
+def _eval_args(cmd):
+    assert cmd[1:4] == ["-m", "qerl", "eval"], cmd
+    p = argparse.ArgumentParser()
+    add_eval_args(p)
+    return p.parse_args(cmd[4:])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_imports_and_has_a_docstring(script):
+    mod = importlib.import_module(script)
+    doc = mod.__doc__
+    assert doc.startswith("Paper ") and f"experiments/{script}.py" in doc
+    assert "--profile small" in doc and "--profile paper" in doc and "H200" in doc
+    assert isinstance(mod.EXPERIMENT, C.Experiment) and mod.EXPERIMENT.name == mod.NAME
+
+
+@pytest.mark.parametrize("profile", ["smoke", "small", "paper"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_planned_command_parses_into_a_valid_config(script, profile, tmp_path):
+    exp, args, plan = _plan(script, profile, tmp_path)
+    assert len(plan) == EXPECTED_RUNS[(script, profile)]
+    for run, cmd, done in plan:
+        assert not done
+        if run.kind == "eval":
+            ev = _eval_args(cmd)
+            assert ev.out.endswith(f"{exp.name}/{profile}/{run.name}/eval.json") and ev.data_dir == "DATA"
+            continue
+        cfg = _train_cfg(cmd)
+        assert cfg.profile == profile and cfg.data_dir == "DATA" and cfg.resume_from == "auto"
+        assert cfg.wandb_group == f"{exp.name}-{profile}"
+        assert cfg.output_dir == str(tmp_path / "runs" / exp.name / profile / run.name)
+        assert run.name.endswith(f"-s{cfg.seed}")
+        for k, v in run.overrides.items():  # every override reaches the config
+            assert getattr(cfg, k) == (tuple(v) if isinstance(v, list) else v), (run.name, k)
+
+
+def test_knobs_of_each_figure(tmp_path):
+    def cfgs(script, profile="small"):
+        return {r.name: _train_cfg(cmd) for r, cmd, _ in _plan(script, profile, tmp_path)[2] if r.kind == "train"}
+
+    fig9 = cfgs("fig9_noise_schedulers")
+    assert {c.noise_schedule for c in fig9.values()} == {"exponential", "linear", "cosine", "logarithmic"}
+    assert {c.method for c in fig9.values()} == {"nvfp4_lora_aqn"}
+    fig10 = cfgs("fig10_lora_rank")
+    assert {(c.lora_rank, c.lora_alpha) for c in fig10.values()} == {(16, 32), (32, 64), (64, 128), (128, 256)}
+    fig16 = cfgs("fig16_lr_ablation", "paper")
+    assert {(c.method, c.learning_rate) for c in fig16.values()} == {
+        (m, lr) for m in ("nvfp4_lora_aqn", "bf16_lora") for lr in (5e-6, 3e-5)}
+    fig4 = cfgs("fig4_reward_curves")
+    assert {c.loss_type for c in fig4.values()} == {"grpo", "bnpo"}
+    assert len({c.method for c in fig4.values()}) == 5 and fig4["grpo-bf16_full-s0"].learning_rate == C.FULL_FT_LR
+    assert all(c.beta == 0 and c.epsilon_high == 0.28 for c in fig4.values())
+    fig7 = cfgs("fig7_training_reward", "paper")
+    assert {c.model for c in fig7.values()} == {"Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-14B-Instruct"}
+    assert all(c.dataset == "bigmath" and c.loss_type == "bnpo" and c.num_generations == 16 and c.max_steps == 250
+               for c in fig7.values())
+    fig8 = cfgs("fig8_aqn_ablation", "paper")
+    assert fig8["qwen2.5-3b-instruct-nvfp4_lora_aqn-s0"].dataset == "gsm8k"
+    assert fig8["qwen2.5-3b-instruct-nvfp4_lora_aqn-s0"].max_steps == 80
+    assert fig8["nvfp4_lora_aqn-s0"].dataset == "bigmath"
+    t2 = _plan("table2_bigmath", "small", tmp_path)[2]
+    assert [r.name for r, _, _ in t2[:2]] == ["base-bf16", "base-nvfp4"]
+    assert _eval_args(t2[0][1]).datasets == ["arith", "math500", "aime24", "aime25", "amc23"]
+    t2p = {r.name: _train_cfg(cmd) for r, cmd, _ in _plan("table2_bigmath", "paper", tmp_path)[2] if r.kind == "train"}
+    assert t2p["bf16_lora-s0"].learning_rate == 5e-6 and t2p["nvfp4_lora_aqn-s0"].learning_rate == 1e-5
+    assert t2p["nvfp4_lora-s0"].eval_datasets == ("math500", "aime24", "aime25", "amc23")
+
+
+def test_paper_profile_holds_table4():
+    g = make_config("paper", method="nvfp4_lora_aqn")
+    assert (g.prompts_per_step * g.num_generations, g.num_generations) == (128, 8)  # batch 128, 8 samples
+    assert g.num_iterations == 4 and g.mini_batch_size == 0  # 4 policy updates per rollout
+    assert (g.max_completion_length, g.temperature, g.epsilon, g.epsilon_high, g.beta) == (4096, 1.0, 0.2, 0.28, 0)
+    assert (g.optim, g.learning_rate, g.lora_rank, g.sigma_start, g.sigma_end) == ("adamw_8bit", 1e-5, 32, 1e-2, 5e-4)
+    assert g.loss_type == "grpo" and g.dataset == "gsm8k" and (g.eval_temperature, g.eval_top_p) == (0.6, 0.95)
+    assert make_config("paper", method="bf16_lora").learning_rate == 5e-6  # Table 4: bf16 LoRA
+    assert make_config("paper", method="bf16_lora", learning_rate=3e-5).learning_rate == 3e-5  # flags win
+    assert make_config("small", method="bf16_lora").learning_rate == PROFILES["small"]["learning_rate"]
+    b = make_config("paper", **TABLE4_BIGMATH)
+    assert (b.prompts_per_step * b.num_generations, b.num_generations, b.num_iterations) == (128, 16, 1)
+    assert (b.max_completion_length, b.loss_type, b.epsilon_high) == (8192, "bnpo", 0.28)
+
+
+def _fake_train_run(d: Path, method="nvfp4_lora", seed=0, status="ok", rewards=(0.1, 0.2, 0.3), **cfg):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model": "m", "method": method, "seed": seed, "dataset": "arith",
+                                               "provenance": {"git_sha": "abc"}, **cfg}))
+    (d / "summary.json").write_text(json.dumps({"status": status, "eval_before/arith/accuracy": 0.1,
+                                                "eval/arith/accuracy": 0.5, "eval/arith/format": 0.0, "steps": 3}))
+    lines = [{"step": 0, "eval/arith/accuracy": 0.1}] + [
+        {"step": i + 1, "reward": r, "entropy": 2.0 - 0.1 * i, "aqn/sigma": 0.01} for i, r in enumerate(rewards)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_collect_builds_long_form_table(tmp_path):
+    root = tmp_path / "exp" / "small"
+    _fake_train_run(root / "runs" / "r16-s0", lora_rank=16)
+    (root / "runs" / "r16-s0" / "run.json").write_text(json.dumps({"label": "lora_rank=16"}))
+    (root / "runs" / "base-nvfp4").mkdir(parents=True)
+    (root / "runs" / "base-nvfp4" / "eval.json").write_text(json.dumps(
+        {"results": {"math500": {"accuracy": 0.25}}, "args": {"model": "m"}, "provenance": {"git_sha": "def"}}))
+    rows = C.collect(root, curves=True)
+    import pandas as pd
+
+    df = pd.read_csv(root / "table.csv")
+    assert list(df.columns) == C.COLUMNS and len(df) == len(rows)
+    base = df[df.run == "base-nvfp4"].iloc[0]
+    assert (base.method, base.dataset, base.value, base.git_sha) == ("nvfp4", "math500", 0.25, "def")
+    r = df[df.run == "r16-s0"].set_index("metric")
+    assert r.loc["accuracy", "method"] == "nvfp4_lora (lora_rank=16)"
+    assert r.loc["accuracy", "value"] == 0.5 and r.loc["accuracy_before", "value"] == 0.1
+    assert r.loc["reward_last5", "value"] == pytest.approx(0.2) and r.loc["reward_first5", "dataset"] == "arith"
+    assert r.loc["entropy_first5", "value"] == pytest.approx(1.9)
+
+
+def test_collect_reproduces_committed_table1(tmp_path):
+    src = ROOT / "results/table1/small"
+    if not (src / "table.csv").exists():
+        pytest.skip("committed results/table1/small not present")
+    shutil.copytree(src / "runs", tmp_path / "runs")
+    C.collect(tmp_path, curves=False)
+    assert (tmp_path / "table.csv").read_text() == (src / "table.csv").read_text()
+
+
+def test_finished_runs_are_skipped_and_dry_run_runs_nothing(tmp_path, capsys):
+    exp, args, plan = _plan("fig9_noise_schedulers", "small", tmp_path)
+    res = tmp_path / "results" / exp.name / "small" / "runs"
+    _fake_train_run(res / "linear-s0", method="nvfp4_lora_aqn")
+    _fake_train_run(res / "cosine-s1", method="nvfp4_lora_aqn", status="partial")  # not finished: rerun
+    done = {r.name for r, _, d in C.planned(exp, args) if d}
+    assert done == {"linear-s0"}
+    assert C.main(exp, ["--profile", "small", "--dry-run", "--results", str(tmp_path / "results"),
+                        "--runs-dir", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "8 runs, 1 done, would run 7" in out and "[done] linear-s0" in out and "--noise-schedule cosine" in out
+    assert not (tmp_path / "runs").exists() and not (res.parent / "table.csv").exists()
+
+
+FAKE_TRAIN = r"""
+import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+out = Path(args[args.index("--output-dir") + 1]); out.mkdir(parents=True, exist_ok=True)
+seed = int(args[args.index("--seed") + 1]); sched = args[args.index("--noise-schedule") + 1]
+(out / "config.json").write_text(json.dumps({"model": "m", "method": "nvfp4_lora_aqn", "seed": seed,
+    "dataset": "arith", "noise_schedule": sched, "provenance": {"git_sha": "abc"}}))
+(out / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward": 0.1 * i, "entropy": 1.0,
+    "aqn/sigma": 0.01 / (i + 1)}) + "\n" for i in range(1, 4)))
+(out / "summary.json").write_text(json.dumps({"status": "ok", "eval/arith/accuracy": 0.5}))
+sys.exit(3 if sched == "cosine" and seed == 1 else 0)
+"""
+
+
+def test_run_loop_launches_copies_collects_and_draws(tmp_path, monkeypatch):
+    """The real loop with a stand-in for `python -m qerl train`: parallel launch, copy, table, figure."""
+    exp = importlib.import_module("fig9_noise_schedulers").EXPERIMENT
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    real = C.command
+    monkeypatch.setattr(C, "command", lambda e, r, a, d: [sys.executable, str(script), *real(e, r, a, d)[4:]])
+    monkeypatch.setattr(C, "POLL_S", 0.05)
+    results = tmp_path / "results"
+    argv = ["--profile", "small", "--parallel", "4", "--results", str(results), "--runs-dir", str(tmp_path / "runs")]
+    assert C.main(exp, argv) == 1  # one run exited 3
+    root = results / exp.name / "small"
+    meta = json.loads((root / "runs/cosine-s1/run.json").read_text())
+    assert meta["exit_code"] == 3 and meta["label"] == "noise_schedule=cosine" and "--noise-schedule cosine" in meta["command"]
+    import pandas as pd
+
+    df = pd.read_csv(root / "table.csv")
+    assert set(df.run) == {f"{s}-s{i}" for s in ("exponential", "linear", "cosine", "logarithmic") for i in (0, 1)}
+    assert set(df[df.metric == "accuracy"].method) == {f"nvfp4_lora_aqn (noise_schedule={s})" for s in
+                                                       ("exponential", "linear", "cosine", "logarithmic")}
+    png = results / "figures" / "fig9_noise_schedulers.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a rerun skips everything finished (the summaries say ok) and launches nothing
+    monkeypatch.setattr(C, "launch", lambda *a: pytest.fail("nothing should be launched"))
+    assert C.main(exp, argv) == 0
+
+
+@pytest.mark.parametrize("name", ["table2_bigmath", "fig4_reward_curves", "fig5_entropy", "fig7_training_reward",
+                                  "fig8_aqn_ablation", "fig9_noise_schedulers", "fig10_lora_rank", "fig16_lr_ablation"])
+def test_experiment_figures_draw_from_synthetic_runs(name, tmp_path):
+    from qerl import plots
+
+    root = tmp_path / name / "small"
+    for i, (method, knobs) in enumerate([("nvfp4_lora_aqn", dict(loss_type="grpo", lora_rank=16, learning_rate=5e-5,
+                                                                 noise_schedule="linear", model="a")),
+                                         ("bf16_lora", dict(loss_type="bnpo", lora_rank=32, learning_rate=3e-4,
+                                                            noise_schedule="cosine", model="b"))]):
+        _fake_train_run(root / "runs" / f"run{i}-s0", method=method, rewards=(0.1 * i, 0.2, 0.3 + 0.1 * i),
+                        **knobs)
+    C.collect(root, curves=True)
+    out = plots.experiment_figure(name, "small", results=tmp_path, out_dir=tmp_path / "figs")
+    assert out is not None
+    assert (tmp_path / "figs" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plots.experiment_figure(name, "small", results=tmp_path / "none", out_dir=tmp_path / "figs") is None
+    with pytest.raises(ValueError, match="allowed"):
+        plots.experiment_figure("fig99", "small")
+
+
+def test_only_selects_runs_by_pattern(tmp_path):
+    _, _, plan = _plan("fig10_lora_rank", "small", tmp_path, "--only", "r16-*", "r128-s1")
+    assert [r.name for r, _, _ in plan] == ["r16-s0", "r16-s1", "r128-s1"]
