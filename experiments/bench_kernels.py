@@ -25,7 +25,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -151,7 +150,7 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
         if nf4 is not None:
             f, packs = nf4
             res["nf4"] = time_graph([lambda p=p: f(x, p) for p in packs])
-        kind = "fma" if m <= fp4.FMA_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
+        kind = "gemv" if m <= fp4.GEMV_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
         for meth, (sec, mode) in res.items():
             moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
             rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="linear",
@@ -177,19 +176,22 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
 # config sweep (optional): which launch config wins per 7B shape and M
 
 
-def sweep(l2, out_rows):
+GEMV_SWEEP = {  # (BLOCK_N, GROUPS, num_warps, num_stages, ACC_F32)
+    1: [(128, 8, 4, 2, False), (128, 8, 4, 3, False), (64, 8, 4, 2, False), (128, 4, 4, 2, False),
+        (256, 8, 8, 2, False), (64, 4, 2, 2, False), (128, 16, 8, 2, False), (128, 8, 4, 2, True)],
+    "small": [(128, 8, 4, 2, False), (64, 8, 4, 2, False), (128, 4, 4, 2, False), (64, 4, 4, 2, False)],
+}
+
+
+def sweep(l2, out_rows, ms=(1, 2, 4, 8, 16, 2048), big=True):
+    """Time launch configs per 7B shape and M, each checked against the fp32 reference."""
     fwd_cfgs = {
-        "fma": [dict(BLOCK_N=bn, GROUPS=g, X_VEC=xv, num_warps=w, num_stages=2)
-                for xv in (True, False)
-                for bn, g, w in [(16, 16, 4), (32, 16, 4), (16, 32, 4), (8, 32, 2), (32, 8, 4)]],
         "dot16": [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s)
-                  for bn, bk, w, s in [(128, 128, 4, 4), (64, 128, 4, 4), (128, 64, 4, 5), (256, 128, 8, 4)]],
+                  for bn, bk, w, s in [(128, 64, 4, 5), (64, 128, 4, 4)]],
         "dot": [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
-                for bm, bn, bk, w, s in [(256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 4),
-                                         (256, 64, 64, 8, 4), (256, 128, 32, 8, 4), (64, 128, 128, 4, 4)]],
+                for bm, bn, bk, w, s in [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]],
         "bwd": [dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, num_warps=w, num_stages=s)
-                for bm, bk, br, w, s in [(128, 64, 64, 4, 4), (256, 64, 64, 8, 3), (128, 64, 32, 4, 4),
-                                         (128, 128, 64, 4, 4), (64, 64, 64, 4, 4), (256, 128, 32, 8, 3)]],
+                for bm, bk, br, w, s in [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3)]],
     }
     shapes = linear_shapes("qwen2.5-7b")
     uniq = {}
@@ -198,30 +200,49 @@ def sweep(l2, out_rows):
     for (n, k), names in uniq.items():
         w = torch.randn(n, k, device="cuda") * 0.02
         t = formats.quantize(w, "nvfp4")
+        wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
         copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
         args = lambda tt: (tt["weight_packed"], tt["weight_scale"], tt["weight_global_scale"], True)  # noqa: E731
-        for m, kinds in ((1, ("fma",)), (2, ("fma", "dot16")), (8, ("dot16",)), (2048, ("dot", "bwd"))):
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            for kind in kinds:
-                for cfg in fwd_cfgs[kind]:
-                    cfg = dict(cfg)
-                    if kind == "fma":
-                        cfg["BLOCK_M"] = triton_next_pow2(m)
-                    try:
-                        if kind == "bwd":
-                            fns = [lambda tt=tt: fp4.launch_grad_input(dy, *args(tt), config=cfg) for tt in copies]
-                        else:
-                            kk = "fma" if kind == "fma" else "dot"
-                            fns = [lambda tt=tt: fp4.launch_linear(x, *args(tt), kind=kk, config=cfg) for tt in copies]
-                        sec, _ = time_graph(fns)
-                    except Exception as e:  # noqa: BLE001 - a config may not compile; record it
-                        print(f"  sweep {kind} {cfg} failed: {type(e).__name__}: {str(e)[:100]}")
-                        continue
-                    out_rows.append(dict(proj="/".join(names), N=n, K=k, M=m, kind=kind, config=cfg,
-                                         us=sec * 1e6, tbps=n * k * 0.5625 / sec / 1e12,
-                                         tflops=2 * m * n * k / sec / 1e12))
-                    print(f"  sweep {'/'.join(names):18s} M={m:5d} {kind:5s} {sec * 1e6:9.1f} us  {cfg}")
+            ref = x.float() @ wd.T
+            cands = [("bf16", None)]
+            if m <= 16:
+                for bn, g, nw, ns, f32 in GEMV_SWEEP[1 if m == 1 else "small"]:
+                    cands.append(("gemv", dict(BLOCK_M=triton_next_pow2(m), BLOCK_N=bn, GROUPS=g, ACC_F32=f32,
+                                               num_warps=nw, num_stages=ns)))
+                if m <= 2:
+                    cands.append(("fma", None))
+                cands += [("dot16", c) for c in fwd_cfgs["dot16"]]
+            elif big:
+                cands += [("dot", c) for c in fwd_cfgs["dot"]] + [("bwd", c) for c in fwd_cfgs["bwd"]]
+            for kind, cfg in cands:
+                try:
+                    if kind == "bf16":
+                        wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
+                        fns = [lambda wi=wi: F.linear(x, wi) for wi in wc]
+                        err = None
+                    elif kind == "bwd":
+                        fns = [lambda tt=tt: fp4.launch_grad_input(dy, *args(tt), config=cfg) for tt in copies]
+                        out = fns[0]()
+                        err = float((out.float() - dy.float() @ wd).norm() / (dy.float() @ wd).norm())
+                    else:
+                        kk = "dot" if kind.startswith("dot") else kind
+                        fns = [lambda tt=tt: fp4.launch_linear(x, *args(tt), kind=kk, config=cfg) for tt in copies]
+                        out = fns[0]()
+                        err = float((out.float() - ref).norm() / ref.norm())
+                    sec, _ = time_graph(fns)
+                except Exception as e:  # noqa: BLE001 - a config may not compile; record it
+                    print(f"  sweep {kind} {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                out_rows.append(dict(proj="/".join(names), N=n, K=k, M=m, kind=kind, config=cfg,
+                                     us=sec * 1e6, tbps=n * k * 0.5625 / sec / 1e12, rel_err=err,
+                                     tflops=2 * m * n * k / sec / 1e12))
+                print(f"  sweep {'/'.join(names):18s} M={m:5d} {kind:5s} {sec * 1e6:9.1f} us "
+                      f"err={err if err is None else f'{err:.1e}'} {cfg}", flush=True)
+        del copies
+        torch.cuda.empty_cache()
 
 
 def triton_next_pow2(m):
@@ -233,12 +254,10 @@ def triton_next_pow2(m):
 
 
 def git_sha():
-    try:
-        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001 - no git on the benchmark machine
-        return None
+    """The commit benchmarked: qerl.logging.git_info (QERL_GIT_SHA on a copy without .git)."""
+    from qerl.logging import git_info
+
+    return git_info()["git_sha"]
 
 
 def summarize(rows, copy_tbps):
@@ -279,6 +298,8 @@ def main():
     ap.add_argument("--out", default="results/kernels", help="folder for <gpu>.json")
     ap.add_argument("--git-sha", default=None, help="commit benchmarked (when the machine has no git)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configs on the 7B shapes")
+    ap.add_argument("--sweep-only", action="store_true", help="only the config sweep (writes <gpu>_sweep.json)")
+    ap.add_argument("--sweep-m", nargs="+", type=int, default=[1, 2, 4, 8, 16, 2048], help="M of the sweep")
     ap.add_argument("--no-nf4", action="store_true", help="skip bitsandbytes NF4")
     args = ap.parse_args()
 
@@ -311,8 +332,16 @@ def main():
     print(f"copy bandwidth (read + write): {copy_tbps:.3f} TB/s")
 
     sweep_rows = []
-    if args.sweep:
-        sweep(l2, sweep_rows)
+    if args.sweep or args.sweep_only:
+        sweep(l2, sweep_rows, ms=args.sweep_m)
+    if args.sweep_only:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"{gpu}_sweep.json")
+        with open(path, "w") as f:
+            json.dump(dict(gpu=gpu, git_sha=args.git_sha or git_sha(), env=env, copy_bandwidth_tbps=copy_tbps,
+                           sweep=sweep_rows), f, indent=1)
+        print(f"wrote {path}")
+        return
 
     rows = []
     t_start = time.time()

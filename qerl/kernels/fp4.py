@@ -9,8 +9,10 @@ choice, Python launchers, and the torch.library custom ops (with fake and autogr
 so they work under torch.compile and CUDA graphs).
 
 Kernels:
-  - ``_fwd_fma_kernel``: y = x W^T for small M (decode). CUDA-core FMAs, one weight tile decoded
-    once and used for all (<= 16) rows; split-K over the reduction for parallelism.
+  - ``_fwd_gemv_kernel``: y = x W^T for M <= GEMV_MAX_M (decode). Weights read as int32 words and
+    decoded two at a time into bf16x2 with packed integer ops (inline PTX), bf16x2 FMAs per word,
+    fp32 across words; split-K over the reduction for parallelism. See the GEMV section.
+  - ``_fwd_fma_kernel``: the older CUDA-core GEMV (fp32 decode per nibble), kept as kind="fma".
   - ``_fwd_dot_kernel``: y = x W^T with ``tl.dot`` (tensor cores): tiled GEMM for large M, and
     with BLOCK_M=16 plus split-K for skinny M.
   - ``_bwd_dot_kernel``: dx = dy W with ``tl.dot``.
@@ -255,10 +257,227 @@ def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
 
 
 # ----------------------------------------------------------------------------------------------
+# GEMV decode (M <= 16): packed integer decode, two weights per 32-bit op
+#
+# The weights are read as int32 words of 8 nibbles (word w holds elements 8w..8w+7, element 8w+i
+# in bits 4i..4i+3). One word becomes four bf16x2 pairs (n3, n7), (n2, n6), (n1, n5), (n0, n4)
+# with about four integer ops a pair: an E2M1 code s e1 e0 m placed as bf16 bits
+# (s << 15) | (e1 e0 m << 6) is exactly code * 2^-126 (code 0.5 lands on a bf16 subnormal), for
+# both halves of the word at once. The activations are read as int32 words of two bf16, paired
+# the same way with byte permutes (prmt) and pre-scaled by 2^64 (exact), so that the products
+# code * x * 2^-62 are normal numbers; they are multiplied and summed with bf16x2 FMAs (HFMA2)
+# over one word (4 products a lane), and the word sums are added in fp32, times the fp32 block
+# scale. The powers of two come off in the epilogue. The next tile's loads are issued before the
+# current tile is computed (software prefetch by hand: Triton does not pipeline these loads).
+# Under TRITON_INTERPRET each asm block is emulated with plain Triton ops (fp32 arithmetic); fp32
+# activations take an fp32-FMA path (ACC_F32) on the same decode.
+
+_ASM_DECODE = tl.constexpr("""
+{
+.reg .b32 a, b;
+shr.b32 a, $4, 6;  and.b32 a, a, 0x01C001C0; and.b32 b, $4, 0x80008000; or.b32 $0, a, b;
+shr.b32 a, $4, 2;  and.b32 a, a, 0x01C001C0; shl.b32 b, $4, 4; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
+shl.b32 a, $4, 2;  and.b32 a, a, 0x01C001C0; shl.b32 b, $4, 8; and.b32 b, b, 0x80008000; or.b32 $2, a, b;
+shl.b32 a, $4, 6;  and.b32 a, a, 0x01C001C0; shl.b32 b, $4, 12; and.b32 b, b, 0x80008000; or.b32 $3, a, b;
+}
+""")
+
+# x words X0..X3 = (x0,x1), (x2,x3), (x4,x5), (x6,x7) -> pairs (x3,x7), (x2,x6), (x1,x5), (x0,x4),
+# each times 2^64 (an fma with -0 is an exact multiply)
+_ASM_XPAIRS = tl.constexpr("""
+{
+.reg .b32 c, z, t;
+mov.b32 c, 0x5F805F80;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $5, $7, 0x7632; fma.rn.bf16x2 $0, t, c, z;
+prmt.b32 t, $5, $7, 0x5410; fma.rn.bf16x2 $1, t, c, z;
+prmt.b32 t, $4, $6, 0x7632; fma.rn.bf16x2 $2, t, c, z;
+prmt.b32 t, $4, $6, 0x5410; fma.rn.bf16x2 $3, t, c, z;
+}
+""")
+
+# sum over one word: 4 bf16x2 weight pairs times 4 bf16x2 activation pairs -> fp32
+_ASM_DOT8 = tl.constexpr("""
+{
+.reg .b32 acc, z, f, g;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 acc, $1, $5, z;
+fma.rn.bf16x2 acc, $2, $6, acc;
+fma.rn.bf16x2 acc, $3, $7, acc;
+fma.rn.bf16x2 acc, $4, $8, acc;
+shl.b32 f, acc, 16;
+and.b32 g, acc, 0xFFFF0000;
+add.f32 $0, f, g;
+}
+""")
+
+_SIGNS = tl.constexpr(-2147450880)  # 0x80008000 as int32
+_HI16 = tl.constexpr(-65536)  # 0xFFFF0000 as int32
+
+
+@triton.jit
+def _decode_words(q, USE_ASM: tl.constexpr):
+    """int32 words -> four int32 tensors of bf16x2 bits: pairs (n3,n7), (n2,n6), (n1,n5), (n0,n4)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_ASM_DECODE, "=r,=r,=r,=r,r", [q],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+    else:
+        d0 = ((q >> 6) & 0x01C001C0) | (q & _SIGNS)
+        d1 = ((q >> 2) & 0x01C001C0) | ((q << 4) & _SIGNS)
+        d2 = ((q << 2) & 0x01C001C0) | ((q << 8) & _SIGNS)
+        d3 = ((q << 6) & 0x01C001C0) | ((q << 12) & _SIGNS)
+        return d0, d1, d2, d3
+
+
+@triton.jit
+def _lo(d):
+    return (d << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hi(d):
+    return (d & _HI16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16x2_scaled(lo, hi):
+    """Emulation: fp32 lo, hi -> int32 bf16x2 bits of (lo * 2^64, hi * 2^64)."""
+    a = (lo * 18446744073709551616.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    b = (hi * 18446744073709551616.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return a | b
+
+
+@triton.jit
+def _xpairs(X0, X1, X2, X3, USE_ASM: tl.constexpr):
+    """x words (int32, two bf16 each) -> the four scaled activation pairs of _decode_words."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_ASM_XPAIRS, "=r,=r,=r,=r,r,r,r,r", [X0, X1, X2, X3],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+    else:
+        p0 = _bf16x2_scaled(_hi(X1), _hi(X3))
+        p1 = _bf16x2_scaled(_lo(X1), _lo(X3))
+        p2 = _bf16x2_scaled(_hi(X0), _hi(X2))
+        p3 = _bf16x2_scaled(_lo(X0), _lo(X2))
+        return p0, p1, p2, p3
+
+
+@triton.jit
+def _dot8(d0, d1, d2, d3, p0, p1, p2, p3, USE_ASM: tl.constexpr):
+    """sum of the 8 products of one word (bf16x2 FMAs; emulated in fp32 under the interpreter)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_ASM_DOT8, "=r,r,r,r,r,r,r,r,r", [d0, d1, d2, d3, p0, p1, p2, p3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = _lo(d0) * _lo(p0) + _hi(d0) * _hi(p0) + _lo(d1) * _lo(p1) + _hi(d1) * _hi(p1)
+        return s + _lo(d2) * _lo(p2) + _hi(d2) * _hi(p2) + _lo(d3) * _lo(p3) + _hi(d3) * _hi(p3)
+
+
+@triton.jit
+def _xwords(x32row, kw, xm):
+    xb = x32row + 4 * kw
+    return (tl.load(xb, mask=xm, other=0), tl.load(xb + 1, mask=xm, other=0),
+            tl.load(xb + 2, mask=xm, other=0), tl.load(xb + 3, mask=xm, other=0))
+
+
+@triton.jit
+def _word_dot_f32(d0, d1, d2, d3, xrow, kw, xm):
+    """fp32 activations: sum_i w[8kw+i] * x[8kw+i] * 2^-62 with fp32 FMAs, [BN, WT]."""
+    c: tl.constexpr = 18446744073709551616.0  # 2^64
+    xb = xrow + 8 * kw
+    p = _lo(d0) * (tl.load(xb + 3, mask=xm, other=0.0) * c)[None, :]
+    p += _hi(d0) * (tl.load(xb + 7, mask=xm, other=0.0) * c)[None, :]
+    p += _lo(d1) * (tl.load(xb + 2, mask=xm, other=0.0) * c)[None, :]
+    p += _hi(d1) * (tl.load(xb + 6, mask=xm, other=0.0) * c)[None, :]
+    p += _lo(d2) * (tl.load(xb + 1, mask=xm, other=0.0) * c)[None, :]
+    p += _hi(d2) * (tl.load(xb + 5, mask=xm, other=0.0) * c)[None, :]
+    p += _lo(d3) * (tl.load(xb + 0, mask=xm, other=0.0) * c)[None, :]
+    p += _hi(d3) * (tl.load(xb + 4, mask=xm, other=0.0) * c)[None, :]
+    return p
+
+
+@triton.jit
+def _fwd_gemv_kernel(x_ptr, x32_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                     M, N, K, stride_xm, stride_x32m, stride_om, stride_wn, tiles_per_split,
+                     IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUPS: tl.constexpr, ACC_F32: tl.constexpr, USE_ASM: tl.constexpr):
+    """y = x W^T for M <= BLOCK_M <= 16 rows, W read as int32 words (w_ptr: int32 [N, K/8], row
+    stride stride_wn), bf16 x as int32 words (x32_ptr) or fp32 x (x_ptr, ACC_F32).
+    Grid (cdiv(N, BLOCK_N), split_k). A tile is BLOCK_N rows x GROUPS scale blocks."""
+    WPB: tl.constexpr = 2 if IS_NV else 4  # words per scale block
+    WT: tl.constexpr = GROUPS * WPB
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW = K // 8
+    NB = KW // WPB
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * NB
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    t0 = pid_k * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(NB, GROUPS))
+    kw_end = tl.minimum(KW, t1 * WT)
+    nb_end = tl.minimum(NB, t1 * GROUPS)
+    # prefetch the first tile
+    kw = t0 * WT + tl.arange(0, WT)
+    blk = t0 * GROUPS + tl.arange(0, GROUPS)
+    q = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < kw_end)[None, :], other=0)
+    s = tl.load(s_rows + blk[None, :], mask=n_mask[:, None] & (blk < nb_end)[None, :], other=0)
+    if BLOCK_M == 1 and not ACC_F32:
+        X0, X1, X2, X3 = _xwords(x32_ptr, kw, kw < kw_end)
+    for t in range(t0, t1):
+        kw_mask = kw < kw_end
+        # issue the next tile's loads before computing this one
+        kw_n = kw + WT
+        blk_n = blk + GROUPS
+        q_n = tl.load(w_rows + kw_n[None, :], mask=n_mask[:, None] & (kw_n < kw_end)[None, :], other=0)
+        s_n = tl.load(s_rows + blk_n[None, :], mask=n_mask[:, None] & (blk_n < nb_end)[None, :], other=0)
+        if BLOCK_M == 1 and not ACC_F32:
+            Y0, Y1, Y2, Y3 = _xwords(x32_ptr, kw_n, kw_n < kw_end)
+        sc = _decode_scale(s, IS_NV)
+        d0, d1, d2, d3 = _decode_words(q, USE_ASM)
+        for mi in tl.static_range(BLOCK_M):
+            xm = kw_mask & ((kw * 0 + mi) < M)
+            if ACC_F32:
+                part = _word_dot_f32(d0, d1, d2, d3, x_ptr + mi * stride_xm, kw, xm)
+            else:
+                if BLOCK_M > 1:
+                    X0, X1, X2, X3 = _xwords(x32_ptr + mi * stride_x32m, kw, xm)
+                p0, p1, p2, p3 = _xpairs(X0, X1, X2, X3, USE_ASM)
+                part = _dot8(d0, d1, d2, d3, p0[None, :], p1[None, :], p2[None, :], p3[None, :], USE_ASM)
+            pb = tl.sum(tl.reshape(part, (BLOCK_N, GROUPS, WPB)), axis=2) * sc
+            if BLOCK_M == 1:
+                acc1 += pb
+            else:
+                acc += tl.where(offs_m[:, None] == mi, tl.sum(pb, axis=1)[None, :], 0.0)
+        q = q_n
+        s = s_n
+        kw = kw_n
+        blk = blk_n
+        if BLOCK_M == 1 and not ACC_F32:
+            X0 = Y0
+            X1 = Y1
+            X2 = Y2
+            X3 = Y3
+    if BLOCK_M == 1:
+        acc += tl.sum(acc1, axis=1)[None, :]
+    if IS_NV:
+        acc = acc * (1180591620717411303424.0 / tl.load(gs_ptr))  # 2^(62+8) / global_scale
+    else:
+        acc = acc * 4611686018427387904.0  # 2^62
+    _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n)
+
+
+# ----------------------------------------------------------------------------------------------
 # configs
 
-# Largest M served by the CUDA-core GEMV kernel, and by the 16-row tensor-core kernel
-# (H200 sweep, Qwen2.5-7B shapes: the FMA kernel wins at M <= 2, tl.dot from M = 3 on).
+# Largest M served by the packed-decode GEMV kernel, and by the 16-row tensor-core kernel.
+GEMV_MAX_M = 4
+# The older CUDA-core kernel (fp32 decode per nibble), kept for kind="fma" (tests, sweeps).
 FMA_MAX_M = 2
 SKINNY_MAX_M = 16
 # Programs to aim for when choosing split-K, in multiples of the SM count.
@@ -288,11 +507,15 @@ def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -
 
 
 def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
-    """Heuristic launch config for ``kind`` in {"fma", "dot", "bwd"} (overridable by callers)."""
+    """Heuristic launch config for ``kind`` in {"gemv", "fma", "dot", "bwd"} (overridable)."""
     # Winners of the config sweep in experiments/bench_kernels.py --sweep (H200, 7B shapes).
     if kind == "fma":
         bm = 1 if M <= 1 else triton.next_power_of_2(M)
         return dict(BLOCK_M=bm, BLOCK_N=16, GROUPS=16 if is_nv else 8, X_VEC=X_VEC_DEFAULT,
+                    num_warps=4, num_stages=2)
+    if kind == "gemv":
+        bm = 1 if M <= 1 else triton.next_power_of_2(M)
+        return dict(BLOCK_M=bm, BLOCK_N=128, GROUPS=8 if is_nv else 4, ACC_F32=False,
                     num_warps=4, num_stages=2)
     if kind == "dot":
         if M <= SKINNY_MAX_M:
@@ -302,7 +525,7 @@ def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     if kind == "bwd":
         return dict(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=4, num_stages=4)
-    raise ValueError(f"kind must be one of ('fma', 'dot', 'bwd'), got {kind!r}")
+    raise ValueError(f"kind must be one of ('gemv', 'fma', 'dot', 'bwd'), got {kind!r}")
 
 
 def _fit(cfg: dict, K: int) -> dict:
@@ -361,6 +584,14 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch
             raise ValueError(f"{name} is on {t.device} but the input is on {x.device}")
 
 
+def _int32_words(packed: torch.Tensor) -> torch.Tensor | None:
+    """weight_packed [N, K/2] uint8 viewed as int32 [N, K/8] (no copy), or None if it cannot be."""
+    try:
+        return packed.view(torch.int32) if packed.stride(-1) == 1 else None
+    except RuntimeError:
+        return None
+
+
 def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
 
@@ -382,14 +613,38 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
         return out.reshape(*lead, N)
     scale = _scale_bytes(scale)
     gs_arg = gs if gs is not None else packed  # unused when not NVFP4
+    w32 = _int32_words(packed)
     if kind is None:
-        kind = "fma" if M <= FMA_MAX_M else "dot"
+        kind = "gemv" if M <= GEMV_MAX_M and w32 is not None else "dot"
     cfg = _fit(config or pick_config(kind, M, N, K, is_nv), K)
     if kind == "fma":
         cfg.setdefault("X_VEC", X_VEC_DEFAULT)
     sms = _num_sms(x.device)
     meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
-    if kind == "fma":
+    if kind == "gemv":
+        if M > cfg["BLOCK_M"] or cfg["BLOCK_M"] > 16:
+            raise ValueError(f"the gemv kernel serves M <= BLOCK_M <= 16, got M={M}, BLOCK_M={cfg['BLOCK_M']}")
+        if w32 is None:
+            raise ValueError("the gemv kernel reads weight_packed as int32 words: it must be contiguous")
+        meta["ACC_F32"] = bool(meta.get("ACC_F32", False) or x2.dtype == torch.float32)
+        x32 = x2
+        if not meta["ACC_F32"]:
+            if x2.stride(0) % 2 or x2.storage_offset() % 2:
+                x2 = x2.contiguous()
+            x32 = x2.view(torch.int32)
+        wpb = 2 if is_nv else 4
+        k_tiles = triton.cdiv(KH // 4 // wpb, cfg["GROUPS"])
+        n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+        split = split_k or _split(n_tiles, k_tiles, sms)
+        tps = triton.cdiv(k_tiles, split)
+        split = triton.cdiv(k_tiles, tps)
+        ws, cnt = _workspace(x.device, M * N, n_tiles)
+        _fwd_gemv_kernel[(n_tiles, split)](
+            x2, x32, w32, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), x32.stride(0), out.stride(0),
+            w32.stride(0), tps,
+            IS_NV=is_nv, USE_ASM=not INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **meta)
+    elif kind == "fma":
         if M > cfg["BLOCK_M"] or cfg["BLOCK_M"] > 16:
             raise ValueError(f"the fma kernel serves M <= BLOCK_M <= 16, got M={M}, BLOCK_M={cfg['BLOCK_M']}")
         hb = 8 if is_nv else 16
@@ -416,7 +671,7 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
             x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,
             IS_NV=is_nv, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
     else:
-        raise ValueError(f"kind must be one of ('fma', 'dot'), got {kind!r}")
+        raise ValueError(f"kind must be one of ('gemv', 'fma', 'dot'), got {kind!r}")
     return out.reshape(*lead, N)
 
 

@@ -55,6 +55,26 @@ def test_every_model_linear_shape(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gemv_paths(fmt):
+    """The packed-decode GEMV kernel at every M it can serve: bf16 activations (bf16x2 FMAs) and
+    fp32 activations (fp32 FMAs, held to a tighter tolerance), odd shapes, forced split-K."""
+    from qerl.kernels import fp4
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for n, k in [(3584, 3584), (512, 3584), (1000, 4128), (48, 96)]:
+        t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+        wd = formats.dequantize(t, fmt, dtype=torch.float32)
+        args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
+        for m in (1, 2, 3, 4, 8, 16):
+            for dtype, tol in ((torch.bfloat16, TOL), (torch.float32, 1e-5)):
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                ref = x.float() @ wd.T
+                for split in (None, 3):
+                    y = fp4.launch_linear(x, *args, kind="gemv", split_k=split)
+                    assert rel_err(y, ref) < tol, (n, k, m, dtype, split)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_cuda_graph_replay(fmt):
     n, k = 1000, 4128
     t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
