@@ -11,7 +11,7 @@ $(PY) experiments/$(1).py --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
 endef
 
 .PHONY: help setup test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
-	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all
+	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all rollout-throughput table3
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -70,6 +70,12 @@ model-sizes: ## the paper's Model Size column from the Qwen2.5 configs (CPU, sec
 
 bench-kernels: ## kernel benchmark (GPU): writes results/kernels/<gpu>.json
 	$(PY) experiments/bench_kernels.py
+
+rollout-throughput: ## rollout tokens/s, bf16/NF4/NVFP4 LoRA + HF generate, 7B-32B (GPU): results/rollout/<gpu>.json
+	$(PY) experiments/rollout_throughput.py $(ARGS)
+
+table3: ## GRPO step time split and peak memory, 7B/14B bs8 (GPU; 32B: see the script): results/table3/<gpu>.json
+	$(PY) experiments/table3_speed_memory.py $(ARGS)
 
 figures: ## regenerate results/figures/*.png from results/
 	$(PY) experiments/make_figures.py

