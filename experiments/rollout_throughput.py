@@ -275,9 +275,18 @@ def run(args) -> dict:
     print(f"copy bandwidth (read + write): {copy_tbps} TB/s")
     rows = []
     t_start = time.time()
+    settings = {k: v for k, v in vars(args).items() if k not in ("merge",)}
+
+    def save(complete=False):  # after every row: a run cut off by a time limit keeps what it measured
+        result = assemble(rows, prov, copy_tbps, settings)
+        result["complete"] = complete
+        return result, sc.write_json(result, args.out, prov["gpu"])
+
     for mk in args.models:
         vocab = sc.vocab_size(mk)
-        fmts = [f for f in sc.FORMATS if f in args.methods or (f == "bf16" and "hf_generate_bf16" in args.methods)]
+        # nvfp4 first, nf4 (the slowest) last: a run cut off by the time limit keeps the rows that matter most
+        fmts = [f for f in ("nvfp4", "bf16", "mxfp4", "nf4")
+                if f in args.methods or (f == "bf16" and "hf_generate_bf16" in args.methods)]
         for fmt in fmts:
             t0 = time.time()
             base = dict(model=mk, method=fmt, batch=None, lora_rank=args.ranks[0], prompt_len=args.prompt,
@@ -289,6 +298,7 @@ def run(args) -> dict:
                              "error": f"{type(e).__name__}: {str(e)[:500]}"})
                 print(f"  build {mk} {fmt} failed: {type(e).__name__}: {str(e)[:200]}")
                 sc.free()
+                save()
                 continue
             sc.sync()
             sizes = sc.model_bytes(model)
@@ -305,6 +315,7 @@ def run(args) -> dict:
                                       copy_tbps)
                         rows.append({**row, **extra})
                         print_table(rows[-1:])
+                        save()
                 if fmt == "bf16" and "hf_generate_bf16" in args.methods and rank == args.ranks[0]:
                     for b in args.hf_batch:
                         row = guarded(dict(model=mk, method="hf_generate_bf16", engine="hf_generate", batch=b,
@@ -312,12 +323,11 @@ def run(args) -> dict:
                                       time_hf_generate, model, mk, b, rank, args.prompt, args.hf_completion, vocab)
                         rows.append({**row, **extra})
                         print_table(rows[-1:])
+                        save()
             del model
             sc.free()
             print(f"  ({time.time() - t_start:.0f} s so far)")
-    settings = {k: v for k, v in vars(args).items() if k not in ("merge",)}
-    result = assemble(rows, prov, copy_tbps, settings)
-    path = sc.write_json(result, args.out, prov["gpu"])
+    result, path = save(complete=True)
     print_table(rows)
     print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
     for k, v in result["summary"].items():

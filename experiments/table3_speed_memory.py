@@ -327,6 +327,13 @@ def run(args) -> dict:
         print(f"memory cap: {cap:.1f} GiB (of {prov['env'].get('gpu_total_gib', 0):.1f} GiB)")
     rows = []
     t_start = time.time()
+    settings = {k: v for k, v in vars(args).items() if k != "merge"}
+
+    def save(complete=False):  # after every row: a run cut off by a time limit keeps what it measured
+        result = assemble(rows, prov, settings)
+        result["complete"] = complete
+        return result, sc.write_json(result, args.out, prov["gpu"])
+
     for mk in args.models:
         vocab = sc.vocab_size(mk)
         for method in args.methods:
@@ -345,6 +352,7 @@ def run(args) -> dict:
                         rows.append({**base, "batch": b, "grad_ckpt": gc_on == "on", "oom": oom,
                                      ("oom_phase" if oom else "failed_phase"): "build", "error": err})
                 sc.free()
+                save()
                 continue
             sizes = sc.model_bytes(model)
             trainable = lora_parameters(model)
@@ -357,11 +365,11 @@ def run(args) -> dict:
                 for gc_on in args.grad_ckpt:
                     rows.append(measure(model, mk, method, b, gc_on == "on", args, vocab, opt, opt_name, trainable, extra))
                     print_table(rows[-1:])
+                    save()
             del model, opt, trainable
             sc.free()
             print(f"  ({time.time() - t_start:.0f} s so far)")
-    result = assemble(rows, prov, {k: v for k, v in vars(args).items() if k != "merge"})
-    path = sc.write_json(result, args.out, prov["gpu"])
+    result, path = save(complete=True)
     print_table(rows)
     print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
     for k, v in result["summary"].items():
@@ -373,8 +381,8 @@ def run(args) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-14b"], choices=list(sc.MODELS))
-    ap.add_argument("--methods", nargs="+", default=["bf16", "nf4", "nvfp4"], choices=METHODS,
-                    help="base formats (LoRA on top of each); nf4 runs bitsandbytes' kernels")
+    ap.add_argument("--methods", nargs="+", default=["nvfp4", "bf16", "nf4"], choices=METHODS,
+                    help="base formats (LoRA on top of each), run in this order; nf4 runs bitsandbytes' kernels")
     ap.add_argument("--batch", nargs="+", type=int, default=[8], help="completions per step (paper: 2, 4, 8)")
     ap.add_argument("--grad-ckpt", nargs="+", default=["on"], choices=["on", "off"], help="gradient checkpointing")
     ap.add_argument("--prompt", type=int, default=256, help="prompt length (paper: 256)")

@@ -308,7 +308,9 @@ def test_rollout_throughput_main_smoke(tmp_path, capsys):
     res = rt.main(["--models", "tiny-qwen2", "--device", "cpu", "--methods", "nvfp4", "bf16", "hf_generate_bf16",
                    "--batch", "2", "--ranks", "4", "8", "--prompt", "5", "--completion", "4",
                    "--hf-completion", "3", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "cpu.json").read_text())["rows"]
+    on_disk = json.loads((tmp_path / "cpu.json").read_text())
+    rows = on_disk["rows"]
+    assert on_disk["complete"] is True  # (written after every row with complete = False)
     assert len(rows) == 2 * 2 + 1 and not [r for r in rows if r.get("error")]
     assert {r["lora_rank"] for r in rows} == {4, 8} and list(res["summary"]) == list(rt.SUMMARY_KEYS)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res["summary"]  # last line: JSON
