@@ -11,7 +11,9 @@ A script lists its runs for a profile as `Run`s (a folder name + TrainConfig ove
   runs/<experiment>/<profile>/<run>/ (checkpoints, W&B offline files, log.txt), W&B group
   `<experiment>-<profile>`, `--resume-from auto` so a run cut short resumes from its last checkpoint;
 - skipping: a run whose results/<experiment>/<profile>/runs/<run>/summary.json says status "ok"
-  (or whose eval.json exists) is done and is not launched again, so a rerun resumes;
+  (or whose eval.json exists) is done and is not launched again, so a rerun resumes; a done run
+  whose recorded config differs from the planned one (another --max-steps, a changed profile) is
+  reported, not rerun: delete its results folder to rerun it;
 - results: config.json, metrics.jsonl, summary.json / eval.json and run.json (the command and the
   row label) are copied into results/<experiment>/<profile>/runs/<run>/, then
   results/<experiment>/<profile>/table.csv is rebuilt in long form (model, method, dataset, metric,
@@ -154,6 +156,26 @@ def command(exp: Experiment, run: Run, args, run_dir: Path) -> list[str]:
                  str(max(cfg.micro_batch_size, 8)), "--out", str(run_dir / "eval.json"),
                  "--arith-levels", *map(str, cfg.arith_levels), "--seed", str(args.seeds[0]),
                  *(["--data-dir", cfg.data_dir] if cfg.data_dir else [])]
+
+
+# Fields that say where or how a run is logged, not what it computes.
+NOT_COMPARED = {"output_dir", "data_dir", "resume_from", "save_every", "wandb_mode", "wandb_project", "wandb_group",
+                "profile"}
+
+
+def config_drift(run: Run, res_dir: Path, args) -> dict:
+    """{field: (recorded, planned)} where a finished run's config.json differs from what is planned now
+    (e.g. it ran with --max-steps 2, or the profile changed since). Such a run still counts as done."""
+    path = res_dir / "config.json"
+    if run.kind != "train" or not path.exists():
+        return {}
+    have = json.loads(path.read_text())
+    want = make_config(args.profile, **{**run.overrides, **common_overrides(args)}).to_dict()
+
+    def norm(v):
+        return tuple(v) if isinstance(v, (list, tuple)) else v
+
+    return {k: (have[k], v) for k, v in want.items() if k in have and k not in NOT_COMPARED and norm(have[k]) != norm(v)}
 
 
 def is_done(run: Run, res_dir: Path) -> bool:
@@ -305,6 +327,12 @@ def main(exp: Experiment, argv=None) -> int:
     print(f"{exp.name}[{args.profile}]: {len(plan)} runs, {len(plan) - len(todo)} done, "
           f"{'would run' if args.dry_run else 'running'} {0 if args.collect_only else len(todo)} "
           f"({args.parallel} at a time); results in {res_root}", flush=True)
+    res_runs = res_root / "runs"
+    for r, _, done in plan:
+        drift = config_drift(r, res_runs / r.name, args) if done else {}
+        if drift:
+            print(f"  note: {r.name} is done but ran with " + ", ".join(f"{k}={a!r} (planned {b!r})" for k, (a, b) in
+                  drift.items()) + f"; delete {res_runs / r.name} to rerun it", flush=True)
     if args.dry_run:
         for r, cmd, done in plan:
             print(f"  [{'done' if done else 'todo'}] {r.name}{f'  ({r.label})' if r.label else ''}")

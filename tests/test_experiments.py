@@ -181,14 +181,18 @@ def test_collect_reproduces_committed_table1(tmp_path):
 def test_finished_runs_are_skipped_and_dry_run_runs_nothing(tmp_path, capsys):
     exp, args, plan = _plan("fig9_noise_schedulers", "small", tmp_path)
     res = tmp_path / "results" / exp.name / "small" / "runs"
-    _fake_train_run(res / "linear-s0", method="nvfp4_lora_aqn")
+    _fake_train_run(res / "linear-s0", method="nvfp4_lora_aqn", noise_schedule="linear", max_steps=2,
+                    model=C.default_model("small"))
     _fake_train_run(res / "cosine-s1", method="nvfp4_lora_aqn", status="partial")  # not finished: rerun
-    done = {r.name for r, _, d in C.planned(exp, args) if d}
-    assert done == {"linear-s0"}
+    plan = C.planned(exp, args)
+    assert {r.name for r, _, d in plan if d} == {"linear-s0"}
+    linear = next(r for r, _, _ in plan if r.name == "linear-s0")
+    assert C.config_drift(linear, res / "linear-s0", args) == {"max_steps": (2, PROFILES["small"]["max_steps"])}
     assert C.main(exp, ["--profile", "small", "--dry-run", "--results", str(tmp_path / "results"),
                         "--runs-dir", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "8 runs, 1 done, would run 7" in out and "[done] linear-s0" in out and "--noise-schedule cosine" in out
+    assert "note: linear-s0 is done but ran with max_steps=2" in out
     assert not (tmp_path / "runs").exists() and not (res.parent / "table.csv").exists()
 
 
