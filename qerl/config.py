@@ -34,6 +34,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     dtype: str = "bfloat16"  # activation / 16-bit weight dtype
     backend: str = "auto"  # 4-bit matmul dispatch: auto | triton | reference | bitsandbytes (nf4)
+    engine: str = "auto"  # rollout engine: auto (fast where supported) | fast (static cache + CUDA graphs) | hf (reference)
     gradient_checkpointing: bool = False
     # ---- data
     dataset: str = "arith"  # training set: arith | gsm8k | bigmath (see qerl.data.DATASETS)
@@ -107,6 +108,8 @@ class TrainConfig:
             raise ValueError(f"wandb_mode must be offline|online|disabled, got {self.wandb_mode!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16|float16|float32, got {self.dtype!r}")
+        if self.engine not in ("auto", "fast", "hf"):
+            raise ValueError(f"engine must be auto|fast|hf, got {self.engine!r}")
         if self.backend not in ("auto", "triton", "reference", "bitsandbytes"):
             raise ValueError(f"backend must be auto|triton|reference|bitsandbytes, got {self.backend!r}")
         if self.num_generations < 2:

@@ -14,29 +14,27 @@ from tqdm.auto import tqdm
 
 from qerl import data as qdata
 from qerl import rewards as qrewards
-from qerl.rollout import GenerateEngine
+from qerl.rollout import make_engine
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, records: list[dict], samples: int = 1, temperature: float = 0.6, top_p: float = 0.95,
              greedy: bool = False, max_new_tokens: int = 512, batch_size: int = 32, seed: int = 0,
-             max_prompt_length: int = 1024, desc: str = "eval") -> dict:
+             max_prompt_length: int = 1024, desc: str = "eval", engine: str = "auto") -> dict:
     """pass@1 over ``samples`` samples per problem (greedy: one deterministic sample)."""
     if samples < 1:
         raise ValueError("samples must be >= 1")
     samples = 1 if greedy else samples
-    engine = GenerateEngine(model, tokenizer)
+    engine = make_engine(model, tokenizer, kind=engine)
     was_training = model.training
     model.eval()
     kept, skipped = qdata.tokenize_prompts(records, tokenizer, max_prompt_length)
     items = [(r["prompt_ids"], r["answer"]) for r in kept for _ in range(samples)]
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
     acc, fmt, lens, unparsed = [], [], [], 0
     for s in tqdm(range(0, len(items), batch_size), desc=desc, leave=False):
         chunk = items[s:s + batch_size]
         ro = engine.generate([c[0] for c in chunk], max_new_tokens, temperature=temperature, top_p=top_p,
-                             greedy=greedy, generator=gen)
+                             greedy=greedy, seed=seed, seq_ids=list(range(s, s + len(chunk))))
         texts = tokenizer.batch_decode(ro.completion_ids * ro.completion_mask + engine.pad_id * (1 - ro.completion_mask),
                                        skip_special_tokens=True)
         res = qrewards.score_batch(texts, [c[1] for c in chunk])

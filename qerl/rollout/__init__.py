@@ -1,0 +1,46 @@
+"""Rollout: batched sampling from the training model itself (no copy of the weights, no sync).
+
+Two engines with one contract, ``generate(prompts, max_new_tokens, temperature, top_p, top_k,
+greedy, seed, seq_ids, ignore_eos, stop_strings) -> RolloutOutput``:
+
+- ``FastEngine`` (fast.py): static KV cache, whole decode steps as CUDA graphs, no host sync per
+  token; Llama / Qwen2 / Qwen3. The trainer's default.
+- ``GenerateEngine`` (hf.py): the reference loop over the HF model with its dynamic cache; any
+  causal LM; what the fast engine is tested against.
+
+``sequence_logprobs`` (hf.py) is the training forward over given completions. Sampling, fp32
+logits and the output record live in common.py.
+"""
+
+from __future__ import annotations
+
+from qerl.rollout.common import (RolloutOutput, filter_logits, left_pad, lm_logits, positions_from_mask,
+                                 sample_tokens, sequence_keys, uniform_noise)
+from qerl.rollout.fast import SUPPORTED, FastEngine
+from qerl.rollout.hf import GenerateEngine, decoder_and_head, sequence_logprobs
+
+ENGINES = ("auto", "fast", "hf")
+
+__all__ = ["ENGINES", "FastEngine", "GenerateEngine", "RolloutOutput", "SUPPORTED", "decoder_and_head",
+           "filter_logits", "left_pad", "lm_logits", "make_engine", "positions_from_mask", "sample_tokens",
+           "sequence_keys", "sequence_logprobs", "uniform_noise"]
+
+
+def make_engine(model, tokenizer=None, kind: str = "auto", **kw):
+    """The rollout engine for ``model``: "fast", "hf" (reference), or "auto" (fast where supported).
+
+    Keyword arguments go to the engine (eos_token_ids, pad_id; FastEngine also max_seq_len,
+    cuda_graphs, sync_every, logits_fp32). "fast" on an unsupported architecture raises.
+    """
+    if kind not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {kind!r}")
+    if kind == "auto":
+        kind = "fast" if getattr(model.config, "model_type", None) in SUPPORTED else "hf"
+    if kind == "fast":
+        return FastEngine(model, tokenizer, **kw)
+    allowed = {k: v for k, v in kw.items() if k in ("eos_token_ids",)}
+    if "pad_id" in kw and kw["pad_id"] is not None:
+        eng = GenerateEngine(model, tokenizer, **allowed)
+        eng.pad_id = int(kw["pad_id"])
+        return eng
+    return GenerateEngine(model, tokenizer, **allowed)

@@ -1,0 +1,192 @@
+"""What both rollout engines share: the output record, padding, logits, and seeded sampling.
+
+Sampling is keyed per sequence. The random numbers that pick token t of a sequence are a pure
+function of (seed, seq_id, t, vocabulary index), computed on the device with a counter-based hash
+(murmur3's 32-bit finaliser), and the token is drawn by the Gumbel-max trick over the
+temperature-scaled, top-k/top-p-filtered logits. Hence a sequence samples the same tokens whatever
+batch, engine or data-parallel rank it is generated in (given the same logits), with no generator
+state and no host sync. Gumbel-max is exact: argmax(log p_i + G_i) with G_i = -log(-log U_i) is a
+draw from p.
+
+Log-probs and entropies are those of softmax(logits / temperature), TRL's convention, so they
+compare directly with the training forward; top-k / top-p only restrict what is sampled.
+
+Logits are computed in fp32 from the bf16 hidden state and lm_head weight (``lm_logits``): fp32
+accumulation and no bf16 rounding of the logits, whose spacing at |logit| ~ 16 is 0.125. The
+rollout and the training forward both use it, which keeps their log-probs close
+(``sampling/logprob_gap``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class RolloutOutput:
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 for real tokens
+    completion_ids: torch.Tensor  # [B, C] right-padded with pad_id
+    completion_mask: torch.Tensor  # [B, C] 1 up to and including EOS (or the stop string's last token)
+    logprobs: torch.Tensor  # [B, C] fp32, log-prob of each sampled token under softmax(logits / T)
+    entropy: torch.Tensor  # [B, C] fp32, entropy of that distribution at each step
+    truncated: torch.Tensor  # [B] bool: no EOS / stop string within max_new_tokens
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into (ids, mask), to ``length`` if given (else the longest)."""
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("every prompt needs at least one token")
+    n = max(len(s) for s in seqs)
+    if length is not None:
+        if length < n:
+            raise ValueError(f"a prompt has {n} tokens, more than the engine's prompt length {length}")
+        n = length
+    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, n - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, n - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that ignore left padding: 0 at each sequence's first real token."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# logits in fp32
+class _LinearFp32Out(torch.autograd.Function):
+    """h @ W^T with bf16/fp16 operands and an fp32 result (fp32 accumulation, no output rounding)."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        return torch.mm(h, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        g16 = g.to(w.dtype)
+        dh = torch.mm(g16, w, out_dtype=torch.float32).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dw = torch.mm(g16.t(), h, out_dtype=torch.float32).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw
+
+
+def lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of ``hidden`` [..., H] under the lm_head ``weight`` [V, H].
+
+    CUDA with 16-bit operands: one GEMM with fp32 output (``torch.mm(..., out_dtype=float32)``).
+    Elsewhere: an fp32 matmul of upcast operands (same math, slower; CPU tests and small models).
+    """
+    shape = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.size(-1))
+    if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and weight.dtype == h.dtype:
+        out = _LinearFp32Out.apply(h, weight)
+    else:
+        out = torch.nn.functional.linear(h.float(), weight.float())
+    return out.reshape(*shape, weight.size(0))
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Mask logits outside the top-k / top-p (nucleus) set with -inf."""
+    if top_k and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        p = sorted_logits.softmax(-1)
+        remove = p.cumsum(-1) - p > top_p  # keep the token that crosses top_p
+        remove = remove.scatter(-1, idx, remove)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def sequence_keys(seed: int, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Per-sequence hash keys [B] (int64 in [0, 2^32)) from a run seed and global sequence ids."""
+    s = _fmix32(torch.tensor(seed & _M32, dtype=torch.long, device=seq_ids.device) ^ 0x5BD1E995)
+    return _fmix32(s ^ (seq_ids.long() & _M32))
+
+
+def uniform_noise(keys: torch.Tensor, t: torch.Tensor | int, vocab: int) -> torch.Tensor:
+    """U(0, 1) noise [B, vocab], fp32, strictly inside (0, 1): a pure function of (key, t, index)."""
+    if not torch.is_tensor(t):
+        t = torch.tensor(t, dtype=torch.long, device=keys.device)
+    kt = _fmix32(keys ^ ((t.long() * 0x9E3779B1) & _M32))  # [B]
+    v = torch.arange(vocab, device=keys.device, dtype=torch.long)
+    h = _fmix32(kt[:, None] ^ ((v * 0x27D4EB2F + 0x165667B1) & _M32)[None, :])
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
+                  keys: torch.Tensor, t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick the next token of each row. Returns (tokens [B], logprob of each [B], entropy [B]).
+
+    ``logits`` fp32 [B, V]; ``keys`` from ``sequence_keys``; ``t`` the step index (int or a
+    0-d device tensor, so the call can sit inside a CUDA graph).
+    """
+    scaled = logits / max(temperature, 1e-6)
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    if greedy:
+        tok = logits.argmax(-1)
+    else:
+        filt = filter_logits(scaled, top_k, top_p)
+        gumbel = -torch.log(-torch.log(uniform_noise(keys, t, logits.size(-1))))
+        tok = (filt + gumbel).argmax(-1)
+    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1), ent
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every end-of-sequence id the model's configs and the tokenizer name."""
+    ids = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif e:
+            ids.update(int(x) for x in e)
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        vocab = tokenizer.get_vocab()
+        for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            if tok in vocab:
+                ids.add(int(vocab[tok]))
+    return sorted(ids)
+
+
+def stop_length(tokenizer, tokens: list[int], stop_strings: list[str]) -> int | None:
+    """Tokens to keep so the completion ends right after its first stop string, or None if none occurs."""
+    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    if not any(s in text for s in stop_strings):
+        return None
+    lo, hi = 1, len(tokens)  # the shortest prefix whose text contains a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        t = tokenizer.decode(tokens[:mid], skip_special_tokens=False)
+        if any(s in t for s in stop_strings):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -1,0 +1,321 @@
+"""The fast rollout engine: static KV cache, whole decode steps replayed as CUDA graphs.
+
+It runs the training model's own modules (the QuantLinears with their packed 4-bit buffers and
+LoRA adapters, the RMSNorms whose weights AQN perturbs in place), so there is no copy of the
+weights and no weight sync; a new AQN sigma or an optimizer step is seen by the next replay with
+no re-capture. Supported: the Llama, Qwen2/Qwen2.5 and Qwen3 families (``SUPPORTED``).
+
+One ``generate`` call:
+1. Buffers for batch B and cache length L (a multiple of 256 that holds prompt + completion)
+   are allocated once and reused while B and L fit: per layer K and V [B, kv_heads, L, head_dim],
+   a key-validity mask [B, L], and the decode state (next token, positions, cache position, step,
+   done flags, lengths, per-sequence sampling keys, output rows).
+2. Prefill: the left-padded prompts [B, P] go through the layers in one pass (the 4-bit GEMM
+   kernel), K/V land in cache[:, :, :P], and the first token is sampled.
+3. Decode: one CUDA graph per attention window w (256, 512, 1024, ... up to L; the step at
+   cache position c replays the smallest w > c, so attention reads only the first w cache slots).
+   A graph holds the whole step: embedding, every layer, fp32 logits, sampling (temperature,
+   top-k, top-p, seeded Gumbel-max, see common.py), the write of token / log-prob / entropy, EOS
+   bookkeeping, and the advance of the step counters. The host only replays; it reads the done
+   flags every ``sync_every`` steps to stop early (and to apply stop strings), never per token.
+   Graphs are keyed by (B, L, sampling settings) and captured on first use (a warm-up pass, then
+   the capture), so the first call at a new batch size is slower: time the second.
+
+Without CUDA (CPU tests) the same step function runs eagerly; ``cuda_graphs=False`` does the same
+on a GPU (for debugging and for measuring what the graphs buy).
+
+Numerics follow the HF modules op for op (RMSNorm, rotary embedding, SDPA attention with the
+HF scaling, residual order), so greedy decoding reproduces ``model.generate`` (tested on the
+embedded model in bf16 and NVFP4 with ``logits_fp32=False``, which rounds the logits to the model
+dtype as HF does; the default fp32 logits are what the trainer uses, see common.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qerl.rollout.common import (RolloutOutput, eos_ids, left_pad, lm_logits, sample_tokens, sequence_keys,
+                                 stop_length)
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+WINDOW = 256  # cache length granularity and the smallest attention window
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class _Buffers:
+    B: int
+    L: int
+    k: list
+    v: list
+    key_valid: torch.Tensor  # [B, L] bool
+    tok: torch.Tensor  # [B] next input token
+    pos: torch.Tensor  # [B] its position id
+    cpos: torch.Tensor  # [1] its cache slot
+    t: torch.Tensor  # [] index of the token the next step samples
+    done: torch.Tensor  # [B] bool
+    lengths: torch.Tensor  # [B]
+    keys: torch.Tensor  # [B] sampling keys
+    out_ids: torch.Tensor  # [B, L]
+    out_lp: torch.Tensor  # [B, L] fp32
+    out_ent: torch.Tensor  # [B, L] fp32
+
+
+class FastEngine:
+    """Batched generation on the training model's own weights. See the module docstring.
+
+    Args:
+        model: an HF Llama / Qwen2 / Qwen3 causal LM (any qerl format, LoRA or not).
+        tokenizer: for EOS ids, the pad id and stop strings (optional if eos_token_ids is given).
+        eos_token_ids, pad_id: override what the model/tokenizer say.
+        max_seq_len: cache length to allocate up front (prompt + completion); else per call.
+        cuda_graphs: replay decode steps as CUDA graphs (default: on CUDA).
+        sync_every: decode steps between host checks of the done flags.
+        logits_fp32: fp32 logits (default; what training uses). False rounds logits to the model
+            dtype as HF does, for exact greedy parity tests.
+    """
+
+    def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None, pad_id: int | None = None,
+                 max_seq_len: int | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
+                 logits_fp32: bool = True):
+        cfg = model.config
+        if getattr(cfg, "model_type", None) not in SUPPORTED:
+            raise ValueError(f"FastEngine supports model types {SUPPORTED}, got {getattr(cfg, 'model_type', None)!r}; "
+                             "use the reference engine (make_engine(kind='hf')) for other architectures")
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("FastEngine does not implement sliding-window attention (config.use_sliding_window=True)")
+        self.model, self.tokenizer = model, tokenizer
+        self.inner = model.get_decoder()
+        self.layers = list(self.inner.layers)
+        self.head = model.get_output_embeddings()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.scaling = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        eos = eos_token_ids if eos_token_ids is not None else eos_ids(model, tokenizer)
+        if not eos:
+            raise ValueError("no EOS token id: pass eos_token_ids")
+        self.eos_list = sorted(set(int(e) for e in eos))
+        if pad_id is None:
+            pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+            pad_id = int(pad) if pad is not None else self.eos_list[0]
+        self.pad_id = int(pad_id)
+        self.device = self.head.weight.device
+        self.dtype = self.inner.embed_tokens.weight.dtype
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        self.sync_every = max(1, int(sync_every))
+        self.logits_fp32 = logits_fp32
+        self.eos = torch.tensor(self.eos_list, device=self.device)
+        self.max_seq_len = max_seq_len
+        self.buf: _Buffers | None = None
+        self.graphs: dict = {}
+        self._pool = None
+        self.stats = {"captures": 0, "replays": 0, "host_syncs": 0}
+
+    # ------------------------------------------------------------------------------ buffers
+    def _ensure_buffers(self, B: int, need: int) -> _Buffers:
+        L = max(self.max_seq_len or 0, need)
+        L = WINDOW * math.ceil(L / WINDOW)
+        b = self.buf
+        if b is not None and b.B == B and b.L >= L:
+            return b
+        self.buf, self.graphs, self._pool = None, {}, None  # free the old cache and graphs first
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        dev, dt = self.device, self.dtype
+        shape = (B, self.n_kv, L, self.head_dim)
+        self.buf = _Buffers(
+            B=B, L=L,
+            k=[torch.zeros(shape, dtype=dt, device=dev) for _ in self.layers],
+            v=[torch.zeros(shape, dtype=dt, device=dev) for _ in self.layers],
+            key_valid=torch.zeros((B, L), dtype=torch.bool, device=dev),
+            tok=torch.zeros(B, dtype=torch.long, device=dev), pos=torch.zeros(B, dtype=torch.long, device=dev),
+            cpos=torch.zeros(1, dtype=torch.long, device=dev), t=torch.zeros((), dtype=torch.long, device=dev),
+            done=torch.zeros(B, dtype=torch.bool, device=dev), lengths=torch.zeros(B, dtype=torch.long, device=dev),
+            keys=torch.zeros(B, dtype=torch.long, device=dev),
+            out_ids=torch.zeros((B, L), dtype=torch.long, device=dev),
+            out_lp=torch.zeros((B, L), dtype=torch.float32, device=dev),
+            out_ent=torch.zeros((B, L), dtype=torch.float32, device=dev))
+        return self.buf
+
+    def cache_bytes(self) -> int:
+        b = self.buf
+        return 0 if b is None else sum(t.numel() * t.element_size() for t in b.k + b.v)
+
+    # ------------------------------------------------------------------------------ the model
+    def _layers(self, h, pos, write, attn_mask, window):
+        """Every decoder layer on h [B, T, H]; K/V written by ``write(i, k, v)``; attention over cache[:w]."""
+        B, T, _ = h.shape
+        cos, sin = self.inner.rotary_emb(h, pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        b = self.buf
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(B, T, -1, self.head_dim)
+            k = attn.k_proj(x).view(B, T, -1, self.head_dim)
+            v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            if getattr(attn, "q_norm", None) is not None:  # Qwen3
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            write(i, k, v)
+            kk, vv = b.k[i][:, :, :window], b.v[i][:, :, :window]
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, scale=self.scaling,
+                                               enable_gqa=self.n_kv != self.n_heads)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def _logits(self, h):
+        h = self.inner.norm(h)
+        if self.logits_fp32:
+            return lm_logits(h, self.head.weight)
+        return self.head(h).float()
+
+    def _sample_and_record(self, logits, sampling):
+        """Sample token t, write it with its log-prob and entropy, update EOS state, advance counters."""
+        b = self.buf
+        temperature, top_k, top_p, greedy, ignore_eos = sampling
+        tok, lp, ent = sample_tokens(logits, temperature, top_k, top_p, greedy, b.keys, b.t)
+        tok = torch.where(b.done, torch.full_like(tok, self.pad_id), tok)
+        tix = b.t.view(1)
+        b.out_ids.index_copy_(1, tix, tok[:, None])
+        b.out_lp.index_copy_(1, tix, torch.where(b.done, 0.0, lp)[:, None])
+        b.out_ent.index_copy_(1, tix, torch.where(b.done, 0.0, ent)[:, None])
+        if not ignore_eos:
+            hit = (tok[:, None] == self.eos[None, :]).any(-1) & ~b.done
+            b.lengths.copy_(torch.where(hit, b.t + 1, b.lengths))
+            b.done.logical_or_(hit)
+        b.tok.copy_(tok)
+        b.t.add_(1)
+
+    def _decode_step(self, window, sampling):
+        """One decode step on the state buffers (what a CUDA graph holds)."""
+        b = self.buf
+
+        def write(i, k, v):
+            b.k[i].index_copy_(2, b.cpos, k)
+            b.v[i].index_copy_(2, b.cpos, v)
+
+        b.key_valid.index_fill_(1, b.cpos, True)
+        h = self.inner.embed_tokens(b.tok[:, None])
+        mask = b.key_valid[:, None, None, :window]
+        h = self._layers(h, b.pos[:, None], write, mask, window)
+        self._sample_and_record(self._logits(h[:, -1]), sampling)
+        b.pos.add_(1)
+        b.cpos.add_(1)
+
+    def _graph(self, window, sampling):
+        key = (self.buf.B, self.buf.L, window, sampling)
+        g = self.graphs.get(key)
+        if g is None:
+            st = torch.cuda.Stream()
+            st.wait_stream(torch.cuda.current_stream())
+            saved = [t.clone() for t in self._state()]
+            with torch.cuda.stream(st):  # warm-up: Triton compiles/launch caches, split-K workspaces
+                self._decode_step(window, sampling)
+            torch.cuda.current_stream().wait_stream(st)
+            for t, s in zip(self._state(), saved):
+                t.copy_(s)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                self._decode_step(window, sampling)
+            for t, s in zip(self._state(), saved):  # capture does not run, but be explicit
+                t.copy_(s)
+            self.graphs[key] = g
+            self.stats["captures"] += 1
+        return g
+
+    def _state(self):
+        b = self.buf
+        return [b.tok, b.pos, b.cpos, b.t, b.done, b.lengths, b.key_valid]
+
+    # ------------------------------------------------------------------------------ generate
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, greedy: bool = False, seed: int = 0, seq_ids: list[int] | None = None,
+                 ignore_eos: bool = False, stop_strings: list[str] | None = None) -> RolloutOutput:
+        """Sample (or greedily decode) ``max_new_tokens`` tokens for each prompt. Same contract as
+        GenerateEngine.generate: sequence i's sampling is keyed by (seed, seq_ids[i])."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer")
+        if not (temperature > 0 or greedy):
+            raise ValueError("temperature must be > 0 (or pass greedy=True)")
+        B = len(prompts)
+        P = max(len(p) for p in prompts) if prompts else 0
+        b = self._ensure_buffers(B, P + max_new_tokens)
+        ids, mask = left_pad(prompts, self.pad_id, self.device)
+        sid = torch.arange(B) if seq_ids is None else torch.as_tensor(seq_ids)
+        if sid.numel() != B:
+            raise ValueError(f"seq_ids has {sid.numel()} ids for {B} prompts")
+        sampling = (float(temperature), int(top_k), float(top_p), bool(greedy), bool(ignore_eos))
+        # ---- state
+        b.keys.copy_(sequence_keys(seed, sid.to(self.device)))
+        b.key_valid.zero_()
+        b.key_valid[:, :P] = mask.bool()
+        b.done.zero_()
+        b.lengths.fill_(max_new_tokens)
+        b.t.zero_()
+        # ---- prefill (eager: one pass over the prompts through the GEMM path)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        causal = torch.ones((P, P), dtype=torch.bool, device=self.device).tril()
+        pmask = (causal[None, None] & b.key_valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool,
+                                                                                   device=self.device)[None, None]
+
+        def write(i, k, v):
+            b.k[i][:, :, :P] = k
+            b.v[i][:, :, :P] = v
+
+        h = self._layers(self.inner.embed_tokens(ids), pos, write, pmask, P)
+        self._sample_and_record(self._logits(h[:, -1]), sampling)
+        b.pos.copy_(pos[:, -1] + 1)
+        b.cpos.fill_(P)
+        # ---- decode
+        windows = sorted({min(b.L, WINDOW * 2 ** i) for i in range(32) if WINDOW * 2 ** (i - 1) < b.L})
+        steps = 1
+        for t in range(1, max_new_tokens):
+            if (not ignore_eos or stop_strings) and t % self.sync_every == 0:
+                if self._check_done(stop_strings, t):
+                    break
+            if self.cuda_graphs:
+                window = next(w for w in windows if w > P + t - 1)
+                self._graph(window, sampling).replay()
+                self.stats["replays"] += 1
+            else:  # eager: attend over exactly the keys so far, as HF's dynamic cache does
+                self._decode_step(P + t, sampling)
+            steps = t + 1
+        if stop_strings:
+            self._check_done(stop_strings, steps)
+        C = steps
+        lengths = b.lengths.clamp(max=C)
+        done = b.done.clone()
+        cmask = (torch.arange(C, device=self.device)[None] < lengths[:, None]).long()
+        return RolloutOutput(ids, mask, b.out_ids[:, :C] * cmask + self.pad_id * (1 - cmask), cmask,
+                             b.out_lp[:, :C] * cmask, b.out_ent[:, :C] * cmask, ~done)
+
+    def _check_done(self, stop_strings, t: int) -> bool:
+        """Host check every sync_every steps: apply stop strings, report whether every row is done."""
+        b = self.buf
+        self.stats["host_syncs"] += 1
+        if stop_strings:
+            for i in torch.nonzero(~b.done).flatten().tolist():
+                n = stop_length(self.tokenizer, b.out_ids[i, :t].tolist(), stop_strings)
+                if n is not None:
+                    b.lengths[i], b.done[i] = n, True
+        return bool(b.done.all())

@@ -1,0 +1,120 @@
+"""The reference rollout engine and the training forward.
+
+``GenerateEngine`` is the simple engine: a token-by-token loop over the HF model with its dynamic
+KV cache, left-padded prompts with explicit position ids (so a sequence's positions do not depend
+on its padding, the same convention as the training forward), per-token log-probs and entropies
+computed on the fly (no [batch, length, vocab] logits are kept), one host sync per token. It is
+the definition the fast engine (qerl.rollout.fast) is tested against, and it runs any causal LM.
+
+``sequence_logprobs`` is the training forward: log-probs (and entropies) of given completions,
+with fp32 logits from ``lm_logits`` as in both engines.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qerl.rollout.common import (RolloutOutput, eos_ids, left_pad, lm_logits, positions_from_mask, sample_tokens,
+                                 sequence_keys, stop_length)
+
+
+def decoder_and_head(model):
+    """(the decoder stack returning hidden states, the lm_head weight) of an HF causal LM."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if dec is None or head is None:
+        raise ValueError(f"{type(model).__name__}: expected an HF causal LM with a decoder and an lm_head")
+    return dec, head.weight
+
+
+class GenerateEngine:
+    """Reference rollout engine on an HF causal LM (any qerl-quantized model included)."""
+
+    def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        eos = eos_token_ids if eos_token_ids is not None else eos_ids(model, tokenizer)
+        if not eos:
+            raise ValueError("no EOS token id: pass eos_token_ids")
+        self.eos = torch.tensor(sorted(set(eos)))
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad_id = int(pad) if pad is not None else int(self.eos[0])
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, greedy: bool = False, seed: int = 0, seq_ids: list[int] | None = None,
+                 ignore_eos: bool = False, stop_strings: list[str] | None = None) -> RolloutOutput:
+        """Sample completions. Sequence i draws its tokens from the keys (seed, seq_ids[i]) (see
+        qerl.rollout.common), so its sample does not depend on the batch it is in."""
+        from transformers import DynamicCache
+
+        if stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer")
+        model = self.model
+        dec, head_w = decoder_and_head(model)
+        device = head_w.device
+        ids, mask = left_pad(prompts, self.pad_id, device)
+        eos = self.eos.to(device)
+        B = ids.size(0)
+        sid = torch.arange(B) if seq_ids is None else torch.as_tensor(seq_ids)
+        if sid.numel() != B:
+            raise ValueError(f"seq_ids has {sid.numel()} ids for {B} prompts")
+        keys = sequence_keys(seed, sid.to(device))
+        cache = DynamicCache()
+        out_ids = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+        out_ent = torch.zeros_like(out_lp)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+        pos = positions_from_mask(mask)
+        inp, attn = ids, mask
+        t = 0
+        for t in range(max_new_tokens):
+            h = dec(input_ids=inp, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                    use_cache=True).last_hidden_state[:, -1]
+            nxt, lp, ent = sample_tokens(lm_logits(h, head_w), temperature, top_k, top_p, greedy, keys, t)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+            out_ids[:, t] = nxt
+            out_lp[:, t] = torch.where(done, 0.0, lp)
+            out_ent[:, t] = torch.where(done, 0.0, ent)
+            if not ignore_eos:
+                hit = torch.isin(nxt, eos) & ~done
+                lengths = torch.where(hit, t + 1, lengths)
+                done |= hit
+            if stop_strings:
+                for i in torch.nonzero(~done).flatten().tolist():
+                    n = stop_length(self.tokenizer, out_ids[i, :t + 1].tolist(), stop_strings)
+                    if n is not None:
+                        lengths[i], done[i] = n, True
+            if bool(done.all()):  # one host sync per token: this is the simple engine
+                break
+            inp = nxt[:, None]
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
+            pos = pos[:, -1:] + 1
+        C = t + 1
+        ar = torch.arange(C, device=device)[None]
+        cmask = (ar < lengths[:, None]).long()
+        return RolloutOutput(ids, mask, out_ids[:, :C] * cmask + self.pad_id * (1 - cmask), cmask,
+                             out_lp[:, :C] * cmask, out_ent[:, :C] * cmask, ~done)
+
+
+def sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                      with_entropy: bool = False):
+    """Per-token log-probs (and entropies) of the completion under the model: the training forward.
+
+    Only the completion positions' logits are computed, in fp32 (``lm_logits``), as in both engines.
+    """
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    C = completion_ids.size(1)
+    dec, head_w = decoder_and_head(model)
+    h = dec(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
+            use_cache=False).last_hidden_state[:, -(C + 1):-1]
+    logits = lm_logits(h, head_w) / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1)
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
