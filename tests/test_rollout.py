@@ -1,12 +1,18 @@
 """The rollout engines: the fast engine equals the reference engine and HF generate, samples are
 keyed per sequence, EOS / stop strings, no copy of the weights, AQN and LoRA seen live."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
-from conftest import make_tiny_model, make_tiny_tokenizer
-from qerl.rollout import (FastEngine, GenerateEngine, make_engine, sequence_logprobs, uniform_noise,
-                          sequence_keys)
+# tests/conftest.py's builders (a plain `import conftest` can pick up tests/kernels/conftest.py)
+_spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+make_tiny_model, make_tiny_tokenizer = _conftest.make_tiny_model, _conftest.make_tiny_tokenizer
+from qerl.rollout import FastEngine, GenerateEngine, make_engine, sequence_keys, sequence_logprobs, uniform_noise  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20]]
 

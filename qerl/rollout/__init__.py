@@ -14,8 +14,16 @@ logits and the output record live in common.py.
 
 from __future__ import annotations
 
-from qerl.rollout.common import (RolloutOutput, filter_logits, left_pad, lm_logits, positions_from_mask,
-                                 sample_tokens, sequence_keys, uniform_noise)
+from qerl.rollout.common import (
+    RolloutOutput,
+    filter_logits,
+    left_pad,
+    lm_logits,
+    positions_from_mask,
+    sample_tokens,
+    sequence_keys,
+    uniform_noise,
+)
 from qerl.rollout.fast import SUPPORTED, FastEngine
 from qerl.rollout.hf import GenerateEngine, decoder_and_head, sequence_logprobs
 

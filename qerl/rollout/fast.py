@@ -38,8 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qerl.rollout.common import (RolloutOutput, eos_ids, left_pad, lm_logits, sample_tokens, sequence_keys,
-                                 stop_length)
+from qerl.rollout.common import RolloutOutput, eos_ids, left_pad, lm_logits, sample_tokens, sequence_keys, stop_length
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 WINDOW = 256  # cache length granularity and the smallest attention window

@@ -14,8 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from qerl.rollout.common import (RolloutOutput, eos_ids, left_pad, lm_logits, positions_from_mask, sample_tokens,
-                                 sequence_keys, stop_length)
+from qerl.rollout.common import (
+    RolloutOutput,
+    eos_ids,
+    left_pad,
+    lm_logits,
+    positions_from_mask,
+    sample_tokens,
+    sequence_keys,
+    stop_length,
+)
 
 
 def decoder_and_head(model):
