@@ -11,7 +11,8 @@ $(PY) experiments/$(1).py --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
 endef
 
 .PHONY: help setup test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
-	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all rollout-throughput table3
+	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all rollout-throughput table3 \
+	train-ddp dist-check
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -76,6 +77,21 @@ rollout-throughput: ## rollout tokens/s, bf16/NF4/NVFP4 LoRA + HF generate, 7B-3
 
 table3: ## GRPO step time split and peak memory, 7B/14B bs8 (GPU; 32B: see the script): results/table3/<gpu>.json
 	$(PY) experiments/table3_speed_memory.py $(ARGS)
+
+# data-parallel runs (torchrun): GPUs per node, nodes, this node's rank, node 0's host:port
+NPROC ?= 2
+NNODES ?= 1
+NODE_RANK ?= 0
+RDZV ?= localhost:29500
+MULTICAST_OFF = NCCL_NVLS_ENABLE=$${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=$${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+	NVSHMEM_DISABLE_NVLS=$${NVSHMEM_DISABLE_NVLS:-1}
+
+train-ddp: ## data-parallel RL: NPROC GPUs per node (NNODES, NODE_RANK, RDZV for several nodes), train flags in ARGS
+	$(MULTICAST_OFF) $(PY) -m torch.distributed.run --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) \
+		--rdzv-backend c10d --rdzv-id qerl --rdzv-endpoint $(RDZV) -m qerl train --profile $(PROFILE) $(ARGS)
+
+dist-check: ## 2-GPU step == 1-GPU step and the step-time speedup (2 GPUs): results/dist/<gpu>.json
+	$(MULTICAST_OFF) $(PY) experiments/dist_check.py $(ARGS)
 
 figures: ## regenerate results/figures/*.png from results/
 	$(PY) experiments/make_figures.py

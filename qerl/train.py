@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from qerl import data as qdata
+from qerl import distributed as qdist
 from qerl import evaluate as qeval
 from qerl import loss as qloss
 from qerl import rewards as qrewards
@@ -33,7 +34,7 @@ from qerl.logging import RunLogger
 from qerl.noise import AQNConfig, keep_norms_fp32, noisy_norms
 from qerl.qlinear import QuantLinear
 from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
-from qerl.rollout import GenerateEngine, sequence_logprobs
+from qerl.rollout import make_engine, sequence_logprobs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -44,7 +45,7 @@ class NonFiniteError(RuntimeError):
 
 # ----------------------------------------------------------------------------- model
 def pick_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return qdist.pick_device()  # cuda:LOCAL_RANK under torchrun
 
 
 def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora: bool = True):
@@ -180,51 +181,72 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- one step
+_LOSS_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
+
+
 def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step, aqn: AQNConfig, device):
-    """One rollout and its policy updates; returns the step's metrics."""
+    """One rollout and its policy updates; returns the step's metrics (reduced over ranks).
+
+    ``prompts`` are the step's global prompts. Under torchrun each rank rolls out a contiguous share
+    of whole groups (qerl.distributed.shard) and trains on those completions; the loss of each
+    micro-batch is normalised by the counts of the GLOBAL micro/mini-batch, so the summed gradient is
+    the single-process one (see ``_loss_share``). In a single process the share is everything.
+    """
     G = cfg.num_generations
+    rank, world = qdist.world()
+    shares = [qdist.shard(len(prompts), r, world) for r in range(world)]
+    counts = [(hi - lo) * G for lo, hi in shares]
+    first = shares[rank][0] * G  # global index of this rank's first completion
+    mine = prompts[shares[rank][0]:shares[rank][1]]
     metrics: dict = {}
     t0 = time.perf_counter()
     # ---- rollout (AQN noise only while sampling; restored bitwise afterwards)
     stage, sigma = aqn.sigma_at(step, cfg.max_steps)
-    prompt_ids = [p["prompt_ids"] for p in prompts for _ in range(G)]
-    golds = [p["answer"] for p in prompts for _ in range(G)]
-    gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + step)
+    prompt_ids = [p["prompt_ids"] for p in mine for _ in range(G)]
+    golds = [p["answer"] for p in mine for _ in range(G)]
     model.eval()
     with noisy_norms(model, sigma, seed=cfg.seed * 104729 + step) as n_noisy:
+        # sequence i samples from the keys (seed, global id): the same tokens on any rank or batch
         ro = engine.generate(prompt_ids, cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k, generator=gen)
+                             top_k=cfg.top_k, seed=cfg.seed * 7919 + step,
+                             seq_ids=list(range(first, first + len(prompt_ids))))
     if device.type == "cuda":
         torch.cuda.synchronize()
     t_roll = time.perf_counter() - t0
-    metrics.update({"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll,
-                    "throughput/rollout_tokens_per_s": ro.num_completion_tokens / max(t_roll, 1e-9)})
     cmask = ro.completion_mask
-    lengths = cmask.sum(1).float()
-    metrics["sampling/entropy"] = float((ro.entropy * cmask).sum() / cmask.sum().clamp(min=1))
-    # ---- rewards and advantages
+    # ---- rewards (local); then every rank holds the whole batch's per-completion values
     texts = tokenizer.batch_decode(ro.completion_ids * cmask + engine.pad_id * (1 - cmask), skip_special_tokens=True)
     res = qrewards.score_batch(texts, golds)
-    acc = torch.tensor(res.rewards, dtype=torch.float32)
-    fmt_r = torch.tensor(res.format, dtype=torch.float32)
+    if cfg.mask_truncated_completions:
+        cmask = cmask * (~ro.truncated).long()[:, None]
+    per_seq = torch.tensor([res.rewards, res.format], dtype=torch.float64).T
+    per_seq = torch.cat([per_seq, torch.stack([ro.completion_mask.sum(1), cmask.sum(1), ro.truncated.long()], 1)
+                         .to(torch.float64).cpu()], 1)
+    per_seq = qdist.gather_shards(per_seq, counts)  # [all completions, 5]
+    acc, fmt_r = per_seq[:, 0].float(), per_seq[:, 1].float()
+    lengths, n_loss_tokens, trunc = per_seq[:, 2].float(), per_seq[:, 3], per_seq[:, 4].bool()
+    ent_sum, ent_n, unparsed, n_compl, n_prompt = qdist.all_reduce(
+        [float((ro.entropy * ro.completion_mask).sum()), float(ro.completion_mask.sum()), float(res.unparsed),
+         float(ro.num_completion_tokens), float(ro.prompt_mask.sum())], "sum")
+    t_roll_max = qdist.all_reduce(t_roll, "max")
+    metrics.update({"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll_max,
+                    "throughput/rollout_tokens_per_s": n_compl / max(t_roll_max, 1e-9),
+                    "sampling/entropy": ent_sum / max(ent_n, 1.0)})
     rewards = acc + cfg.format_reward_weight * fmt_r
-    adv, stats = qloss.compute_advantages(rewards, G, cfg.scale_rewards)
+    adv, stats = qloss.compute_advantages(rewards, G, cfg.scale_rewards)  # global: the same on every rank
     metrics.update(stats)
     metrics.update({"rewards/accuracy/mean": float(acc.mean()), "rewards/format/mean": float(fmt_r.mean()),
-                    "rewards/unparsed": res.unparsed})
-    trunc = ro.truncated.cpu()
-    term = lengths[~trunc.to(lengths.device)]
+                    "rewards/unparsed": int(unparsed)})
+    term = lengths[~trunc]
     metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                     "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(trunc.float().mean()),
                     "completions/mean_terminated_length": float(term.mean()) if term.numel() else None})
-    keep = torch.ones(len(texts), dtype=torch.bool)
+    keep = torch.ones(len(rewards), dtype=torch.bool)
     if cfg.dynamic_sampling:
         keep = qloss.dynamic_sampling_filter(rewards, G).repeat_interleave(G)
         metrics["dynamic_sampling/kept_groups"] = int(keep.sum()) // G
-    if cfg.mask_truncated_completions:
-        cmask = cmask * (~ro.truncated).long()[:, None]
-    idx = torch.nonzero(keep).squeeze(1)
-    adv = adv.to(device)
+    idx = torch.nonzero(keep).squeeze(1)  # global indices
+    adv = adv[first:first + len(texts)].to(device)
     # ---- log-probs of the sampled sequences under the clean policy (old) and reference (beta)
     t1 = time.perf_counter()
     mb = cfg.micro_batch_size
@@ -242,23 +264,35 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
                                                       ro.completion_mask[sl], cfg.temperature)
     m = ro.completion_mask.float()
     gap = (old_lp - ro.logprobs).abs() * m
-    metrics["sampling/logprob_gap"] = float(gap.sum() / m.sum().clamp(min=1))
-    metrics["sampling/logprob_gap_max"] = float(gap.max()) if m.sum() > 0 else None
-    # ---- policy updates
+    gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
+    gap_max = qdist.all_reduce(float(gap.max()) if gap.numel() else 0.0, "max")
+    metrics["sampling/logprob_gap"] = gap_sum / max(gap_n, 1.0)
+    metrics["sampling/logprob_gap_max"] = gap_max if gap_n > 0 else None
+    # ---- policy updates: the global mini/micro-batch plan is the same on every rank; each rank runs
+    # the members of each micro-batch it generated, and the gradients are summed once per optimizer step
     model.train()
     n = idx.numel()
     mini = cfg.mini_batch_size or n
-    acc_metrics: dict[str, list] = {}
-    losses, grad_norms = [], []
+    keys = _LOSS_METRICS if cfg.beta > 0 else tuple(k for k in _LOSS_METRICS if k != "kl")
+    table = []  # per global micro-batch: [loss, sums of the token metrics over this rank's tokens]
+    micro_tokens = []  # per global micro-batch: its completion tokens over all ranks
+    grad_norms = []
     for it in range(cfg.num_iterations):
         order = idx[torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 31 * step + it))] if n else idx
         for ms in range(0, n, mini):
             mini_idx = order[ms:ms + mini]
             micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
-            n_tokens = int(cmask[mini_idx.to(cmask.device)].sum())
+            n_tokens = int(n_loss_tokens[mini_idx].sum())
             opt.zero_grad(set_to_none=True)
+            bad = None
             for mi in micro:
-                mi_d = mi.to(device)
+                row = [0.0] * (1 + len(keys))
+                micro_tokens.append(float(n_loss_tokens[mi].sum()))
+                table.append(row)
+                own = mi[(mi >= first) & (mi < first + len(texts))] - first
+                if bad is not None or own.numel() == 0:
+                    continue
+                mi_d = own.to(device)
                 lp, ent = sequence_logprobs(model, ro.prompt_ids[mi_d], ro.prompt_mask[mi_d], ro.completion_ids[mi_d],
                                             ro.completion_mask[mi_d], cfg.temperature, with_entropy=True)
                 mask = cmask[mi_d]
@@ -267,15 +301,21 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
                                              ref_logp=ref_lp[mi_d] if ref_lp is not None else None,
                                              num_items_in_batch=n_tokens, max_completion_length=cfg.max_completion_length,
                                              gradient_accumulation_steps=len(micro))
+                loss = loss * _loss_share(cfg.loss_type, own.numel(), mi.numel(), float(n_loss_tokens[own + first].sum()),
+                                          micro_tokens[-1])
                 if not torch.isfinite(loss):
-                    raise NonFiniteError(f"non-finite loss ({loss.item()}) at step {step}, iteration {it}: stopping. "
-                                         "Lower the learning rate, check the data, or resume from the last checkpoint.")
+                    bad = float(loss.item())
+                    continue
                 loss.backward()
-                losses.append(loss.item() * len(micro))
                 fm = mask.float()
+                n_own = float(fm.sum())
                 lm["entropy"] = float((ent * fm).sum() / fm.sum().clamp(min=1))
-                for k, v in lm.items():
-                    acc_metrics.setdefault(k, []).append(v)
+                row[0] = loss.item() * len(micro)
+                row[1:] = [lm[k] * n_own for k in keys]  # token means -> token sums
+            if qdist.any_true(bad is not None):
+                raise NonFiniteError(f"non-finite loss ({bad}) at step {step}, iteration {it}: stopping. "
+                                     "Lower the learning rate, check the data, or resume from the last checkpoint.")
+            qdist.all_reduce_grads(trainable)
             gn = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             if not torch.isfinite(gn):
                 raise NonFiniteError(f"non-finite gradient norm at step {step}: stopping before the update")
@@ -284,22 +324,53 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
             sched.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    metrics["time/train_s"] = time.perf_counter() - t1
-    for k, v in acc_metrics.items():
-        metrics[k] = sum(v) / len(v) if v else None
+    metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
+    if table:  # each micro-batch's loss and token means over all ranks, then their mean (as one process logs them)
+        tab = torch.tensor(qdist.all_reduce([v for row in table for v in row], "sum"), dtype=torch.float64)
+        tab = tab.view(len(table), -1)
+        tok = torch.tensor(micro_tokens, dtype=torch.float64).clamp(min=1)[:, None]
+        metrics["loss"] = float(tab[:, 0].mean())
+        metrics.update({k: float((tab[:, 1 + j:2 + j] / tok).mean()) for j, k in enumerate(keys)})
+    else:
+        metrics["loss"] = None
+        metrics.update({k: None for k in keys})
     metrics.setdefault("kl", None)
-    metrics["loss"] = sum(losses) / len(losses) if losses else None
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else None
     metrics["learning_rate"] = sched.get_last_lr()[0]
-    metrics["num_tokens_step"] = int((ro.prompt_mask.sum() + ro.completion_mask.sum()).item())
-    metrics["step_time"] = time.perf_counter() - t0
+    metrics["num_tokens_step"] = int(n_prompt + n_compl)
+    metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")
     return metrics
+
+
+def _loss_share(loss_type: str, n_own: int, n_micro: int, tokens_own: float, tokens_micro: float) -> float:
+    """Rescale a loss that ``policy_loss`` normalised by this rank's share of a micro-batch to the
+    normaliser of the whole (global) micro-batch, so that the ranks' losses SUM to the single-process one.
+
+    grpo / dr_grpo divide by the number of sequences, bnpo by the number of completion tokens (clamped
+    at 1, as policy_loss does), dapo by ``num_items_in_batch``, which is already the global token count
+    of the mini-batch. In a single process the share is the whole micro-batch and the factor is 1.
+    """
+    if loss_type in ("grpo", "dr_grpo"):
+        return n_own / n_micro
+    if loss_type == "bnpo":
+        return max(tokens_own, 1.0) / max(tokens_micro, 1.0)
+    return 1.0
 
 
 # ----------------------------------------------------------------------------- the loop
 def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None = None) -> dict:
-    """Run RL training as configured; writes cfg.output_dir. ``stop_after`` ends early (tests of resume)."""
+    """Run RL training as configured; writes cfg.output_dir. ``stop_after`` ends early (tests of resume).
+
+    Under torchrun every rank runs this (data parallel, see qerl.distributed): rollouts and updates are
+    split, files, W&B, checkpoints and evaluation are rank 0's, and the returned summary holds
+    evaluations on rank 0 only.
+    """
     out = Path(cfg.output_dir)
+    owns_group = qdist.init()  # torchrun's env -> process group; nothing in a single process
+    rank, world = qdist.world()
+    main = rank == 0
+    if cfg.prompts_per_step < world:
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} < world size {world}: every rank needs a prompt")
     device = pick_device()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -308,7 +379,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     train_recs = qdata.load_dataset_split(cfg.dataset, "train", data_dir=cfg.data_dir, seed=cfg.seed,
                                           **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else {}))
     train_recs, skipped = qdata.tokenize_prompts(train_recs, tokenizer, cfg.max_prompt_length)
-    engine = GenerateEngine(model, tokenizer)
+    engine = make_engine(model, tokenizer, kind=cfg.engine,
+                         **({"max_seq_len": cfg.max_prompt_length + cfg.max_completion_length} if cfg.engine != "hf" else {}))
     n_per_rollout = cfg.rollout_batch_size
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
@@ -322,15 +394,17 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
             raise FileNotFoundError(f"resume_from={cfg.resume_from}: no such checkpoint")
         if resume is not None:
             start = load_checkpoint(resume, model, opt, sched)
-            print(f"[qerl] resumed from {resume} at step {start}")
-    logger = RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped}, cfg.wandb_mode,
-                       cfg.wandb_project, cfg.wandb_group, resume=resume is not None)
+            qdist.print0(f"[qerl] resumed from {resume} at step {start}")
+    qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
+    logger = (RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped, "world_size": world},
+                        cfg.wandb_mode, cfg.wandb_project, cfg.wandb_group, resume=resume is not None)
+              if main else _NullLogger())
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                    greedy=cfg.eval_greedy, max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
                    batch_size=max(cfg.micro_batch_size, 8), limit=cfg.eval_limit, data_dir=cfg.data_dir, seed=cfg.seed,
                    arith_levels=cfg.arith_levels, max_prompt_length=cfg.max_prompt_length)
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
-    if start == 0 and cfg.eval_datasets:
+    if main and start == 0 and cfg.eval_datasets:  # evaluation: rank 0 only, the others wait
         ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
         logger.log({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()}, step=0)
         summary.update({f"eval_before/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
@@ -338,32 +412,47 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     end = cfg.max_steps if stop_after is None else min(cfg.max_steps, stop_after)
-    bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps)
+    bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps, disable=not main)
     for step in bar:
         idx = prompts_for_step(len(train_recs), step, cfg.prompts_per_step, cfg.seed)
         m = rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, [train_recs[i] for i in idx], step, aqn, device)
         num_tokens += m.pop("num_tokens_step")
         m["num_tokens"] = num_tokens
-        m["memory/peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else _rss_peak_gib())
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
+        m["memory/peak_gib"] = qdist.all_reduce(
+            torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else _rss_peak_gib(), "max")
+        if main and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
             ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
             m.update({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
         logger.log(m, step=step + 1)
         bar.set_postfix(reward=f"{m['reward']:.3f}", ent=f"{m['entropy']:.3f}" if m.get("entropy") else "-")
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+        if main and cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(out / "checkpoints" / f"step-{step + 1}", step + 1, model, trainable_names, opt, sched, cfg)
     done = end == cfg.max_steps
-    if done:
+    if done and main:
         save_checkpoint(out / "checkpoints" / f"step-{end}", end, model, trainable_names, opt, sched, cfg)
         if cfg.eval_datasets:
             ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
             logger.log({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()}, step=end)
             summary.update({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
             summary.update({f"eval/{d}/format": r["format"] for d, r in ev.items()})
+    if done:
         summary["status"] = "ok"
     summary["steps"] = end
     logger.finish(summary)
+    qdist.barrier()  # the others wait for rank 0's checkpoint and evaluation
+    if owns_group:
+        qdist.cleanup()
     return summary
+
+
+class _NullLogger:
+    """The RunLogger of ranks other than 0: they write nothing."""
+
+    def log(self, metrics: dict, step: int):
+        pass
+
+    def finish(self, summary: dict):
+        pass
 
 
 def _rss_peak_gib() -> float:
