@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TARGETS = {"step1_loss_rel_diff": ("<=", 1e-3), "step1_gradnorm_rel_diff": ("<=", 1e-3),
            "step_time_speedup_2gpu": (">=", 1.8)}
-COMMON = dict(model="smollm2-135m-instruct", dataset="arith", arith_levels=(0,), eval_datasets=(), save_every=0,
+COMMON = dict(dataset="arith", arith_levels=(0,), eval_datasets=(), save_every=0,
               wandb_mode="disabled", num_iterations=1, mini_batch_size=0, learning_rate=2e-4, lora_rank=32,
               lora_alpha=64, loss_type="bnpo", seed=0)
 
@@ -47,17 +47,47 @@ COMMON = dict(model="smollm2-135m-instruct", dataset="arith", arith_levels=(0,),
 def phase_configs(a) -> dict[str, dict]:
     """The TrainConfig overrides of each check (profile "small" underneath)."""
     return {
-        "equivalence": dict(COMMON, method=a.eq_method, dtype="float32", backend=a.eq_backend, engine=a.eq_engine,
+        "equivalence": dict(COMMON, model=a.model, method=a.eq_method, dtype="float32", backend=a.eq_backend, engine=a.eq_engine,
                             max_steps=1,
                             prompts_per_step=a.eq_prompts, num_generations=8, max_completion_length=a.eq_len,
                             micro_batch_size=a.eq_micro),
-        "scaling": dict(COMMON, method=a.time_method, dtype="bfloat16", engine=a.time_engine, max_steps=1 + a.time_steps,
+        "scaling": dict(COMMON, model=a.model, method=a.time_method, dtype="bfloat16", engine=a.time_engine, max_steps=1 + a.time_steps,
                         prompts_per_step=a.time_prompts, num_generations=8, max_completion_length=a.time_len,
                         micro_batch_size=a.time_micro),
     }
 
 
 # ----------------------------------------------------------------------------- worker (under torchrun)
+def reward_kind(requested: str) -> str:
+    """"math-verify" (qerl.rewards, the trainer's reward) when importable, else "last-number"."""
+    if requested != "auto":
+        return requested
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        return "last-number"
+    return "math-verify"
+
+
+def last_number_score_batch(completions, golds, **kw):
+    """Exact match of the completion's answer (qerl's extraction, else its last number) with the
+    integer gold of the arith task: a stand-in reward where math-verify is not installed (without
+    it qerl.rewards scores every completion 0, and a step with no advantage proves nothing)."""
+    import re
+
+    from qerl import rewards as qrewards
+
+    rewards, sources, unparsed = [], [], 0
+    for c, g in zip(completions, golds):
+        cand, src = qrewards.extract_answer(c, fallback=True)
+        nums = re.findall(r"-?\d+(?:\.\d+)?", cand if cand is not None else c)
+        rewards.append(float(bool(nums) and float(nums[-1]) == float(g)))
+        unparsed += not nums
+        sources.append(src if cand is not None else "none")
+    return qrewards.RewardResult(rewards=rewards, format=[qrewards.format_reward(c) for c in completions],
+                                 unparsed=unparsed, sources=sources)
+
+
 def worker(a) -> None:
     import torch
 
@@ -68,6 +98,10 @@ def worker(a) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 in the equivalence check
     torch.backends.cudnn.allow_tf32 = False
+    if reward_kind(a.reward) == "last-number":
+        from qerl import rewards as qrewards
+
+        qrewards.score_batch = last_number_score_batch
     qdist.init()
     rank, world = qdist.world()
     out: dict = {"world_size": world, "phases": {}}
@@ -89,7 +123,7 @@ def launch(a, nproc: int, part: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(__file__).resolve()), "--worker", "--part", str(part), "--work-dir", a.work_dir]
     for k, v in vars(a).items():
-        if k.startswith(("eq_", "time_")):
+        if k.startswith(("eq_", "time_")) or k in ("reward", "model"):
             cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()}}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -153,7 +187,7 @@ def summarize(a, parts: dict[int, dict]) -> dict:
     env = environment()
     short, full = gpu_name()
     return {"gpu": a.gpu or short, "git_sha": env["git_sha"], "date": env["date"], "device": full,
-            "nproc": n, "torch": env["torch"], "transformers": env["transformers"], "triton": env["triton"],
+            "nproc": n, "reward": reward_kind(a.reward), "torch": env["torch"], "transformers": env["transformers"], "triton": env["triton"],
             "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF}, "configs": phase_configs(a),
             "targets": {k: list(v) for k, v in TARGETS.items()}, "rows": rows, "summary": summary}
 
@@ -179,6 +213,7 @@ def main() -> None:
     p.add_argument("--gpu", default=None, help="short GPU name for the file (default from torch, e.g. h200)")
     p.add_argument("--nproc", type=int, default=2, help="GPUs of the data-parallel run")
     p.add_argument("--work-dir", default=None, help="run folders (default: a temporary folder)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="hub id, local folder, .gguf or the embedded default")
     p.add_argument("--eq-method", default="nvfp4_lora")
     p.add_argument("--eq-backend", default="reference", help="4-bit matmul of the fp32 equivalence run")
     p.add_argument("--eq-engine", default="auto", help="rollout engine: auto | fast | hf")
@@ -191,6 +226,8 @@ def main() -> None:
     p.add_argument("--time-len", type=int, default=256, help="max completion tokens of the timing run")
     p.add_argument("--time-micro", type=int, default=64)
     p.add_argument("--time-steps", type=int, default=3, help="timed steps after 1 warm-up step")
+    p.add_argument("--reward", default="auto", choices=("auto", "math-verify", "last-number"),
+                   help="auto: qerl.rewards (math-verify) if installed, else last-number exact match")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU with gloo (a plumbing check, no timings)")
