@@ -17,7 +17,7 @@ torchrun with --nproc-per-node GPUs (``--worker``, launched by this script as su
 Command (one node with 2 GPUs; keep NVLink multicast off):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         python experiments/dist_check.py --out results/dist/h200.json
-Expected: about 4-6 minutes on 2 H200s (model load and compilation in 2 launches, then
+Expected (an estimate, not yet measured): about 4-6 minutes on 2 H200s (model load and compilation in 2 launches, then
 ~1 min of steps). The last stdout line is the result as one JSON object.
 """
 
