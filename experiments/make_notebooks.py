@@ -121,6 +121,9 @@ TABLE3_PLOT = """def plot_split(rows):
     ax.set_xlim(0, max(left) * 1.45)
     ax.legend(loc="lower right")
     plt.tight_layout()
+    out = RESULTS.parent / "figures" / "table3_step_split.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
     plt.show()
 
 
