@@ -37,6 +37,9 @@ from qerl import formats, kernels  # noqa: E402
 from qerl.kernels import fp4  # noqa: E402
 from qerl.kernels.shapes import MODEL_DIMS, PROJECTIONS, linear_shapes  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from speed_common import copy_bandwidth_tbps  # noqa: E402
+
 M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 2048)
 BYTES_PER_WEIGHT = {"nvfp4": 0.5625, "mxfp4": 0.53125, "bf16": 2.0, "nf4": 0.5 + 4 / 64}
 TARGETS = {
@@ -97,22 +100,7 @@ def time_graph(fns, min_reps=8, target_s=0.15):
 
 def copy_bandwidth():
     """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
-    nbytes = 1 << 30
-    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(30):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * nbytes / statistics.median(times) / 1e12
+    return copy_bandwidth_tbps(reps=30)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -76,15 +76,15 @@ def provenance(git_sha: str | None = None) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "env": env}
 
 
-def copy_bandwidth_tbps(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in TB/s, bytes read plus written (as bench_kernels.py)."""
+def copy_bandwidth_tbps(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in TB/s, bytes read plus written (median of ``reps`` copies)."""
     a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
     torch.cuda.synchronize()
     times = []
-    for _ in range(20):
+    for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         b.copy_(a)
