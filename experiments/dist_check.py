@@ -51,7 +51,7 @@ def phase_configs(a) -> dict[str, dict]:
                             max_steps=1,
                             prompts_per_step=a.eq_prompts, num_generations=8, max_completion_length=a.eq_len,
                             micro_batch_size=a.eq_micro),
-        "scaling": dict(COMMON, model=a.model, method=a.time_method, dtype="bfloat16", engine=a.time_engine, max_steps=1 + a.time_steps,
+        "scaling": dict(COMMON, model=a.time_model or a.model, method=a.time_method, dtype="bfloat16", engine=a.time_engine, max_steps=1 + a.time_steps,
                         prompts_per_step=a.time_prompts, num_generations=8, max_completion_length=a.time_len,
                         micro_batch_size=a.time_micro),
     }
@@ -123,7 +123,7 @@ def launch(a, nproc: int, part: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(__file__).resolve()), "--worker", "--part", str(part), "--work-dir", a.work_dir]
     for k, v in vars(a).items():
-        if k.startswith(("eq_", "time_")) or k in ("reward", "model"):
+        if (k.startswith(("eq_", "time_")) or k in ("reward", "model")) and v is not None:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()}}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -220,6 +220,9 @@ def main() -> None:
     p.add_argument("--eq-prompts", type=int, default=16, help="prompts of the step (x 8 samples)")
     p.add_argument("--eq-len", type=int, default=128, help="max completion tokens")
     p.add_argument("--eq-micro", type=int, default=32, help="micro-batch (completions per forward/backward)")
+    p.add_argument("--time-model", default=None,
+                   help="model of the timing run (default --model); e.g. random:qwen2.5-3b-instruct, random weights "
+                        "of a larger architecture, so that each GPU's share is throughput-bound")
     p.add_argument("--time-method", default="nvfp4_lora")
     p.add_argument("--time-engine", default="auto", help="rollout engine: auto | fast | hf")
     p.add_argument("--time-prompts", type=int, default=128, help="prompts per step (x 8 samples) of the timing run")

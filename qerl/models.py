@@ -260,6 +260,8 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dty
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if str(name_or_path).startswith(RANDOM_PREFIX):
+        return load_random_model(str(name_or_path)[len(RANDOM_PREFIX):], dtype, device, cache_dir)
     path = resolve_model_path(name_or_path, cache_dir)
     is_hub = not Path(path).is_dir()
     hub_kw = {"cache_dir": str(cache_root(cache_dir) / "hub")} if is_hub else {}
@@ -282,6 +284,26 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dty
 
 # ----------------------------------------------------------------------------------------------
 # Random-init / meta models of known architectures
+
+RANDOM_PREFIX = "random:"
+
+
+def load_random_model(arch: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                      cache_dir: str | os.PathLike | None = None, seed: int = 0):
+    """(model, tokenizer) for "random:<arch>": random weights of a known architecture (a QWEN25_CONFIGS
+    name, or a folder holding a config.json), with the embedded SmolLM2 tokenizer. For speed and
+    scaling benchmarks only (random weights say nothing about learning). The vocabulary is cut to the
+    tokenizer's (49,152 ids), so every sampled id decodes; the decoder layers are the architecture's.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(arch).expanduser()
+    config = AutoConfig.from_pretrained(folder) if (folder / "config.json").is_file() else model_config(arch)
+    tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL, cache_dir)))
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model = build_random_model(config, dtype=dtype, device=device, seed=seed)
+    return model, _prepare_tokenizer(tokenizer, model.config)
 
 
 def model_config(config_or_name):

@@ -157,3 +157,22 @@ def test_supported_types_agree_with_quantize():
     from qerl import quantize
 
     assert models.SUPPORTED_MODEL_TYPES == quantize.SUPPORTED_MODEL_TYPES
+
+
+def test_random_model_spec(tmp_path):
+    """"random:<arch>": random weights of an architecture with the embedded tokenizer (benchmarks)."""
+    import importlib.util
+
+    from qerl.models import load_model
+
+    spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    conftest.make_tiny_config("qwen2", vocab_size=151936).save_pretrained(tmp_path)
+    model, tok = load_model(f"random:{tmp_path}", dtype=torch.float32)
+    assert model.config.vocab_size == len(tok) == model.lm_head.weight.shape[0]
+    assert model.config.num_hidden_layers == 2 and model.config.model_type == "qwen2"
+    ids = tok("What is 2 + 3?", return_tensors="pt").input_ids
+    assert torch.isfinite(model(ids).logits).all()
+    with pytest.raises(ValueError, match="unknown model name"):
+        load_model("random:no-such-arch")
