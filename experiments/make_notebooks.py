@@ -1,4 +1,4 @@
-"""Write notebooks/{table1,rewards,entropy,speed,experiments,table3}.ipynb from the cell lists below (nbformat), so
+"""Write notebooks/{table1,rewards,entropy,speed,experiments,table3,rollout}.ipynb from the cell lists below (nbformat), so
 the notebooks are reproducible and reviewable as code. They read results/ only.
 
     .venv/bin/python experiments/make_notebooks.py      # write (outputs empty)
@@ -148,6 +148,66 @@ CELLS["table3"] = [
     TABLE3_LOAD,
     TABLE3_ROWS,
     TABLE3_PLOT,
+    TABLE3_SUMMARY,
+]
+
+
+ROLLOUT_LOAD = """import json
+import os
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+pd.set_option("display.precision", 2)
+
+# QERL_RESULTS points the notebook at another results folder (the tests use it).
+RESULTS = Path(os.environ.get("QERL_RESULTS", "results")) / "rollout"
+runs = {f.stem: json.loads(f.read_text()) for f in sorted(RESULTS.glob("*.json"))}
+rows = pd.DataFrame([{**r, "gpu": g} for g, run in runs.items() for r in run["rows"]]) if runs else None
+if rows is None:
+    print(f"no results in {RESULTS}/ yet: run experiments/rollout_throughput.py on a GPU (see its docstring)")
+else:
+    cols = ["gpu", "model", "method", "batch", "lora_rank", "completion_len", "tokens_per_s", "ms_per_decode_step",
+            "roofline_fraction", "peak_gib", "paper_vllm_tokens_per_s"]
+    display(rows.reindex(columns=cols))"""
+
+ROLLOUT_PLOT = """def plot_throughput(rows):
+    \"\"\"Figure 11 at this scale: generated tokens/s per method, one panel per batch size.\"\"\"
+    if rows is None or rows.empty:
+        print("nothing to plot")
+        return
+    batches = sorted(rows["batch"].unique())
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.8), squeeze=False)
+    methods = [m for m in ["bf16", "nf4", "mxfp4", "nvfp4", "hf_generate_bf16"] if m in set(rows["method"])]
+    for ax, bs in zip(axes[0], batches):
+        sub = rows[rows["batch"] == bs]
+        models = sorted(sub["model"].unique())
+        width = 0.8 / max(len(methods), 1)
+        for j, m in enumerate(methods):
+            vals = [sub[(sub["model"] == mo) & (sub["method"] == m)]["tokens_per_s"].max() for mo in models]
+            ax.bar([i + j * width for i in range(len(models))], vals, width, label=m)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models)
+        ax.set_title(f"batch {bs}")
+        ax.set_ylabel("generated tokens / s")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("rollout throughput, random weights, prompt 256 (results/rollout/<gpu>.json)")
+    plt.tight_layout()
+    out = RESULTS.parent / "figures" / "rollout_throughput.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.show()
+
+
+plot_throughput(rows)"""
+
+CELLS["rollout"] = [
+    "# Rollout throughput (paper Tables 5-9, Figure 11)\nThe fast engine (static KV cache, CUDA graphs) on "
+    "random-weight Qwen2.5 architectures: bf16 LoRA, bitsandbytes NF4, MXFP4 and NVFP4, plus HF `generate` in "
+    "bf16 (what a user gets without an engine; a shorter completion, a per-token rate). Reads "
+    "`results/rollout/<gpu>.json` from `experiments/rollout_throughput.py`; `paper_*` columns are the "
+    "paper's vLLM numbers, a reference only.",
+    ROLLOUT_LOAD,
+    ROLLOUT_PLOT,
     TABLE3_SUMMARY,
 ]
 

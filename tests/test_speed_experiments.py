@@ -323,3 +323,33 @@ def test_table3_main_smoke(tmp_path, capsys):
     assert len(rows) == 4 and all(r["step_s"] > 0 and not r["oom"] for r in rows)
     assert {"model_size_gb", "rollout_share", "optimizer", "lora_rank"} <= set(rows[0])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res["summary"]
+
+
+# notebooks/rollout.ipynb: the committed rollout results draw Figure 11; no results prints a note
+def _run_rollout_notebook(tmp_path, monkeypatch, results):
+    import make_notebooks
+    import nbformat
+    import run_notebooks
+
+    monkeypatch.setenv("QERL_RESULTS", str(results))
+    path = tmp_path / "rollout.ipynb"
+    nbformat.write(make_notebooks.build("rollout"), path)
+    nb = run_notebooks.run(path, timeout=120)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    return outputs
+
+
+def test_rollout_notebook(tmp_path, monkeypatch):
+    import shutil
+
+    committed = Path(__file__).resolve().parents[1] / "results" / "rollout"
+    if not list(committed.glob("*.json")):
+        pytest.skip("no committed rollout results")
+    (tmp_path / "res").mkdir()
+    shutil.copytree(committed, tmp_path / "res" / "rollout")
+    outputs = _run_rollout_notebook(tmp_path, monkeypatch, tmp_path / "res")
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert (tmp_path / "res" / "figures" / "rollout_throughput.png").stat().st_size > 10_000
+    empty = _run_rollout_notebook(tmp_path, monkeypatch, tmp_path / "nothing")
+    assert any("no results in" in o.get("text", "") for o in empty)
