@@ -10,7 +10,7 @@ Batch sizes are explicit about what they count: ``prompts_per_step`` prompts, ea
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 METHODS = ("bf16_full", "bf16_lora", "nf4_lora", "mxfp4_lora", "nvfp4_lora", "nvfp4_lora_aqn")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -39,6 +39,7 @@ class TrainConfig:
     # ---- data
     dataset: str = "arith"  # training set: arith | gsm8k | bigmath (see qerl.data.DATASETS)
     arith_levels: tuple[int, ...] = (0, 1)  # levels of the built-in arith set (qerl.data.ARITH_LEVELS)
+    bigmath_config: str = "level_3_4_5"  # BigMath subset (qerl.data.BIGMATH_CONFIGS); paper: 3-5, 32B: level_4_5
     data_dir: str | None = None  # local JSONL folder laid out like shared/data (else $QERL_DATA_DIR, else hub)
     max_prompt_length: int = 256  # prompts longer than this (in tokens) are skipped and counted
     # ---- rollout (TRL names)
@@ -108,6 +109,10 @@ class TrainConfig:
             raise ValueError(f"wandb_mode must be offline|online|disabled, got {self.wandb_mode!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16|float16|float32, got {self.dtype!r}")
+        from qerl.data import BIGMATH_CONFIGS
+
+        if self.bigmath_config not in BIGMATH_CONFIGS:
+            raise ValueError(f"bigmath_config must be one of {BIGMATH_CONFIGS}, got {self.bigmath_config!r}")
         if self.engine not in ("auto", "fast", "hf"):
             raise ValueError(f"engine must be auto|fast|hf, got {self.engine!r}")
         if self.backend not in ("auto", "triton", "reference", "bitsandbytes"):

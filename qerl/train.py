@@ -377,7 +377,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     model, tokenizer, trainable, info = build_policy(cfg, device, model, tokenizer)
     trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
     train_recs = qdata.load_dataset_split(cfg.dataset, "train", data_dir=cfg.data_dir, seed=cfg.seed,
-                                          **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else {}))
+                                          **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else
+                                             {"config": cfg.bigmath_config} if cfg.dataset == "bigmath" else {}))
     train_recs, skipped = qdata.tokenize_prompts(train_recs, tokenizer, cfg.max_prompt_length)
     engine = make_engine(model, tokenizer, kind=cfg.engine,
                          **({"max_seq_len": cfg.max_prompt_length + cfg.max_completion_length} if cfg.engine != "hf" else {}))

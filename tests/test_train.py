@@ -4,12 +4,11 @@ and the CLI smoke profile on the embedded model.
 Run: python -m pytest tests/test_train.py -q      (the embedded-model smoke run takes a few minutes)
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
 import zlib
-
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -116,6 +115,27 @@ def test_bad_config_values():
         make_config("smoke", method="int8_lora")
     with pytest.raises(ValueError, match="unknown profile"):
         make_config("huge")
+    with pytest.raises(ValueError, match="bigmath_config"):
+        make_config("smoke", bigmath_config="level_9")
+    with pytest.raises(ValueError, match="engine must be"):
+        make_config("smoke", engine="vllm")
+
+
+def test_bigmath_config_reaches_the_loader(tmp_path, monkeypatch):
+    """The trainer asks for the configured BigMath subset (the paper's 32B row: levels 4-5)."""
+    from qerl import data as qdata
+
+    seen = {}
+
+    def fake_load(name, split, **kw):
+        seen.update(kw, name=name)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(qdata, "load_dataset_split", fake_load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        train(tiny_cfg(tmp_path / "bm", dataset="bigmath", bigmath_config="level_4_5", wandb_mode="disabled"),
+              model=make_tiny_model("llama"), tokenizer=make_tiny_tokenizer())
+    assert seen["name"] == "bigmath" and seen["config"] == "level_4_5"
 
 
 def test_cli_smoke_profile_on_embedded_model(tmp_path, smollm2):
