@@ -133,11 +133,11 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         res = {}
         for fmt in ("nvfp4", "mxfp4"):
-            res[fmt] = time_graph([lambda t=t: kernels.linear(x, fmt, t, n, k, backend="triton") for t in qc[fmt]])
-        res["bf16"] = time_graph([lambda wi=wi: F.linear(x, wi) for wi in wc])
+            res[fmt] = time_graph([lambda t=t, x=x, fmt=fmt: kernels.linear(x, fmt, t, n, k, backend="triton") for t in qc[fmt]])
+        res["bf16"] = time_graph([lambda wi=wi, x=x: F.linear(x, wi) for wi in wc])
         if nf4 is not None:
             f, packs = nf4
-            res["nf4"] = time_graph([lambda p=p: f(x, p) for p in packs])
+            res["nf4"] = time_graph([lambda p=p, f=f, x=x: f(x, p) for p in packs])
         kind = "gemv" if m <= fp4.GEMV_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
         for meth, (sec, mode) in res.items():
             moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
@@ -149,8 +149,8 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         res = {}
         for fmt in ("nvfp4", "mxfp4"):
-            res[fmt] = time_graph([lambda t=t: kernels.grad_input(dy, fmt, t, n, k, backend="triton") for t in qc[fmt]])
-        res["bf16"] = time_graph([lambda wi=wi: torch.matmul(dy, wi) for wi in wc])
+            res[fmt] = time_graph([lambda t=t, dy=dy, fmt=fmt: kernels.grad_input(dy, fmt, t, n, k, backend="triton") for t in qc[fmt]])
+        res["bf16"] = time_graph([lambda wi=wi, dy=dy: torch.matmul(dy, wi) for wi in wc])
         for meth, (sec, mode) in res.items():
             moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
             rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="grad_input",
@@ -209,15 +209,15 @@ def sweep(l2, out_rows, ms=(1, 2, 4, 8, 16, 2048), big=True):
                 try:
                     if kind == "bf16":
                         wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
-                        fns = [lambda wi=wi: F.linear(x, wi) for wi in wc]
+                        fns = [lambda wi=wi, x=x: F.linear(x, wi) for wi in wc]
                         err = None
                     elif kind == "bwd":
-                        fns = [lambda tt=tt: fp4.launch_grad_input(dy, *args(tt), config=cfg) for tt in copies]
+                        fns = [lambda tt=tt, dy=dy, args=args, cfg=cfg: fp4.launch_grad_input(dy, *args(tt), config=cfg) for tt in copies]
                         out = fns[0]()
                         err = float((out.float() - dy.float() @ wd).norm() / (dy.float() @ wd).norm())
                     else:
                         kk = "dot" if kind.startswith("dot") else kind
-                        fns = [lambda tt=tt: fp4.launch_linear(x, *args(tt), kind=kk, config=cfg) for tt in copies]
+                        fns = [lambda tt=tt, x=x, args=args, kk=kk, cfg=cfg: fp4.launch_linear(x, *args(tt), kind=kk, config=cfg) for tt in copies]
                         out = fns[0]()
                         err = float((out.float() - ref).norm() / ref.norm())
                     sec, _ = time_graph(fns)

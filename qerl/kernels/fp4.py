@@ -429,7 +429,7 @@ def _fwd_gemv_kernel(x_ptr, x32_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_
     s = tl.load(s_rows + blk[None, :], mask=n_mask[:, None] & (blk < nb_end)[None, :], other=0)
     if BLOCK_M == 1 and not ACC_F32:
         X0, X1, X2, X3 = _xwords(x32_ptr, kw, kw < kw_end)
-    for t in range(t0, t1):
+    for t in range(t0, t1):  # noqa: B007 (a tile counter; the body advances pointers)
         kw_mask = kw < kw_end
         # issue the next tile's loads before computing this one
         kw_n = kw + WT
