@@ -41,8 +41,30 @@ class RolloutOutput:
         return int(self.completion_mask.sum())
 
 
+def as_token_lists(prompts) -> list[list[int]]:
+    """Prompts as lists of token ids: lists, 1-D tensors, or tokenizer outputs with ``input_ids``
+    (what ``apply_chat_template`` returns in transformers 5); text is an error (tokenize first)."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            raise TypeError("prompts must be token ids, not text: tokenize them first "
+                            "(tokenizer.apply_chat_template(..., add_generation_prompt=True))")
+        if hasattr(p, "keys") and "input_ids" in p:
+            p = p["input_ids"]
+        if torch.is_tensor(p):
+            p = p.reshape(-1).tolist()
+        p = list(p)
+        if p and isinstance(p[0], (list, tuple)):  # a batch of one from a tokenizer
+            if len(p) != 1:
+                raise ValueError("each prompt must be one sequence of token ids")
+            p = list(p[0])
+        out.append([int(t) for t in p])
+    return out
+
+
 def left_pad(seqs: list[list[int]], pad_id: int, device, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into (ids, mask), to ``length`` if given (else the longest)."""
+    seqs = as_token_lists(seqs)
     if not seqs or any(len(s) == 0 for s in seqs):
         raise ValueError("every prompt needs at least one token")
     n = max(len(s) for s in seqs)

@@ -38,7 +38,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qerl.rollout.common import RolloutOutput, eos_ids, left_pad, lm_logits, sample_tokens, sequence_keys, stop_length
+from qerl.rollout.common import (
+    RolloutOutput,
+    as_token_lists,
+    eos_ids,
+    left_pad,
+    lm_logits,
+    sample_tokens,
+    sequence_keys,
+    stop_length,
+)
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 WINDOW = 256  # cache length granularity and the smallest attention window
@@ -256,6 +265,7 @@ class FastEngine:
             raise ValueError("stop_strings need a tokenizer")
         if not (temperature > 0 or greedy):
             raise ValueError("temperature must be > 0 (or pass greedy=True)")
+        prompts = as_token_lists(prompts)
         B = len(prompts)
         P = max(len(p) for p in prompts) if prompts else 0
         b = self._ensure_buffers(B, P + max_new_tokens)
