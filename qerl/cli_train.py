@@ -69,6 +69,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--engine", default="auto", choices=("auto", "fast", "hf"),
+                   help="rollout engine: fast (static cache + CUDA graphs; Llama/Qwen) or hf (reference)")
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--lora-alpha", type=float, default=64.0)
     p.add_argument("--seed", type=int, default=0)
@@ -91,7 +93,7 @@ def run_eval(args: argparse.Namespace) -> int:
     res = evaluate_datasets(model, tok, args.datasets, limit=args.limit, data_dir=args.data_dir, seed=args.seed,
                             samples=args.samples, temperature=args.temperature, top_p=args.top_p, greedy=args.greedy,
                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                            arith_levels=args.arith_levels)
+                            arith_levels=args.arith_levels, engine=args.engine)
     for d, r in res.items():
         print(f"{d}: accuracy {r['accuracy']:.4f} over {r['num_problems']} problems x {r['samples']} samples")
     if args.out:

@@ -402,7 +402,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
               if main else _NullLogger())
     eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                    greedy=cfg.eval_greedy, max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
-                   batch_size=max(cfg.micro_batch_size, 8), limit=cfg.eval_limit, data_dir=cfg.data_dir, seed=cfg.seed,
+                   batch_size=max(cfg.micro_batch_size, 8), limit=cfg.eval_limit, engine=cfg.engine, data_dir=cfg.data_dir, seed=cfg.seed,
                    arith_levels=cfg.arith_levels, max_prompt_length=cfg.max_prompt_length)
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
     if main and start == 0 and cfg.eval_datasets:  # evaluation: rank 0 only, the others wait
