@@ -380,8 +380,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
                                           **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else
                                              {"config": cfg.bigmath_config} if cfg.dataset == "bigmath" else {}))
     train_recs, skipped = qdata.tokenize_prompts(train_recs, tokenizer, cfg.max_prompt_length)
-    engine = make_engine(model, tokenizer, kind=cfg.engine,
-                         **({"max_seq_len": cfg.max_prompt_length + cfg.max_completion_length} if cfg.engine != "hf" else {}))
+    engine = make_engine(model, tokenizer, kind=cfg.engine, max_seq_len=cfg.max_prompt_length + cfg.max_completion_length)
     n_per_rollout = cfg.rollout_batch_size
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)

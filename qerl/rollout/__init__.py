@@ -38,7 +38,8 @@ def make_engine(model, tokenizer=None, kind: str = "auto", **kw):
     """The rollout engine for ``model``: "fast", "hf" (reference), or "auto" (fast where supported).
 
     Keyword arguments go to the engine (eos_token_ids, pad_id; FastEngine also max_seq_len,
-    cuda_graphs, sync_every, logits_fp32). "fast" on an unsupported architecture raises.
+    cuda_graphs, sync_every, logits_fp32, which the reference engine ignores). "fast" on an
+    unsupported architecture raises.
     """
     if kind not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {kind!r}")
@@ -46,9 +47,4 @@ def make_engine(model, tokenizer=None, kind: str = "auto", **kw):
         kind = "fast" if getattr(model.config, "model_type", None) in SUPPORTED else "hf"
     if kind == "fast":
         return FastEngine(model, tokenizer, **kw)
-    allowed = {k: v for k, v in kw.items() if k in ("eos_token_ids",)}
-    if "pad_id" in kw and kw["pad_id"] is not None:
-        eng = GenerateEngine(model, tokenizer, **allowed)
-        eng.pad_id = int(kw["pad_id"])
-        return eng
-    return GenerateEngine(model, tokenizer, **allowed)
+    return GenerateEngine(model, tokenizer, eos_token_ids=kw.get("eos_token_ids"), pad_id=kw.get("pad_id"))

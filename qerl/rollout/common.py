@@ -62,16 +62,12 @@ def as_token_lists(prompts) -> list[list[int]]:
     return out
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, device, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists into (ids, mask), to ``length`` if given (else the longest)."""
+def left_pad(seqs, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts (any form ``as_token_lists`` takes) into (ids, mask) [B, longest]."""
     seqs = as_token_lists(seqs)
     if not seqs or any(len(s) == 0 for s in seqs):
         raise ValueError("every prompt needs at least one token")
     n = max(len(s) for s in seqs)
-    if length is not None:
-        if length < n:
-            raise ValueError(f"a prompt has {n} tokens, more than the engine's prompt length {length}")
-        n = length
     ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), n), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -150,6 +146,14 @@ def sequence_keys(seed: int, seq_ids: torch.Tensor) -> torch.Tensor:
     return _fmix32(s ^ (seq_ids.long() & _M32))
 
 
+def batch_keys(seed: int, seq_ids, batch: int, device) -> torch.Tensor:
+    """``sequence_keys`` of a batch: seq_ids (default range(batch)) checked against its size."""
+    sid = torch.arange(batch) if seq_ids is None else torch.as_tensor(seq_ids)
+    if sid.numel() != batch:
+        raise ValueError(f"seq_ids has {sid.numel()} ids for {batch} prompts")
+    return sequence_keys(seed, sid.to(device))
+
+
 def uniform_noise(keys: torch.Tensor, t: torch.Tensor | int, vocab: int) -> torch.Tensor:
     """U(0, 1) noise [B, vocab], fp32, strictly inside (0, 1): a pure function of (key, t, index)."""
     if not torch.is_tensor(t):
@@ -196,6 +200,15 @@ def eos_ids(model, tokenizer) -> list[int]:
             if tok in vocab:
                 ids.add(int(vocab[tok]))
     return sorted(ids)
+
+
+def apply_stop_strings(tokenizer, out_ids: torch.Tensor, done: torch.Tensor, lengths: torch.Tensor, t: int,
+                       stop_strings: list[str]) -> None:
+    """Mark rows whose first ``t`` tokens contain a stop string done, with the length that ends it."""
+    for i in torch.nonzero(~done).flatten().tolist():
+        n = stop_length(tokenizer, out_ids[i, :t].tolist(), stop_strings)
+        if n is not None:
+            lengths[i], done[i] = n, True
 
 
 def stop_length(tokenizer, tokens: list[int], stop_strings: list[str]) -> int | None:

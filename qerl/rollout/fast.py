@@ -40,13 +40,13 @@ import torch.nn.functional as F
 
 from qerl.rollout.common import (
     RolloutOutput,
-    as_token_lists,
+    apply_stop_strings,
+    batch_keys,
     eos_ids,
     left_pad,
     lm_logits,
+    positions_from_mask,
     sample_tokens,
-    sequence_keys,
-    stop_length,
 )
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -240,10 +240,8 @@ class FastEngine:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
+            with torch.cuda.graph(g, pool=self._pool):  # records the step; nothing runs
                 self._decode_step(window, sampling)
-            for t, s in zip(self._state(), saved):  # capture does not run, but be explicit
-                t.copy_(s)
             self.graphs[key] = g
             self.stats["captures"] += 1
         return g
@@ -265,24 +263,19 @@ class FastEngine:
             raise ValueError("stop_strings need a tokenizer")
         if not (temperature > 0 or greedy):
             raise ValueError("temperature must be > 0 (or pass greedy=True)")
-        prompts = as_token_lists(prompts)
-        B = len(prompts)
-        P = max(len(p) for p in prompts) if prompts else 0
-        b = self._ensure_buffers(B, P + max_new_tokens)
         ids, mask = left_pad(prompts, self.pad_id, self.device)
-        sid = torch.arange(B) if seq_ids is None else torch.as_tensor(seq_ids)
-        if sid.numel() != B:
-            raise ValueError(f"seq_ids has {sid.numel()} ids for {B} prompts")
+        B, P = ids.shape
+        b = self._ensure_buffers(B, P + max_new_tokens)
         sampling = (float(temperature), int(top_k), float(top_p), bool(greedy), bool(ignore_eos))
         # ---- state
-        b.keys.copy_(sequence_keys(seed, sid.to(self.device)))
+        b.keys.copy_(batch_keys(seed, seq_ids, B, self.device))
         b.key_valid.zero_()
         b.key_valid[:, :P] = mask.bool()
         b.done.zero_()
         b.lengths.fill_(max_new_tokens)
         b.t.zero_()
         # ---- prefill (eager: one pass over the prompts through the GEMM path)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        pos = positions_from_mask(mask)
         causal = torch.ones((P, P), dtype=torch.bool, device=self.device).tril()
         pmask = (causal[None, None] & b.key_valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool,
                                                                                    device=self.device)[None, None]
@@ -323,8 +316,5 @@ class FastEngine:
         b = self.buf
         self.stats["host_syncs"] += 1
         if stop_strings:
-            for i in torch.nonzero(~b.done).flatten().tolist():
-                n = stop_length(self.tokenizer, b.out_ids[i, :t].tolist(), stop_strings)
-                if n is not None:
-                    b.lengths[i], b.done[i] = n, True
+            apply_stop_strings(self.tokenizer, b.out_ids, b.done, b.lengths, t, stop_strings)
         return bool(b.done.all())

@@ -16,13 +16,13 @@ import torch
 
 from qerl.rollout.common import (
     RolloutOutput,
+    apply_stop_strings,
+    batch_keys,
     eos_ids,
     left_pad,
     lm_logits,
     positions_from_mask,
     sample_tokens,
-    sequence_keys,
-    stop_length,
 )
 
 
@@ -38,14 +38,16 @@ def decoder_and_head(model):
 class GenerateEngine:
     """Reference rollout engine on an HF causal LM (any qerl-quantized model included)."""
 
-    def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None):
+    def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None, pad_id: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         eos = eos_token_ids if eos_token_ids is not None else eos_ids(model, tokenizer)
         if not eos:
             raise ValueError("no EOS token id: pass eos_token_ids")
         self.eos = torch.tensor(sorted(set(eos)))
-        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-        self.pad_id = int(pad) if pad is not None else int(self.eos[0])
+        if pad_id is None:
+            pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+            pad_id = pad if pad is not None else self.eos[0]
+        self.pad_id = int(pad_id)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -63,10 +65,7 @@ class GenerateEngine:
         ids, mask = left_pad(prompts, self.pad_id, device)
         eos = self.eos.to(device)
         B = ids.size(0)
-        sid = torch.arange(B) if seq_ids is None else torch.as_tensor(seq_ids)
-        if sid.numel() != B:
-            raise ValueError(f"seq_ids has {sid.numel()} ids for {B} prompts")
-        keys = sequence_keys(seed, sid.to(device))
+        keys = batch_keys(seed, seq_ids, B, device)
         cache = DynamicCache()
         out_ids = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
@@ -89,10 +88,7 @@ class GenerateEngine:
                 lengths = torch.where(hit, t + 1, lengths)
                 done |= hit
             if stop_strings:
-                for i in torch.nonzero(~done).flatten().tolist():
-                    n = stop_length(self.tokenizer, out_ids[i, :t + 1].tolist(), stop_strings)
-                    if n is not None:
-                        lengths[i], done[i] = n, True
+                apply_stop_strings(self.tokenizer, out_ids, done, lengths, t + 1, stop_strings)
             if bool(done.all()):  # one host sync per token: this is the simple engine
                 break
             inp = nxt[:, None]
