@@ -77,7 +77,9 @@ CELLS = {
 }
 
 
-TABLE3_LOAD = """import json
+def speed_load(folder: str, script: str, extra: str = "") -> str:
+    """The first code cell of a speed notebook: read results/<folder>/<gpu>.json into `runs` and `rows`."""
+    return f"""import json
 import os
 from pathlib import Path
 
@@ -86,11 +88,14 @@ import pandas as pd
 pd.set_option("display.precision", 2)
 
 # QERL_RESULTS points the notebook at another results folder (the tests use it).
-RESULTS = Path(os.environ.get("QERL_RESULTS", "results")) / "table3"
-runs = {f.stem: json.loads(f.read_text()) for f in sorted(RESULTS.glob("*.json"))}
-rows = pd.DataFrame([{**r, "gpu": g} for g, run in runs.items() for r in run["rows"]]) if runs else None
+RESULTS = Path(os.environ.get("QERL_RESULTS", "results")) / "{folder}"
+runs = {{f.stem: json.loads(f.read_text()) for f in sorted(RESULTS.glob("*.json"))}}
+rows = pd.DataFrame([{{**r, "gpu": g}} for g, run in runs.items() for r in run["rows"]]) if runs else None
 if rows is None:
-    print(f"no results in {RESULTS}/ yet: run experiments/table3_speed_memory.py on a GPU (see its docstring)")"""
+    print(f"no results in {{RESULTS}}/ yet: run experiments/{script} on a GPU (see its docstring)"){extra}"""
+
+
+TABLE3_LOAD = speed_load("table3", "table3_speed_memory.py")
 
 TABLE3_ROWS = """COLS = ["gpu", "model", "method", "batch", "grad_ckpt", "completion_len", "step_s", "rollout_s", "logprob_s",
         "update_s", "rollout_share", "peak_gib", "model_size_gb", "paper_model_size_gb", "paper_s_per_step",
@@ -152,24 +157,11 @@ CELLS["table3"] = [
 ]
 
 
-ROLLOUT_LOAD = """import json
-import os
-from pathlib import Path
-
-import matplotlib.pyplot as plt
-import pandas as pd
-pd.set_option("display.precision", 2)
-
-# QERL_RESULTS points the notebook at another results folder (the tests use it).
-RESULTS = Path(os.environ.get("QERL_RESULTS", "results")) / "rollout"
-runs = {f.stem: json.loads(f.read_text()) for f in sorted(RESULTS.glob("*.json"))}
-rows = pd.DataFrame([{**r, "gpu": g} for g, run in runs.items() for r in run["rows"]]) if runs else None
-if rows is None:
-    print(f"no results in {RESULTS}/ yet: run experiments/rollout_throughput.py on a GPU (see its docstring)")
+ROLLOUT_LOAD = speed_load("rollout", "rollout_throughput.py", """
 else:
     cols = ["gpu", "model", "method", "batch", "lora_rank", "completion_len", "tokens_per_s", "ms_per_decode_step",
             "roofline_fraction", "peak_gib", "paper_vllm_tokens_per_s"]
-    display(rows.reindex(columns=cols))"""
+    display(rows.reindex(columns=cols))""")
 
 ROLLOUT_PLOT = """def plot_throughput(rows):
     \"\"\"Figure 11 at this scale: generated tokens/s per method, one panel per batch size.\"\"\"

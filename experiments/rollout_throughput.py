@@ -358,15 +358,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.merge:
-        result = merge(args.merge, args.out)
-    else:
-        if args.device == "cuda" and not torch.cuda.is_available():
-            sys.exit("rollout_throughput.py needs a CUDA GPU (use --merge to combine result files)")
-        result = run(args)
-    print(json.dumps(result["summary"]))
-    return result
+    return sc.main_run_or_merge(parse_args(argv), run, merge, "rollout_throughput.py")
 
 
 if __name__ == "__main__":

@@ -302,3 +302,19 @@ def apply_memory_cap(cap_gib: float | None) -> float | None:
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib / total), 0)
     return min(cap_gib, total)
+
+
+def main_run_or_merge(args, run, merge, script: str) -> dict:
+    """A speed script's main: merge result files (CPU), or run on the GPU; print the summary as the
+    last stdout line (one JSON object) and return the result."""
+    import sys
+
+    if args.merge:
+        result = merge(args.merge, args.out)
+    else:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            sys.exit(f"{script} needs a CUDA GPU (use --merge to combine result files)")
+        result = run(args)
+    print(json.dumps(result["summary"]))
+    return result
+

@@ -401,15 +401,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.merge:
-        result = merge(args.merge, args.out)
-    else:
-        if args.device == "cuda" and not torch.cuda.is_available():
-            sys.exit("table3_speed_memory.py needs a CUDA GPU (use --merge to combine result files)")
-        result = run(args)
-    print(json.dumps(result["summary"]))
-    return result
+    return sc.main_run_or_merge(parse_args(argv), run, merge, "table3_speed_memory.py")
 
 
 if __name__ == "__main__":

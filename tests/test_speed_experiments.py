@@ -268,18 +268,22 @@ def test_table3_summary_has_exactly_the_keys_and_json(tmp_path):
 # notebooks/table3.ipynb: runs headless on whatever results exist, and on none
 
 
-def _run_table3_notebook(tmp_path, monkeypatch, results):
+def _run_notebook(name, tmp_path, monkeypatch, results):
     import make_notebooks
     import nbformat
     import run_notebooks
 
     monkeypatch.setenv("QERL_RESULTS", str(results))
-    path = tmp_path / "table3.ipynb"
-    nbformat.write(make_notebooks.build("table3"), path)
+    path = tmp_path / f"{name}.ipynb"
+    nbformat.write(make_notebooks.build(name), path)
     nb = run_notebooks.run(path, timeout=120)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     return outputs
+
+
+def _run_table3_notebook(tmp_path, monkeypatch, results):
+    return _run_notebook("table3", tmp_path, monkeypatch, results)
 
 
 def test_table3_notebook_without_results(tmp_path, monkeypatch):
@@ -327,17 +331,7 @@ def test_table3_main_smoke(tmp_path, capsys):
 
 # notebooks/rollout.ipynb: the committed rollout results draw Figure 11; no results prints a note
 def _run_rollout_notebook(tmp_path, monkeypatch, results):
-    import make_notebooks
-    import nbformat
-    import run_notebooks
-
-    monkeypatch.setenv("QERL_RESULTS", str(results))
-    path = tmp_path / "rollout.ipynb"
-    nbformat.write(make_notebooks.build("rollout"), path)
-    nb = run_notebooks.run(path, timeout=120)
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    return outputs
+    return _run_notebook("rollout", tmp_path, monkeypatch, results)
 
 
 def test_rollout_notebook(tmp_path, monkeypatch):
