@@ -349,11 +349,7 @@ def parse_args(argv=None):
     ap.add_argument("--completion", type=int, default=2048, help="completion length, fixed (paper: 2048)")
     ap.add_argument("--hf-completion", type=int, default=128, help="new tokens of the HF generate baseline")
     ap.add_argument("--hf-batch", nargs="+", type=int, default=[1], help="batch sizes of the HF generate baseline")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test with --models tiny-qwen2")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
-    ap.add_argument("--out", default="results/rollout", help="folder for <gpu>.json")
-    ap.add_argument("--git-sha", default=None, help="commit measured (when the machine has no .git; else QERL_GIT_SHA)")
-    ap.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out (no GPU)")
+    sc.add_run_args(ap, out="results/rollout")
     return ap.parse_args(argv)
 
 

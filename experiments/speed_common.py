@@ -304,6 +304,15 @@ def apply_memory_cap(cap_gib: float | None) -> float | None:
     return min(cap_gib, total)
 
 
+def add_run_args(ap, out: str) -> None:
+    """The flags every speed script shares: device, seed, output folder, provenance, merge."""
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test with --models tiny-qwen2")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    ap.add_argument("--out", default=out, help="folder for <gpu>.json")
+    ap.add_argument("--git-sha", default=None, help="commit measured (when the machine has no .git; else QERL_GIT_SHA)")
+    ap.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out (no GPU)")
+
+
 def main_run_or_merge(args, run, merge, script: str) -> dict:
     """A speed script's main: merge result files (CPU), or run on the GPU; print the summary as the
     last stdout line (one JSON object) and return the result."""

@@ -392,11 +392,7 @@ def parse_args(argv=None):
     ap.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-5)")
     ap.add_argument("--memory-cap-gib", type=float, default=None,
                     help="cap this process's GPU memory (80: the paper's one H100 80GB)")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test with --models tiny-qwen2")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/table3", help="folder for <gpu>.json")
-    ap.add_argument("--git-sha", default=None, help="commit measured (else QERL_GIT_SHA or git)")
-    ap.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out (no GPU)")
+    sc.add_run_args(ap, out="results/table3")
     return ap.parse_args(argv)
 
 
