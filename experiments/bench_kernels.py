@@ -164,23 +164,40 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
 # config sweep (optional): which launch config wins per 7B shape and M
 
 
-GEMV_SWEEP = {  # (BLOCK_N, GROUPS, num_warps, num_stages, ACC_F32)
-    1: [(128, 8, 4, 2, False), (128, 8, 4, 3, False), (64, 8, 4, 2, False), (128, 4, 4, 2, False),
-        (256, 8, 8, 2, False), (64, 4, 2, 2, False), (128, 16, 8, 2, False), (128, 8, 4, 2, True)],
-    "small": [(128, 8, 4, 2, False), (64, 8, 4, 2, False), (128, 4, 4, 2, False), (64, 4, 4, 2, False)],
+GEMV_SWEEP = [(128, 8, 4, 2), (64, 8, 4, 2), (128, 16, 8, 2)]  # M = 1: (BLOCK_N, GROUPS, warps, stages)
+DOT16_SWEEP = [(128, 64, 4, 4, True, 2), (64, 128, 4, 4, True, 2), (64, 64, 4, 4, True, 2), (128, 128, 4, 3, True, 2),
+               (128, 64, 4, 4, True, 1), (128, 64, 4, 4, False, 2)]  # M <= 16: (BLOCK_N, BLOCK_K, warps, stages, SWAP_AB, DECODE)
+DOT_SWEEP = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB, DECODE)
+    "mid": [(64, 128, 64, 4, 4, True, 2), (64, 128, 128, 4, 3, True, 2), (64, 128, 64, 4, 4, False, 2)],
+    "big": [(128, 128, 64, 4, 4, True, 2), (256, 128, 64, 8, 3, True, 2), (128, 256, 64, 8, 3, True, 2),
+            (128, 128, 64, 4, 4, False, 2), (128, 256, 64, 8, 3, False, 2), (256, 128, 64, 8, 3, False, 2),
+            (128, 128, 64, 4, 4, True, 1), (128, 256, 64, 8, 3, False, 1)],
 }
+BWD_SWEEP = [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (256, 64, 64, 8, 3),
+             (64, 128, 64, 4, 4)]  # (BLOCK_M, BLOCK_K, BLOCK_R, warps, stages)
 
 
-def sweep(l2, out_rows, ms=(1, 2, 4, 8, 16, 2048), big=True):
+def sweep_candidates(m):
+    """(kind, config) pairs to time at M = m (kind bf16 / bf16-grad: the cuBLAS baselines)."""
+    cands = [("bf16", None)]
+    if m == 1:
+        cands += [("gemv", dict(BLOCK_M=1, BLOCK_N=bn, GROUPS=g, ACC_F32=False, num_warps=w, num_stages=st))
+                  for bn, g, w, st in GEMV_SWEEP]
+    if 4 < m <= 16:
+        cands += [("dot", dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SWAP_AB=sw, DECODE=d, num_warps=w,
+                                num_stages=st)) for bn, bk, w, st, sw, d in DOT16_SWEEP]
+    if m > 16:
+        cands += [("dot", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SWAP_AB=sw, DECODE=d, num_warps=w,
+                                num_stages=st)) for bm, bn, bk, w, st, sw, d in DOT_SWEEP["mid" if m <= 64 else "big"]]
+    if m >= 256:
+        cands += [("bf16-grad", None)]
+        cands += [("bwd", dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, num_warps=w, num_stages=st))
+                  for bm, bk, br, w, st in BWD_SWEEP]
+    return cands
+
+
+def sweep(l2, out_rows, ms=(1, 8, 16, 64, 2048)):
     """Time launch configs per 7B shape and M, each checked against the fp32 reference."""
-    fwd_cfgs = {
-        "dot16": [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=s)
-                  for bn, bk, w, s in [(128, 64, 4, 5), (64, 128, 4, 4)]],
-        "dot": [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
-                for bm, bn, bk, w, s in [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]],
-        "bwd": [dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, num_warps=w, num_stages=s)
-                for bm, bk, br, w, s in [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3)]],
-    }
     shapes = linear_shapes("qwen2.5-7b")
     uniq = {}
     for p, s in shapes.items():
@@ -190,34 +207,26 @@ def sweep(l2, out_rows, ms=(1, 2, 4, 8, 16, 2048), big=True):
         t = formats.quantize(w, "nvfp4")
         wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
         copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+        wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
         args = lambda tt: (tt["weight_packed"], tt["weight_scale"], tt["weight_global_scale"], True)  # noqa: E731
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ wd.T
-            cands = [("bf16", None)]
-            if m <= 16:
-                for bn, g, nw, ns, f32 in GEMV_SWEEP[1 if m == 1 else "small"]:
-                    cands.append(("gemv", dict(BLOCK_M=triton_next_pow2(m), BLOCK_N=bn, GROUPS=g, ACC_F32=f32,
-                                               num_warps=nw, num_stages=ns)))
-                if m <= 2:
-                    cands.append(("fma", None))
-                cands += [("dot16", c) for c in fwd_cfgs["dot16"]]
-            elif big:
-                cands += [("dot", c) for c in fwd_cfgs["dot"]] + [("bwd", c) for c in fwd_cfgs["bwd"]]
-            for kind, cfg in cands:
+            ref_g = dy.float() @ wd
+            for kind, cfg in sweep_candidates(m):
                 try:
+                    err = None
                     if kind == "bf16":
-                        wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
                         fns = [lambda wi=wi, x=x: F.linear(x, wi) for wi in wc]
-                        err = None
+                    elif kind == "bf16-grad":
+                        fns = [lambda wi=wi, dy=dy: torch.matmul(dy, wi) for wi in wc]
                     elif kind == "bwd":
                         fns = [lambda tt=tt, dy=dy, args=args, cfg=cfg: fp4.launch_grad_input(dy, *args(tt), config=cfg) for tt in copies]
                         out = fns[0]()
-                        err = float((out.float() - dy.float() @ wd).norm() / (dy.float() @ wd).norm())
+                        err = float((out.float() - ref_g).norm() / ref_g.norm())
                     else:
-                        kk = "dot" if kind.startswith("dot") else kind
-                        fns = [lambda tt=tt, x=x, args=args, kk=kk, cfg=cfg: fp4.launch_linear(x, *args(tt), kind=kk, config=cfg) for tt in copies]
+                        fns = [lambda tt=tt, x=x, args=args, kind=kind, cfg=cfg: fp4.launch_linear(x, *args(tt), kind=kind, config=cfg) for tt in copies]
                         out = fns[0]()
                         err = float((out.float() - ref).norm() / ref.norm())
                     sec, _ = time_graph(fns)
@@ -227,14 +236,10 @@ def sweep(l2, out_rows, ms=(1, 2, 4, 8, 16, 2048), big=True):
                 out_rows.append(dict(proj="/".join(names), N=n, K=k, M=m, kind=kind, config=cfg,
                                      us=sec * 1e6, tbps=n * k * 0.5625 / sec / 1e12, rel_err=err,
                                      tflops=2 * m * n * k / sec / 1e12))
-                print(f"  sweep {'/'.join(names):18s} M={m:5d} {kind:5s} {sec * 1e6:9.1f} us "
-                      f"err={err if err is None else f'{err:.1e}'} {cfg}", flush=True)
-        del copies
+                print(f"  sweep {'/'.join(names):18s} M={m:5d} {kind:9s} {sec * 1e6:9.1f} us "
+                      f"{2 * m * n * k / sec / 1e12:6.1f} TF err={err if err is None else f'{err:.1e}'} {cfg}", flush=True)
+        del copies, wc
         torch.cuda.empty_cache()
-
-
-def triton_next_pow2(m):
-    return 1 if m <= 1 else 1 << (m - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,7 +292,7 @@ def main():
     ap.add_argument("--git-sha", default=None, help="commit benchmarked (when the machine has no git)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configs on the 7B shapes")
     ap.add_argument("--sweep-only", action="store_true", help="only the config sweep (writes <gpu>_sweep.json)")
-    ap.add_argument("--sweep-m", nargs="+", type=int, default=[1, 2, 4, 8, 16, 2048], help="M of the sweep")
+    ap.add_argument("--sweep-m", nargs="+", type=int, default=[1, 8, 16, 64, 2048], help="M of the sweep")
     ap.add_argument("--no-nf4", action="store_true", help="skip bitsandbytes NF4")
     args = ap.parse_args()
 

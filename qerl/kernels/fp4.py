@@ -12,19 +12,21 @@ Kernels:
   - ``_fwd_gemv_kernel``: y = x W^T for M <= GEMV_MAX_M (decode). Weights read as int32 words and
     decoded two at a time into bf16x2 with packed integer ops (inline PTX), bf16x2 FMAs per word,
     fp32 across words; split-K over the reduction for parallelism. See the GEMV section.
-  - ``_fwd_fma_kernel``: the older CUDA-core GEMV (fp32 decode per nibble), kept as kind="fma".
   - ``_fwd_dot_kernel``: y = x W^T with ``tl.dot`` (tensor cores): tiled GEMM for large M, and
-    with BLOCK_M=16 plus split-K for skinny M.
+    with BLOCK_M=16 plus split-K for skinny M. By default "swap AB": the tile is computed as
+    (W x^T)^T, so the decoded weight is wgmma's register operand A and x, pipelined into shared
+    memory, operand B.
   - ``_bwd_dot_kernel``: dx = dy W with ``tl.dot``.
 
-Decoding is by hand (Triton 3.6's ``tl.dot_scaled`` does not compile e4m3 scales on sm_90): an
-E2M1 code c is placed in the bits of an fp16 so that the fp16 value is exactly c * 2^-14
-(magnitude bits at the bottom of the fp16 exponent field, so E2M1's subnormal 0.5 lands on an
-fp16 subnormal); an E4M3 scale byte likewise becomes an fp16 equal to scale * 2^-8; an E8M0 byte
-e becomes the fp32 with exponent field e, i.e. 2^(e-127) (e=0, used only by all-zero blocks,
-decodes to 0 instead of 2^-127). The products q * s are exact in bf16 (2 + 4 significant bits),
-so the tensor-core operand is exact and the only rounding is the fp32 accumulation; the
-constant powers of two and the NVFP4 global divisor are applied once, in the epilogue.
+Decoding is by hand (Triton 3.6's ``tl.dot_scaled`` does not compile e4m3 scales on sm_90). In
+the tensor-core kernels (``_weight_tile``) an E2M1 code c is placed in the bits of a bf16 so that
+its value is exactly c * 2^-126 (magnitude bits at the bottom of the exponent field, so E2M1's
+subnormal 0.5 lands on a bf16 subnormal), and multiplied by its block scale, decoded to a bf16
+equal to scale * 2^119 (E4M3) or 2^(e-127) * 2^64 (E8M0; e=0, used only by all-zero blocks,
+decodes to 0): one bf16 multiply per weight, exact (2 + 4 significant bits, a normal result),
+so the tensor-core operand is exact and the only rounding is the fp32 accumulation. The GEMV
+has its own packed decode (below). The constant powers of two and the NVFP4 global divisor are
+applied once, in the epilogue.
 
 Split-K partial sums are reduced without extra launches: each program atomically adds its fp32
 tile into a per-(device, stream) workspace (one per device), bumps a per-tile counter, and the last program to
@@ -47,14 +49,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_e2m1(b):
-    """Packed bytes (int32) -> (low nibble, high nibble) as fp32 values times 2^-14."""
-    lo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo.to(tl.float32), hi.to(tl.float32)
-
-
-@triton.jit
 def _decode_scale(s, IS_NV: tl.constexpr):
     """Scale bytes -> fp32: E4M3 value times 2^-8 (NVFP4) or 2^(e-127) (MXFP4 E8M0)."""
     s = s.to(tl.int32)
@@ -73,15 +67,6 @@ def _dot(a, b, acc, F32_DOT: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _alpha(gs_ptr, IS_NV: tl.constexpr):
-    """The epilogue multiplier undoing the decode's powers of two (and the NVFP4 divisor)."""
-    if IS_NV:
-        return 4194304.0 / tl.load(gs_ptr)  # 2^(14+8) / global_scale
-    else:
-        return 16384.0  # 2^14
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,64 +100,101 @@ def _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, ti
 
 
 @triton.jit
-def _fwd_fma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                    M, N, K, stride_xm, stride_om, tiles_per_split,
-                    IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    GROUPS: tl.constexpr, X_VEC: tl.constexpr):
-    """y = x W^T for M <= BLOCK_M <= 16 rows. Grid (cdiv(N, BLOCK_N), split_k).
+def _tile_scale(s, IS_NV: tl.constexpr):
+    """Scale bytes -> fp32 block scale times 2^119 (NVFP4 E4M3) or 2^64 (MXFP4 E8M0), exactly.
 
-    A tile is BLOCK_N rows x GROUPS scale blocks; the block scale multiplies the per-block dot
-    product (one multiply per block, not per weight).
-    """
-    HB: tl.constexpr = 8 if IS_NV else 16  # packed bytes per scale block
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    KH = K // 2
-    NB = KH // HB
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    g = tl.arange(0, GROUPS)
-    j = tl.arange(0, HB)
-    n_mask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * KH
-    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * NB
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    t0 = pid_k * tiles_per_split
-    t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(NB, GROUPS))
-    for t in range(t0, t1):
-        blk = t * GROUPS + g
-        b_mask = blk < NB
-        kh = blk[:, None] * HB + j[None, :]
-        b = tl.load(w_rows + kh[None, :, :], mask=n_mask[:, None, None] & b_mask[None, :, None], other=0)
-        s = tl.load(s_rows + blk[None, :], mask=n_mask[:, None] & b_mask[None, :], other=0)
-        sc = _decode_scale(s, IS_NV)
-        lo, hi = _decode_e2m1(b.to(tl.int32))
-        for mi in tl.static_range(BLOCK_M):
-            x_mask = b_mask[:, None] & ((kh * 0 + mi) < M)
-            if X_VEC:  # one contiguous load, split into even/odd elements in registers
-                xv = tl.load(x_ptr + mi * stride_xm + (2 * kh)[:, :, None] + tl.arange(0, 2)[None, None, :],
-                             mask=x_mask[:, :, None], other=0.0).to(tl.float32)
-                xe, xo = tl.split(xv)
-            else:  # two stride-2 loads
-                xe = tl.load(x_ptr + mi * stride_xm + 2 * kh, mask=x_mask, other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + mi * stride_xm + 2 * kh + 1, mask=x_mask, other=0.0).to(tl.float32)
-            part = tl.sum(tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2) * sc, axis=1)
-            if BLOCK_M == 1:
-                acc += part[None, :]
-            else:
-                acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
-    acc = acc * _alpha(gs_ptr, IS_NV)
-    _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n)
+    Times a code from _e2m1_bits (code * 2^-126) this gives the weight times 2^-7 (NVFP4, before
+    the global divisor) or 2^-62 (MXFP4): exact in bf16 (2 + 4 significant bits) and a normal
+    number. E8M0 byte 0 (all-zero blocks) decodes to 0; MXFP4 scales above 2^63 would overflow
+    (no real weight has |w| > 6 * 2^63)."""
+    s = s.to(tl.int32)
+    if IS_NV:
+        f = (((s & 0x7F) << 20) | ((s & 0x80) << 24)).to(tl.float32, bitcast=True)  # E4M3 * 2^-120
+        return f * 1.329227995784916e36 * 6.646139978924579e35  # * 2^120 * 2^119
+    else:
+        return (s << 23).to(tl.float32, bitcast=True) * 18446744073709551616.0  # 2^(e-127) * 2^64
+
+
+@triton.jit
+def _e2m1_bits(b, F32: tl.constexpr):
+    """Packed bytes -> (low nibble, high nibble) equal to code * 2^-126: the E2M1 bits s e1 e0 m
+    placed at bits 15 and 8..6 of a bf16 (code 0.5 lands on a bf16 subnormal, which the bf16
+    multiply keeps), or with F32 at bits 31 and 24..22 of an fp32 (same values)."""
+    if F32:
+        b = b.to(tl.int32)
+        lo = (((b & 0x7) << 22) | ((b & 0x8) << 28)).to(tl.float32, bitcast=True)
+        hi = (((b & 0x70) << 18) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+    else:
+        b = b.to(tl.int16)
+        lo = (((b & 0x7) << 6) | ((b & 0x8) << 12)).to(tl.bfloat16, bitcast=True)
+        hi = (((b & 0x70) << 2) | ((b & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+# Packed bytes b0..b3 (one int32) -> bf16x2 registers (w0, w1), (w2, w3) | (w4, w5), (w6, w7), each
+# code * 2^-126 as in _e2m1_bits; prmt puts byte j in both halves' low byte (j=0: 0x5150).
+_ASM_TILE = tl.constexpr("""
+{
+.reg .b32 t, a, b;
+prmt.b32 t, $4, 0, 0x5150;
+shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x80008000; or.b32 $0, a, b;
+shl.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 8; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
+prmt.b32 t, $4, 0, 0x5352;
+shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x80008000; or.b32 $2, a, b;
+shl.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 8; and.b32 b, b, 0x80008000; or.b32 $3, a, b;
+}
+""")
+
+
+@triton.jit
+def _weight_tile(b, s, HB: tl.constexpr, IS_NV: tl.constexpr, MODE: tl.constexpr):
+    """Packed bytes [R, C] and their block-scale bytes [R, C / HB] -> tile [R, 2C] equal to the
+    weight times 2^-7 (NVFP4) or 2^-62 (MXFP4), exactly, with one multiply per weight.
+    MODE 0: fp32 (the interpreter, whose bf16 flushes subnormals; grad-input, where Triton 3.6
+    fails to compile the bf16 tile as the B operand); 1: bf16 (HMUL2, two weights at a time);
+    2: bf16 with the nibbles decoded by inline PTX, four bytes at a time."""
+    R: tl.constexpr = b.shape[0]
+    C: tl.constexpr = b.shape[1]
+    sc = _tile_scale(s, IS_NV)
+    if MODE != 0:
+        sc = sc.to(tl.bfloat16)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, C // HB, HB)), (R, C))
+    if MODE == 2:
+        # lo carries the bits of w[8g..8g+3] in the slots of bytes 4g..4g+3, hi those of w[8g+4..8g+7];
+        # the scale is one value over those 4 bytes (HB >= 8), so scale first, then reorder.
+        lo, hi = tl.inline_asm_elementwise(_ASM_TILE, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+        w = tl.join(tl.reshape(lo * sc, (R, C // 4, 4)), tl.reshape(hi * sc, (R, C // 4, 4)))
+        return tl.reshape(tl.permute(w, (0, 1, 3, 2)), (R, 2 * C))
+    lo, hi = _e2m1_bits(b, MODE == 0)
+    # join + reshape interleaves (lo_j, hi_j) -> elements 2j, 2j+1 along K.
+    return tl.reshape(tl.join(lo * sc, hi * sc), (R, 2 * C))
+
+
+@triton.jit
+def _alpha_bf16(gs_ptr, IS_NV: tl.constexpr):
+    """The epilogue multiplier undoing _weight_tile's powers of two (and the NVFP4 divisor)."""
+    if IS_NV:
+        return 128.0 / tl.load(gs_ptr)  # 2^7 / global_scale
+    else:
+        return 4611686018427387904.0  # 2^62
 
 
 @triton.jit
 def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_xm, stride_om, tiles_per_split,
                     IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr):
-    """y = x W^T with tensor cores. Grid (cdiv(M, BM) * cdiv(N, BN), split_k)."""
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
+                    DECODE: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
+    """y = x W^T with tensor cores. Grid (cdiv(M, BM) * cdiv(N, BN), split_k).
+
+    SWAP_AB computes the tile as (W x^T)^T: the decoded weight is then the register operand A of
+    wgmma (no trip through shared memory) and x the shared-memory operand B, which also lets
+    16-row tiles use the 64-row wgmma without padding M. Rows past M or N are clamped (their
+    loads read valid memory, their results are never stored), so only a ragged K needs masks."""
     HB: tl.constexpr = 8 if IS_NV else 16
     BKH: tl.constexpr = BLOCK_K // 2
+    NBK: tl.constexpr = BKH // HB
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -189,27 +211,37 @@ def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kh = tl.arange(0, BKH)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * KH
-    s_rows = s_ptr + offs_n.to(tl.int64)[:, None] * NB
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_b = tl.arange(0, NBK)
+    x_rows = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
+    n_ld = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_rows = w_ptr + n_ld[:, None] * KH
+    s_rows = s_ptr + n_ld[:, None] * NB
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     t0 = pid_k * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(K, BLOCK_K))
     for t in range(t0, t1):
         kk = t * BLOCK_K + offs_k
-        x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
         kh = t * BKH + offs_kh
-        w_mask = n_mask[:, None] & (kh[None, :] < KH)
-        b = tl.load(w_rows + kh[None, :], mask=w_mask, other=0)
-        s = tl.load(s_rows + (kh // HB)[None, :], mask=w_mask, other=0)
-        sc = _decode_scale(s, IS_NV)
-        lo, hi = _decode_e2m1(b.to(tl.int32))
-        # join + reshape interleaves (lo_j, hi_j) -> elements 2j, 2j+1 along K.
-        w = tl.reshape(tl.join(lo * sc, hi * sc), (BLOCK_N, BLOCK_K)).to(x.dtype)
-        acc = _dot(x, tl.trans(w), acc, F32_DOT)
-    acc = acc * _alpha(gs_ptr, IS_NV)
+        blk = t * NBK + offs_b
+        if EVEN_K:
+            x = tl.load(x_rows + kk[None, :])
+            b = tl.load(w_rows + kh[None, :])
+            s = tl.load(s_rows + blk[None, :])
+        else:
+            x = tl.load(x_rows + kk[None, :], mask=kk[None, :] < K, other=0.0)
+            b = tl.load(w_rows + kh[None, :], mask=kh[None, :] < KH, other=0)
+            s = tl.load(s_rows + blk[None, :], mask=blk[None, :] < NB, other=0)
+        w = _weight_tile(b, s, HB, IS_NV, 0 if F32_DOT else DECODE).to(x.dtype)
+        if SWAP_AB:
+            acc = _dot(w, tl.trans(x), acc, F32_DOT)
+        else:
+            acc = _dot(x, tl.trans(w), acc, F32_DOT)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    acc = acc * _alpha_bf16(gs_ptr, IS_NV)
     _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid)
 
 
@@ -217,10 +249,13 @@ def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
 def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
                     M, N, K, stride_dym, stride_dxm,
                     IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr):
-    """dx = dy W, reducing over N in BLOCK_R chunks. Grid (cdiv(M, BM) * cdiv(K, BK),)."""
+                    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, EVEN_N: tl.constexpr,
+                    F32_DOT: tl.constexpr):
+    """dx = dy W, reducing over N in BLOCK_R chunks. Grid (cdiv(M, BM) * cdiv(K, BK),).
+    Rows past M and columns past K are clamped (loaded, never stored); a ragged N is masked."""
     HB: tl.constexpr = 8 if IS_NV else 16
     BKH: tl.constexpr = BLOCK_K // 2
+    NBK: tl.constexpr = BKH // HB
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_k = tl.cdiv(K, BLOCK_K)
@@ -233,25 +268,27 @@ def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
     NB = KH // HB
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_kh = pid_k * BKH + tl.arange(0, BKH)
+    kh = tl.minimum(pid_k * BKH + tl.arange(0, BKH), KH - 1)
+    blk = tl.minimum(pid_k * NBK + tl.arange(0, NBK), NB - 1)
     offs_r = tl.arange(0, BLOCK_R)
-    m_mask = offs_m < M
-    kh_mask = offs_kh < KH
-    dy_rows = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
+    dy_rows = dy_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_dym
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for r0 in range(0, N, BLOCK_R):
         rr = r0 + offs_r
-        r_mask = rr < N
-        dy = tl.load(dy_rows + rr[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        w_mask = r_mask[:, None] & kh_mask[None, :]
-        b = tl.load(w_ptr + rr.to(tl.int64)[:, None] * KH + offs_kh[None, :], mask=w_mask, other=0)
-        s = tl.load(s_ptr + rr.to(tl.int64)[:, None] * NB + (offs_kh // HB)[None, :], mask=w_mask, other=0)
-        sc = _decode_scale(s, IS_NV)
-        lo, hi = _decode_e2m1(b.to(tl.int32))
-        w = tl.reshape(tl.join(lo * sc, hi * sc), (BLOCK_R, BLOCK_K)).to(dy.dtype)
+        w_rows = rr.to(tl.int64)[:, None]
+        if EVEN_N:
+            dy = tl.load(dy_rows + rr[None, :])
+            b = tl.load(w_ptr + w_rows * KH + kh[None, :])
+            s = tl.load(s_ptr + w_rows * NB + blk[None, :])
+        else:
+            r_mask = rr < N
+            dy = tl.load(dy_rows + rr[None, :], mask=r_mask[None, :], other=0.0)
+            b = tl.load(w_ptr + w_rows * KH + kh[None, :], mask=r_mask[:, None], other=0)
+            s = tl.load(s_ptr + w_rows * NB + blk[None, :], mask=r_mask[:, None], other=0)
+        w = _weight_tile(b, s, HB, IS_NV, 0).to(dy.dtype)
         acc = _dot(dy, w, acc, F32_DOT)
-    acc = acc * _alpha(gs_ptr, IS_NV)
-    mask = m_mask[:, None] & (offs_k[None, :] < K)
+    acc = acc * _alpha_bf16(gs_ptr, IS_NV)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     tl.store(dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :],
              acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -477,14 +514,9 @@ def _fwd_gemv_kernel(x_ptr, x32_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_
 
 # Largest M served by the packed-decode GEMV kernel, and by the 16-row tensor-core kernel.
 GEMV_MAX_M = 4
-# The older CUDA-core kernel (fp32 decode per nibble), kept for kind="fma" (tests, sweeps).
-FMA_MAX_M = 2
 SKINNY_MAX_M = 16
 # Programs to aim for when choosing split-K, in multiples of the SM count.
 WAVES = 4
-# The FMA kernel loads x as one contiguous vector split in registers (True) or as two stride-2
-# loads (False); the H200 sweep found no difference (the kernel is bound by decode arithmetic).
-X_VEC_DEFAULT = False
 
 _SM_COUNT: dict = {}
 
@@ -507,25 +539,21 @@ def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -
 
 
 def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
-    """Heuristic launch config for ``kind`` in {"gemv", "fma", "dot", "bwd"} (overridable)."""
-    # Winners of the config sweep in experiments/bench_kernels.py --sweep (H200, 7B shapes).
-    if kind == "fma":
-        bm = 1 if M <= 1 else triton.next_power_of_2(M)
-        return dict(BLOCK_M=bm, BLOCK_N=16, GROUPS=16 if is_nv else 8, X_VEC=X_VEC_DEFAULT,
-                    num_warps=4, num_stages=2)
+    """Heuristic launch config for ``kind`` in {"gemv", "dot", "bwd"} (overridable)."""
+    # Winners of the config sweep in experiments/bench_kernels.py --sweep (H100, 7B shapes).
     if kind == "gemv":
         bm = 1 if M <= 1 else triton.next_power_of_2(M)
         return dict(BLOCK_M=bm, BLOCK_N=128, GROUPS=8 if is_nv else 4, ACC_F32=False,
                     num_warps=4, num_stages=2)
     if kind == "dot":
         if M <= SKINNY_MAX_M:
-            return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=5)
-        if M >= 512 and triton.cdiv(M, 256) * triton.cdiv(N, 128) >= 64:
-            return dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+            return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SWAP_AB=True, num_warps=4, num_stages=4)
+        if M <= 64:
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, num_warps=4, num_stages=4)
     if kind == "bwd":
         return dict(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=4, num_stages=4)
-    raise ValueError(f"kind must be one of ('gemv', 'fma', 'dot', 'bwd'), got {kind!r}")
+    raise ValueError(f"kind must be one of ('gemv', 'dot', 'bwd'), got {kind!r}")
 
 
 def _fit(cfg: dict, K: int) -> dict:
@@ -617,8 +645,6 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
     if kind is None:
         kind = "gemv" if M <= GEMV_MAX_M and w32 is not None else "dot"
     cfg = _fit(config or pick_config(kind, M, N, K, is_nv), K)
-    if kind == "fma":
-        cfg.setdefault("X_VEC", X_VEC_DEFAULT)
     sms = _num_sms(x.device)
     meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
     if kind == "gemv":
@@ -644,19 +670,6 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
             w32.stride(0), tps,
             IS_NV=is_nv, USE_ASM=not INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **meta)
-    elif kind == "fma":
-        if M > cfg["BLOCK_M"] or cfg["BLOCK_M"] > 16:
-            raise ValueError(f"the fma kernel serves M <= BLOCK_M <= 16, got M={M}, BLOCK_M={cfg['BLOCK_M']}")
-        hb = 8 if is_nv else 16
-        k_tiles = triton.cdiv(KH // hb, cfg["GROUPS"])
-        n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-        split = split_k or _split(n_tiles, k_tiles, sms)
-        tps = triton.cdiv(k_tiles, split)
-        split = triton.cdiv(k_tiles, tps)  # no empty programs
-        ws, cnt = _workspace(x.device, M * N, n_tiles)
-        _fwd_fma_kernel[(n_tiles, split)](
-            x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,
-            IS_NV=is_nv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
     elif kind == "dot":
         k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
         n_tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
@@ -667,11 +680,14 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
         tps = triton.cdiv(k_tiles, split)
         split = triton.cdiv(k_tiles, tps)
         ws, cnt = _workspace(x.device, M * N, n_tiles)
+        meta.setdefault("SWAP_AB", True)
+        meta.setdefault("DECODE", 2)
+        even_k = K % cfg["BLOCK_K"] == 0
         _fwd_dot_kernel[(n_tiles, split)](
             x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,
-            IS_NV=is_nv, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
+            IS_NV=is_nv, EVEN_K=even_k, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
     else:
-        raise ValueError(f"kind must be one of ('gemv', 'fma', 'dot'), got {kind!r}")
+        raise ValueError(f"kind must be one of ('gemv', 'dot'), got {kind!r}")
     return out.reshape(*lead, N)
 
 
@@ -699,7 +715,7 @@ def launch_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     _bwd_dot_kernel[grid](
         dy2, packed, _scale_bytes(scale), gs if gs is not None else packed, dx,
         M, N, K, dy2.stride(0), dx.stride(0),
-        IS_NV=is_nv, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
+        IS_NV=is_nv, EVEN_N=N % cfg["BLOCK_R"] == 0, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
     return dx.reshape(*lead, K)
 
 

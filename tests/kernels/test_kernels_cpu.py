@@ -128,7 +128,7 @@ def test_triton_matches_reference(fmt, n, k):
 
 @needs_interpreter
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("kind", ["gemv", "gemv-bf16", "fma", "fma-strided-x", "dot"])
+@pytest.mark.parametrize("kind", ["gemv", "gemv-bf16", "dot", "dot-bf16", "dot-noswap"])
 def test_split_k_reduces_and_leaves_workspace_clean(fmt, kind):
     from qerl.kernels import fp4
 
@@ -137,18 +137,18 @@ def test_split_k_reduces_and_leaves_workspace_clean(fmt, kind):
     args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
     if kind.startswith("gemv"):
         cfg = dict(BLOCK_M=4, BLOCK_N=16, GROUPS=2, num_warps=4, num_stages=1)
-    elif kind.startswith("fma"):
-        cfg = dict(BLOCK_M=4, BLOCK_N=16, GROUPS=2, X_VEC=kind == "fma", num_warps=4, num_stages=1)
-    else:
-        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
-    # gemv-bf16: bf16 activations, the packed-pair path (its asm emulated in fp32 here)
+    else:  # the tensor-core kernel with 16-row tiles, weight as operand A (swap) or B
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, SWAP_AB=kind != "dot-noswap",
+                   num_warps=4, num_stages=1)
+    # *-bf16: bf16 activations (gemv: the packed-pair path, its asm emulated in fp32 here)
     x = torch.randn(3, k, dtype=torch.bfloat16 if kind.endswith("bf16") else torch.float32)
     kind = kind.split("-")[0]
     ref = x.double() @ w.T
     tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
     for m in (1, 3):  # BLOCK_M = 1 (prefetched x words) and BLOCK_M = 4
         for _ in range(2):  # the second call sees the workspace the first one left behind
-            y = fp4.launch_linear(x[:m], *args, kind=kind, config=dict(cfg, BLOCK_M=1 if m == 1 else 4),
+            bm = cfg["BLOCK_M"] if kind == "dot" else (1 if m == 1 else 4)
+            y = fp4.launch_linear(x[:m], *args, kind=kind, config=dict(cfg, BLOCK_M=bm),
                                   split_k=3)
             assert rel_err(y, ref[:m]) < tol
     ws, cnt = fp4._WORKSPACE[(str(x.device))]
