@@ -8,7 +8,10 @@ batch 1/2/8, LoRA rank 16/32/64 (alpha = 2 r, fp32 adapters). Each model is buil
 its format, one decoder layer at a time on the GPU (qerl.models.build_quantized_model); one built
 base serves every batch size and rank (adapters swapped in place). Every row says what it ran:
 `completion_len` (shorter completions for the non-summary configurations are labelled so), the
-engine, and whether CUDA graphs were used.
+engine, whether CUDA graphs were used, and `fused`: whether the decode step ran through the fused
+Triton kernels (qerl.kernels.fused; the engine's default on CUDA). `--fused both` times every
+fast-engine configuration with the fusion off and on, side by side in one run; the summary uses
+the fused rows where there are any.
 
 Timing of one fast-engine row: the engine is warmed up with short calls that capture every CUDA
 graph the timed call replays (and autotune the prefill GEMMs); then a prefill-only call
@@ -79,11 +82,11 @@ PAPER_RATIOS = {"qwen2.5-3b/bs8": 1.0, "qwen2.5-7b/bs2": 1.3, "qwen2.5-14b/bs2":
 
 
 def time_fast_engine(model, model_key: str, method: str, batch: int, rank: int, prompt_len: int,
-                     completion_len: int, vocab: int, copy_tbps: float | None) -> dict:
+                     completion_len: int, vocab: int, copy_tbps: float | None, fused: bool | None = None) -> dict:
     """One fast-engine row: warm-up, prefill-only call, timed call; see the module docstring."""
     row = dict(model=model_key, method=method, engine="fast", batch=batch, lora_rank=rank, prompt_len=prompt_len,
                completion_len=completion_len)
-    engine = sc.make_fast_engine(model, batch, prompt_len + completion_len)
+    engine = sc.make_fast_engine(model, batch, prompt_len + completion_len, fused=fused)
     try:
         row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, completion_len, vocab)
     except Exception as e:  # noqa: BLE001 - e.g. a kernel that cannot be captured in a CUDA graph
@@ -93,9 +96,10 @@ def time_fast_engine(model, model_key: str, method: str, batch: int, rank: int, 
         row["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         del engine
         sc.free()
-        engine = sc.make_fast_engine(model, batch, prompt_len + completion_len, cuda_graphs=False)
+        engine = sc.make_fast_engine(model, batch, prompt_len + completion_len, cuda_graphs=False, fused=fused)
         row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, completion_len, vocab)
     row["cuda_graphs"] = bool(getattr(engine, "cuda_graphs", False))
+    row["fused"] = bool(getattr(engine, "fused", False))
     prompts = sc.random_prompts(batch, prompt_len, vocab, seed=0)
     sc.sync()
     t0 = time.perf_counter()
@@ -172,10 +176,11 @@ def guarded(base: dict, fn, *args) -> dict:
 
 
 def _pick(rows, model, method, batch, rank=SUMMARY_RANK, completion=None):
-    """The successful row of (model, method, batch, rank); the longest completion unless given."""
+    """The successful row of (model, method, batch, rank): fused decode where measured, then the
+    longest completion unless given."""
     hits = [r for r in rows if r.get("model") == model and r.get("method") == method and r.get("batch") == batch
             and r.get("lora_rank") == rank and r.get("tokens_per_s") and (completion is None or r["completion_len"] == completion)]
-    return max(hits, key=lambda r: (r["completion_len"], r.get("date", ""))) if hits else None
+    return max(hits, key=lambda r: (bool(r.get("fused")), r["completion_len"], r.get("date", ""))) if hits else None
 
 
 def _ratio(rows, model, batch, num, den):
@@ -234,7 +239,7 @@ def merge(paths: list[str], out: str) -> dict:
         for r in f["rows"]:
             r.setdefault("copy_tbps", f.get("copy_bandwidth_tbps"))
             k = (r.get("model"), r.get("method"), r.get("engine"), r.get("batch"), r.get("lora_rank"),
-                 r.get("prompt_len"), r.get("completion_len"))
+                 r.get("prompt_len"), r.get("completion_len"), bool(r.get("fused")))
             keyed[k] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
     prov["runs"] = [{"file": str(p), "git_sha": f.get("git_sha"), "date": f.get("date"),
@@ -256,13 +261,13 @@ def _cell(row, key, fmt):
 
 
 def print_table(rows):
-    print(f"\n{'model':12s} {'method':17s} {'B':>2s} {'r':>3s} {'C':>5s} {'tok/s':>9s} {'dec tok/s':>9s} "
+    print(f"\n{'model':12s} {'method':17s} {'fused':5s} {'B':>2s} {'r':>3s} {'C':>5s} {'tok/s':>9s} {'dec tok/s':>9s} "
           f"{'ms/step':>8s} {'roofline':>8s} {'peak GiB':>8s} {'paper':>7s}")
     for r in rows:
         def f(key, fmt, r=r):
             return _cell(r, key, fmt)
         status = " OOM" if r.get("oom") else (" FAILED" if r.get("error") else "")
-        print(f"{r['model']:12s} {r['method']:17s} {r['batch']:2d} {r['lora_rank']:3d} {r['completion_len']:5d} "
+        print(f"{r['model']:12s} {r['method']:17s} {'yes' if r.get('fused') else 'no':5s} {r['batch']:2d} {r['lora_rank']:3d} {r['completion_len']:5d} "
               f"{f('tokens_per_s', '9.1f')} {f('decode_tokens_per_s', '9.1f')} {f('ms_per_decode_step', '8.2f')} "
               f"{f('roofline_fraction', '8.3f')} {f('peak_gib', '8.1f')} {f('paper_vllm_tokens_per_s', '7.1f')}{status}")
 
@@ -309,13 +314,14 @@ def run(args) -> dict:
                 sc.set_lora_rank(model, rank, seed=args.seed)
                 if fmt in args.methods:
                     for b in args.batch:
-                        row = guarded(dict(model=mk, method=fmt, engine="fast", batch=b, lora_rank=rank,
-                                           prompt_len=args.prompt, completion_len=args.completion),
-                                      time_fast_engine, model, mk, fmt, b, rank, args.prompt, args.completion, vocab,
-                                      copy_tbps)
-                        rows.append({**row, **extra})
-                        print_table(rows[-1:])
-                        save()
+                        for fu in {"on": [None], "off": [False], "both": [False, None]}[args.fused]:  # None: where it can
+                            row = guarded(dict(model=mk, method=fmt, engine="fast", batch=b, lora_rank=rank,
+                                               prompt_len=args.prompt, completion_len=args.completion, fused=fu),
+                                          time_fast_engine, model, mk, fmt, b, rank, args.prompt, args.completion,
+                                          vocab, copy_tbps, fu)
+                            rows.append({**row, **extra})
+                            print_table(rows[-1:])
+                            save()
                 if fmt == "bf16" and "hf_generate_bf16" in args.methods and rank == args.ranks[0]:
                     for b in args.hf_batch:
                         row = guarded(dict(model=mk, method="hf_generate_bf16", engine="hf_generate", batch=b,
@@ -349,6 +355,9 @@ def parse_args(argv=None):
     ap.add_argument("--completion", type=int, default=2048, help="completion length, fixed (paper: 2048)")
     ap.add_argument("--hf-completion", type=int, default=128, help="new tokens of the HF generate baseline")
     ap.add_argument("--hf-batch", nargs="+", type=int, default=[1], help="batch sizes of the HF generate baseline")
+    ap.add_argument("--fused", choices=("on", "off", "both"), default="on",
+                    help="fast engine decode through the fused Triton kernels (on: the engine's default, on CUDA), "
+                         "the unfused torch ops (off), or both, side by side")
     sc.add_run_args(ap, out="results/rollout")
     return ap.parse_args(argv)
 

@@ -192,13 +192,14 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
     return torch.randint(3, hi, (batch, length), generator=g).tolist()
 
 
-def make_fast_engine(model, batch: int, max_seq_len: int, kind: str = "fast", cuda_graphs: bool | None = None):
+def make_fast_engine(model, batch: int, max_seq_len: int, kind: str = "fast", cuda_graphs: bool | None = None,
+                     fused: bool | None = None):
     """qerl.rollout.make_engine for fixed-length rollouts (EOS = the config's, pad 0); keyword
     arguments this version of the engine does not take are dropped."""
     from qerl import rollout
 
     kw = dict(eos_token_ids=[int(getattr(model.config, "eos_token_id", 0) or 0)], pad_id=0,
-              max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs)
+              max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, fused=fused)
     if kind == "fast":
         accepted = inspect.signature(rollout.FastEngine.__init__).parameters
         kw = {k: v for k, v in kw.items() if k in accepted}

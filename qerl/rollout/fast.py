@@ -24,6 +24,16 @@ One ``generate`` call:
 Without CUDA (CPU tests) the same step function runs eagerly; ``cuda_graphs=False`` does the same
 on a GPU (for debugging and for measuring what the graphs buy).
 
+Fused decode (``fused=True``, the default on CUDA): the decode step's layers run through the
+Triton kernels of qerl.kernels.fused instead of the HF-order torch ops: residual add + RMSNorm in
+one kernel, q/k norm + rotary + KV-cache write in one, SiLU * up in one, and each group of
+Linears that share an input (q/k/v, gate/up) with one stacked LoRA-A and one bias/LoRA-B launch
+(rollout/fused_linear.py). Every weight is still read live from the modules, so LoRA and AQN
+updates reach the captured graphs as before. Same arithmetic, different reduction order: tokens
+may differ from the unfused path where logits nearly tie (tested with a tolerance). Prefill stays
+unfused. On the CPU ``fused=True`` needs TRITON_INTERPRET=1 (tests); the default there is off, so
+the eager CPU path stays op for op HF.
+
 Numerics follow the HF modules op for op (RMSNorm, rotary embedding, SDPA attention with the
 HF scaling, residual order), so greedy decoding reproduces ``model.generate`` (tested on the
 embedded model in bf16 and NVFP4 with ``logits_fp32=False``, which rounds the logits to the model
@@ -33,11 +43,13 @@ dtype as HF does; the default fp32 logits are what the trainer uses, see common.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from qerl.kernels import fused
 from qerl.rollout.common import (
     RolloutOutput,
     apply_stop_strings,
@@ -48,6 +60,7 @@ from qerl.rollout.common import (
     positions_from_mask,
     sample_tokens,
 )
+from qerl.rollout.fused_linear import grouped_linears
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 WINDOW = 256  # cache length granularity and the smallest attention window
@@ -89,11 +102,13 @@ class FastEngine:
         sync_every: decode steps between host checks of the done flags.
         logits_fp32: fp32 logits (default; what training uses). False rounds logits to the model
             dtype as HF does, for exact greedy parity tests.
+        fused: decode through the fused Triton kernels (default: on CUDA when the model allows it,
+            i.e. a SiLU MLP; True on the CPU needs TRITON_INTERPRET=1).
     """
 
     def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None, pad_id: int | None = None,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
-                 logits_fp32: bool = True):
+                 logits_fp32: bool = True, fused: bool | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
             raise ValueError(f"FastEngine supports model types {SUPPORTED}, got {getattr(cfg, 'model_type', None)!r}; "
@@ -123,12 +138,25 @@ class FastEngine:
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.sync_every = max(1, int(sync_every))
         self.logits_fp32 = logits_fp32
+        self.fused = self._resolve_fused(fused, cfg)
         self.eos = torch.tensor(self.eos_list, device=self.device)
         self.max_seq_len = max_seq_len
         self.buf: _Buffers | None = None
         self.graphs: dict = {}
         self._pool = None
         self.stats = {"captures": 0, "replays": 0, "host_syncs": 0}
+
+    def _resolve_fused(self, fused, cfg) -> bool:
+        why = None
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            why = f"hidden_act={cfg.hidden_act!r} (the fused MLP kernel is SiLU)"
+        elif self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            why = f"the model is on {self.device.type!r}: the Triton kernels need CUDA or TRITON_INTERPRET=1"
+        if fused is None:
+            return why is None and self.device.type == "cuda"
+        if fused and why:
+            raise ValueError(f"fused=True cannot run: {why}")
+        return bool(fused)
 
     # ------------------------------------------------------------------------------ buffers
     def _ensure_buffers(self, B: int, need: int) -> _Buffers:
@@ -186,8 +214,40 @@ class FastEngine:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
 
-    def _logits(self, h):
-        h = self.inner.norm(h)
+    def _fused_layers(self, h, window, mask):
+        """The decode step's layers through qerl.kernels.fused (see the module docstring) on h [B, 1, H];
+        returns the final-normed hidden state [B, H] (the final norm fused with the last residual add)."""
+        b, B = self.buf, h.shape[0]
+        cos, sin = self.inner.rotary_emb(h, b.pos[:, None])
+        cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
+        # the key mask as an additive float mask, once per step (a bool mask is converted per SDPA call)
+        mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        norm = self.layers[0].input_layernorm
+        res = h.reshape(B, -1)
+        x = fused.rmsnorm(res, norm.weight, norm.variance_epsilon)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = grouped_linears(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            q = fused.rope_cache_write(q, k, v, cos, sin, b.k[i], b.v[i], b.cpos,
+                                       None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                       1e-6 if qn is None else qn.variance_epsilon)
+            # one query token: the G = n_heads / n_kv query heads of a KV head are G query rows of it
+            # (HF's repeat_kv order), so no copy of K/V per query head (enable_gqa's math path makes one)
+            o = F.scaled_dot_product_attention(q.view(B, self.n_kv, -1, self.head_dim), b.k[i][:, :, :window],
+                                               b.v[i][:, :, :window], attn_mask=mask, scale=self.scaling)
+            (o,) = grouped_linears(o.reshape(B, -1), [attn.o_proj])
+            norm = layer.post_attention_layernorm
+            res, x = fused.add_rmsnorm(res, o, norm.weight, norm.variance_epsilon)
+            g, u = grouped_linears(x, [mlp.gate_proj, mlp.up_proj])
+            (d,) = grouped_linears(fused.silu_mul(g, u), [mlp.down_proj])
+            norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.inner.norm
+            res, x = fused.add_rmsnorm(res, d, norm.weight, norm.variance_epsilon)
+        return x
+
+    def _logits(self, h, normed=False):
+        if not normed:
+            h = self.inner.norm(h)
         if self.logits_fp32:
             return lm_logits(h, self.head.weight)
         return self.head(h).float()
@@ -220,8 +280,11 @@ class FastEngine:
         b.key_valid.index_fill_(1, b.cpos, True)
         h = self.inner.embed_tokens(b.tok[:, None])
         mask = b.key_valid[:, None, None, :window]
-        h = self._layers(h, b.pos[:, None], write, mask, window)
-        self._sample_and_record(self._logits(h[:, -1]), sampling)
+        if self.fused:
+            logits = self._logits(self._fused_layers(h, window, mask), normed=True)
+        else:
+            logits = self._logits(self._layers(h, b.pos[:, None], write, mask, window)[:, -1])
+        self._sample_and_record(logits, sampling)
         b.pos.add_(1)
         b.cpos.add_(1)
 

@@ -1,0 +1,312 @@
+"""Fused decode-step kernels for the fast rollout engine (qerl.rollout.fast, ``fused=True``).
+
+A bs1 decode step is bound by the number of kernels it launches, not by its bytes (issue #5):
+HF's RMSNorm alone is 7 elementwise kernels, rotary embedding 10, a LoRA Linear 5 besides its
+base GEMV. These Triton kernels do the same arithmetic in fewer launches, reading every weight
+live from the model's modules (LoRA A/B, norm weights that AQN perturbs in place), so a CUDA
+graph captured once sees every later update:
+
+  - ``rmsnorm`` / ``add_rmsnorm``: (residual + delta, then) HF's RMSNorm in one kernel; writes the
+    new residual and the normed activations.
+  - ``rope_cache_write``: Qwen3's q/k RMSNorm (if any), rotary embedding of q and k, and the K/V
+    cache write at the slot read from a device tensor (no host sync), one kernel for all heads.
+  - ``silu_mul``: SiLU(gate) * up.
+  - ``lora_a``: h = x A^T for up to three adapters that share the input x (q/k/v, gate/up), one
+    kernel, split over K (partial sums, added by ``lora_out``: deterministic, no atomics).
+  - ``lora_out``: y += bias + scaling * h B^T in place on up to three base outputs, one kernel.
+
+Rounding follows HF's modules wherever it is cheap to (bf16 rounding of x_hat before the norm
+weight, of each rotary product and of SiLU before the multiply), but reductions run in a
+different order, so results may differ from the unfused path by rounding; tests compare each
+kernel with a torch reference and the fused engine with the unfused one.
+
+Each kernel is a ``torch.library.custom_op`` (namespace ``qerl``), so a TorchDispatchMode sees
+one op per launch (how tests/test_fused.py counts a decode step's kernels). Inputs are 2-D
+[rows, features], contiguous. On the CPU the kernels run under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+LORA_A_K_CHUNK = 1024  # K elements per lora_a program: K / 1024 partial sums per output
+
+
+@triton.jit
+def _rnd(x, TY: tl.constexpr):
+    """fp32 -> TY, round to nearest even. bf16 by integer ops: the same bits on the GPU and under
+    the interpreter (whose own float->bf16 cast truncates), so the CPU tests can check exactness."""
+    if TY == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        y = b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(TY)
+    return y
+
+
+@triton.jit
+def _pick(i, p0, p1, p2):
+    """p0, p1 or p2 by a runtime index (a pointer or a scalar of up to three grouped tensors)."""
+    if i == 0:
+        p = p0
+    elif i == 1:
+        p = p1
+    else:
+        p = p2
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# residual add + RMSNorm
+
+
+@triton.jit
+def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, out_ptr, N, eps,
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    TY: tl.constexpr = out_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    x = tl.load(res_ptr + row * N + offs, mask=m, other=0.0)
+    if HAS_DELTA:  # the residual add in the activation dtype, as h + delta is
+        d = tl.load(delta_ptr + row * N + offs, mask=m, other=0.0)
+        x = _rnd(x.to(tl.float32) + d.to(tl.float32), TY)
+        tl.store(res_out_ptr + row * N + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    # HF: x * rsqrt(var + eps) in fp32, rounded to the input dtype, then times the weight
+    xn = _rnd(xf * (1.0 / tl.sqrt(var + eps)), TY).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, _rnd(xn * w, TY), mask=m)
+
+
+def _norm_launch(res, delta, weight, eps, res_out, out):
+    M, N = res.shape
+    _add_rmsnorm_kernel[(M,)](res, delta if delta is not None else res, weight, res_out, out, N, eps,
+                              HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N))
+
+
+@torch.library.custom_op("qerl::rmsnorm", mutates_args=())
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm of x [M, N] with ``weight`` [N] (any float dtype), output in x.dtype."""
+    out = torch.empty_like(x)
+    _norm_launch(x, None, weight, eps, x, out)
+    return out
+
+
+@torch.library.custom_op("qerl::add_rmsnorm", mutates_args=())
+def add_rmsnorm(res: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, RMSNorm(r)) with r = res + delta (rounded to res.dtype, as a torch add is)."""
+    res_out, out = torch.empty_like(res), torch.empty_like(res)
+    _norm_launch(res, delta, weight, eps, res_out, out)
+    return res_out, out
+
+
+# ----------------------------------------------------------------------------------------------
+# q/k norm + rotary embedding + KV-cache write
+
+
+@triton.jit
+def _head_norm(x1, x2, w_ptr, offs, m, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, TY: tl.constexpr):
+    """Qwen3's per-head RMSNorm on the two halves of one head (HF rounding)."""
+    var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM
+    r = 1.0 / tl.sqrt(var + eps)
+    w1 = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs, mask=m, other=0.0).to(tl.float32)
+    x1 = _rnd(_rnd(x1 * r, TY).to(tl.float32) * w1, TY).to(tl.float32)
+    x2 = _rnd(_rnd(x2 * r, TY).to(tl.float32) * w2, TY).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rope(x1, x2, c1, c2, s1, s2, TY: tl.constexpr):
+    """x * cos + rotate_half(x) * sin with each product and the sum rounded to TY (as HF in TY)."""
+    y1 = _rnd(_rnd(x1 * c1, TY).to(tl.float32) + _rnd(-x2 * s1, TY).to(tl.float32), TY)
+    y2 = _rnd(_rnd(x2 * c2, TY).to(tl.float32) + _rnd(x1 * s2, TY).to(tl.float32), TY)
+    return y1, y2
+
+
+@triton.jit
+def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, kc_ptr, vc_ptr, cpos_ptr,
+                       L, eps, NH: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK: tl.constexpr, QK_NORM: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    TY: tl.constexpr = q_out_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    m = offs < HALF
+    c1 = tl.load(cos_ptr + b * HEAD_DIM + offs, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + b * HEAD_DIM + HALF + offs, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + b * HEAD_DIM + offs, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + b * HEAD_DIM + HALF + offs, mask=m, other=0.0).to(tl.float32)
+    if h < NH:  # a query head: rotated into q_out [B, NH, 1, HEAD_DIM]
+        src = q_ptr + (b * NH + h) * HEAD_DIM
+        x1 = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + offs, mask=m, other=0.0).to(tl.float32)
+        if QK_NORM:
+            x1, x2 = _head_norm(x1, x2, qn_ptr, offs, m, eps, HEAD_DIM, HALF, TY)
+        y1, y2 = _rope(x1, x2, c1, c2, s1, s2, TY)
+        dst = q_out_ptr + (b * NH + h) * HEAD_DIM
+        tl.store(dst + offs, y1, mask=m)
+        tl.store(dst + HALF + offs, y2, mask=m)
+    else:  # a key/value head: rotated k and v into cache[b, kh, cpos]
+        kh = h - NH
+        src = k_ptr + (b * NKV + kh) * HEAD_DIM
+        x1 = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + offs, mask=m, other=0.0).to(tl.float32)
+        if QK_NORM:
+            x1, x2 = _head_norm(x1, x2, kn_ptr, offs, m, eps, HEAD_DIM, HALF, TY)
+        y1, y2 = _rope(x1, x2, c1, c2, s1, s2, TY)
+        slot = ((b * NKV + kh) * L + tl.load(cpos_ptr)) * HEAD_DIM
+        tl.store(kc_ptr + slot + offs, y1, mask=m)
+        tl.store(kc_ptr + slot + HALF + offs, y2, mask=m)
+        vsrc = v_ptr + (b * NKV + kh) * HEAD_DIM
+        tl.store(vc_ptr + slot + offs, tl.load(vsrc + offs, mask=m), mask=m)
+        tl.store(vc_ptr + slot + HALF + offs, tl.load(vsrc + HALF + offs, mask=m), mask=m)
+
+
+@torch.library.custom_op("qerl::rope_cache_write", mutates_args=("k_cache", "v_cache"))
+def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, cpos: torch.Tensor,
+                     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """One token per row: q [B, NH*D], k/v [B, NKV*D], cos/sin [B, D] (HF rotary_emb output).
+
+    Returns the rotated queries [B, NH, 1, D]; writes the rotated keys and the values into
+    k_cache / v_cache [B, NKV, L, D] at slot ``cpos`` ([1] long, on the device). q_norm/k_norm:
+    Qwen3's per-head RMSNorm weights [D] (both or neither), applied before the rotation.
+    """
+    B, NKV, L, D = k_cache.shape
+    NH = q.shape[1] // D
+    q_out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
+    has_norm = q_norm is not None
+    _rope_cache_kernel[(B, NH + NKV)](
+        q, k, v, cos, sin, q_norm if has_norm else q, k_norm if has_norm else q, q_out, k_cache, v_cache, cpos,
+        L, eps, NH=NH, NKV=NKV, HEAD_DIM=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), QK_NORM=has_norm)
+    return q_out
+
+
+# ----------------------------------------------------------------------------------------------
+# SiLU(gate) * up
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    TY: tl.constexpr = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    s = _rnd(g / (1.0 + tl.exp(-g)), TY).to(tl.float32)  # F.silu in the activation dtype, then the product
+    tl.store(out_ptr + offs, _rnd(s * u, TY), mask=m)
+
+
+@torch.library.custom_op("qerl::silu_mul", mutates_args=())
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, elementwise, in gate.dtype."""
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    BLOCK = 1024
+    _silu_mul_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA: h = x A^T for grouped adapters, then y += bias + scaling * h B^T
+
+
+@triton.jit
+def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    nrb = tl.cdiv(R, BLOCK_R)
+    i = tl.program_id(0) // nrb  # adapter i, rows rr of its A
+    rr = (tl.program_id(0) % nrb) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s = tl.program_id(1)  # K chunk
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_ptr = _pick(i, a0, a1, a2)
+    mr, mm = rr < R, rows < M
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(s * K_CHUNK, tl.minimum(s * K_CHUNK + K_CHUNK, K), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mk = ks < K
+        a = tl.load(a_ptr + rr[:, None].to(tl.int64) * K + ks[None, :], mask=mr[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=mm[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
+    tl.store(h_ptr + (s * M + rows[:, None]).to(tl.int64) * NR + i * R + rr[None, :], acc,
+             mask=mm[:, None] & mr[None, :])
+
+
+@torch.library.custom_op("qerl::lora_a", mutates_args=())
+def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
+    """Partial sums [S, M, n*r] of x [M, K] times each A_i^T ([r, K], 1 <= n <= 3, equal r):
+    h = partial.sum(0) = cat(x A_0^T, x A_1^T, ...), summed by ``lora_out``. fp32."""
+    M, K = x.shape
+    R = As[0].shape[0]
+    n = len(As)
+    S = triton.cdiv(K, LORA_A_K_CHUNK)
+    BLOCK_M = min(16, triton.next_power_of_2(M))
+    BLOCK_R = triton.next_power_of_2(R) if INTERPRETED else 2  # GPU: many small programs; interpreter: few
+    BLOCK_K = min(256, triton.next_power_of_2(K))
+    h = torch.empty((S, M, n * R), dtype=torch.float32, device=x.device)
+    a = list(As) + [As[0]] * (3 - n)
+    grid = (n * triton.cdiv(R, BLOCK_R), S, triton.cdiv(M, BLOCK_M))
+    _lora_a_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=LORA_A_K_CHUNK, BLOCK_M=BLOCK_M,
+                         BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
+    return h
+
+
+@triton.jit
+def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, M, N0, N1, N2, R, NR, S, scaling,
+                     HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    i = tl.program_id(0)  # which output
+    y_ptr = _pick(i, y0, y1, y2)
+    N = _pick(i, N0, N1, N2)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = cols < N
+    rr = tl.arange(0, BLOCK_R)
+    mr = rr < R
+    if HAS_LORA:
+        B = tl.load(_pick(i, b0, b1, b2) + cols[:, None].to(tl.int64) * R + rr[None, :],
+                    mask=mn[:, None] & mr[None, :], other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(_pick(i, c0, c1, c2) + cols, mask=mn, other=0.0).to(tl.float32)
+    for m in range(0, M):
+        y = tl.load(y_ptr + m * N + cols, mask=mn, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += bias
+        if HAS_LORA:
+            h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for s in range(0, S):
+                h += tl.load(h_ptr + (s * M + m) * NR + i * R + rr, mask=mr, other=0.0)
+            y += scaling * tl.sum(B * h[None, :], axis=1)
+        tl.store(y_ptr + m * N + cols, _rnd(y, y_ptr.dtype.element_ty), mask=mn)
+
+
+@torch.library.custom_op("qerl::lora_out", mutates_args=("ys",))
+def lora_out(ys: list[torch.Tensor], h: torch.Tensor | None, Bs: list[torch.Tensor], biases: list[torch.Tensor],
+             scaling: float) -> None:
+    """In place, for each base output y_i [M, N_i] (1 to 3): y_i += bias_i + scaling * h_i B_i^T,
+    with h_i the i-th r columns of ``lora_a``'s partial sums (h None: bias only; biases []: none);
+    one rounding to y's dtype."""
+    n, M = len(ys), ys[0].shape[0]
+    has_lora, has_bias = h is not None, len(biases) > 0
+    R = Bs[0].shape[1] if has_lora else 1
+    BLOCK_N = 64
+    y = list(ys) + [ys[0]] * (3 - n)
+    b = (list(Bs) + [Bs[0]] * (3 - n)) if has_lora else y
+    c = (list(biases) + [biases[0]] * (3 - n)) if has_bias else y
+    S, NR = (h.shape[0], h.shape[2]) if has_lora else (1, 1)
+    Ns = [t.shape[1] for t in y]
+    grid = (n, triton.cdiv(max(Ns), BLOCK_N))
+    _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0], M,
+                           Ns[0], Ns[1], Ns[2], R, NR, S, scaling, HAS_LORA=has_lora, HAS_BIAS=has_bias,
+                           BLOCK_N=BLOCK_N, BLOCK_R=triton.next_power_of_2(R))

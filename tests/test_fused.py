@@ -1,0 +1,239 @@
+"""The fused decode-step kernels (qerl.kernels.fused) against torch references, the grouped LoRA
+linears against the modules' own forward, and the fused engine against the unfused one: same
+tokens, log-probs within rounding, weights read live, and fewer ops per layer (counted).
+
+On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
+
+import collections
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qerl.kernels import fused
+from qerl.quantize import QuantizeConfig, quantize_
+from qerl.rollout import FastEngine
+from qerl.rollout.fused_linear import grouped_linears
+
+_spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+make_tiny_model = _conftest.make_tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20]]
+BF = torch.bfloat16
+# the kernel tests run on the CPU (interpreter) and, marked gpu, compiled on CUDA
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                reason="needs CUDA")])]
+
+
+def _hf_rmsnorm(x, w, eps):  # Qwen2RMSNorm.forward (+ keep_norms_fp32's cast back to x.dtype)
+    xf = x.float()
+    return (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).to(x.dtype)
+
+
+def _close_bf16(a, b):  # reductions in another order: at most a rounding step apart
+    torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wdtype", [BF, torch.float32])
+def test_add_rmsnorm(wdtype, device):
+    torch.manual_seed(0)
+    N = 3584 if device == "cuda" else 200  # Qwen2.5-7B's hidden size on the GPU
+    res, delta = torch.randn(3, N, dtype=BF, device=device), torch.randn(3, N, dtype=BF, device=device)
+    w = (1 + 0.1 * torch.randn(N, device=device)).to(wdtype)
+    r, out = fused.add_rmsnorm(res, delta, w, 1e-6)
+    assert torch.equal(r, res + delta)  # the residual add rounds as torch's does
+    _close_bf16(out, _hf_rmsnorm(res + delta, w, 1e-6))
+    _close_bf16(fused.rmsnorm(res, w, 1e-6), _hf_rmsnorm(res, w, 1e-6))
+
+
+def _hf_rope_ref(x, cos, sin):  # HF apply_rotary_pos_emb on [B, H, D] with cos/sin [B, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_cache_write(qk_norm, device):
+    torch.manual_seed(0)
+    B, NH, NKV, D, L = (2, 28, 4, 128, 8) if device == "cuda" else (2, 4, 2, 16, 8)
+    q, k, v = (torch.randn(B, n * D, dtype=BF, device=device) for n in (NH, NKV, NKV))
+    ang = torch.rand(B, D // 2, device=device) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(BF), torch.cat([ang.sin()] * 2, -1).to(BF)
+    kc, vc = (torch.randn(B, NKV, L, D, dtype=BF, device=device) for _ in range(2))
+    kc0, vc0 = kc.clone(), vc.clone()
+    qn, kn = ((1 + 0.1 * torch.randn(D, device=device)).to(BF) for _ in range(2)) if qk_norm else (None, None)
+    qo = fused.rope_cache_write(q, k, v, cos, sin, kc, vc, torch.tensor([5], device=device), qn, kn, 1e-6)
+    qh, kh = q.view(B, NH, D), k.view(B, NKV, D)
+    if qk_norm:
+        qh, kh = _hf_rmsnorm(qh, qn, 1e-6), _hf_rmsnorm(kh, kn, 1e-6)
+    if qk_norm:  # the per-head norm reduces in another order
+        _close_bf16(qo[:, :, 0], _hf_rope_ref(qh, cos, sin))
+        _close_bf16(kc[:, :, 5], _hf_rope_ref(kh, cos, sin))
+    else:  # elementwise: bitwise HF's rounding
+        assert torch.equal(qo[:, :, 0], _hf_rope_ref(qh, cos, sin))
+        assert torch.equal(kc[:, :, 5], _hf_rope_ref(kh, cos, sin))
+    assert torch.equal(vc[:, :, 5], v.view(B, NKV, D))
+    others = [i for i in range(L) if i != 5]
+    assert torch.equal(kc[:, :, others], kc0[:, :, others]) and torch.equal(vc[:, :, others], vc0[:, :, others])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul(device):
+    torch.manual_seed(0)
+    g, u = torch.randn(3, 1500, dtype=BF, device=device), torch.randn(3, 1500, dtype=BF, device=device)
+    _close_bf16(fused.silu_mul(g, u), F.silu(g) * u)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,bias,K", [(1, False, 64), (2, False, 2100), (3, True, 2100)])
+def test_lora_a_and_out(n, bias, K, device):
+    """Stacked A (K split into partial sums when K > LORA_A_K_CHUNK), then bias + scaled B in place."""
+    torch.manual_seed(0)
+    M, R, Ns = 3, 8, [96, 32, 48][:n]
+    if device == "cuda":  # Qwen2.5-7B: q/k/v, gate/up, down at r = 32, batch 8
+        M, R, K, Ns = 8, 32, {1: 18944, 2: 3584, 3: 3584}[n], {1: [3584], 2: [18944] * 2, 3: [3584, 512, 512]}[n]
+    x = torch.randn(M, K, dtype=BF, device=device)
+    As = [torch.randn(R, K, device=device) / K ** 0.5 for _ in range(n)]
+    Bs = [torch.randn(N, R, device=device) for N in Ns]
+    bs = [torch.randn(N, dtype=BF, device=device) for N in Ns] if bias else []
+    ys = [torch.randn(M, N, dtype=BF, device=device) for N in Ns]
+    h = fused.lora_a(x, As)
+    assert h.shape == (-(-K // fused.LORA_A_K_CHUNK), M, n * R)
+    ref_h = torch.cat([(x.double() @ a.double().t()).float() for a in As], 1)
+    torch.testing.assert_close(h.sum(0), ref_h, rtol=1e-4, atol=1e-4)
+    want = [(y.float() + (bs[i].float() if bias else 0) + 2.0 * (ref_h[:, i * R:(i + 1) * R] @ Bs[i].t())).to(BF)
+            for i, y in enumerate(ys)]
+    fused.lora_out(ys, h, Bs, bs, 2.0)
+    for y, w in zip(ys, want):
+        _close_bf16(y, w)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_grouped_linears_equal_the_modules(fmt):
+    """q/k/v of a tiny Qwen2 (biases) with LoRA: one stacked A and one B launch give each module's output."""
+    model = make_tiny_model("qwen2", dtype=BF)
+    quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=8))
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+            m.lora_B.weight.normal_(0, 0.5)
+        x = torch.randn(3, 64, dtype=BF)
+        mods = [attn.q_proj, attn.k_proj, attn.v_proj, model.lm_head]  # lm_head: a plain nn.Linear
+        for got, m in zip(grouped_linears(x, mods), mods):
+            _close_bf16(got, m(x))
+
+
+# ---------------------------------------------------------------------------------- engine
+def _lora_model(model_type, fmt="nvfp4", dtype=torch.float32, **kw):
+    model = make_tiny_model(model_type, dtype=dtype, **kw)
+    quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=4, **({"backend": "triton"} if fmt == "nvfp4" else {})))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fused_engine_equals_unfused(model_type):
+    """fp32 tiny models with NVFP4 + LoRA: the same sampled tokens, log-probs within fp32 rounding."""
+    model = _lora_model(model_type)
+    kw = dict(temperature=1.0, top_k=40, seed=3)
+    a = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=False).generate(PROMPTS, 10, **kw)
+    f = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True)
+    assert f.fused
+    b = f.generate(PROMPTS, 10, **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-4, rtol=0)
+
+
+def test_fused_engine_bf16_agrees():
+    """bf16 (the rollout dtype): reductions in another order may flip a near tie, rarely."""
+    model = _lora_model("qwen2", fmt="bf16", dtype=BF)
+    a = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=False).generate(PROMPTS, 12, greedy=True)
+    b = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True).generate(PROMPTS, 12, greedy=True)
+    assert (a.completion_ids == b.completion_ids).float().mean() > 0.9
+    first = a.completion_ids[:, :3] == b.completion_ids[:, :3]
+    assert first.all()  # before any divergence the logits agree to bf16 rounding
+    assert (a.logprobs[:, :3] - b.logprobs[:, :3]).abs().max() < 0.05
+
+
+def test_fused_engine_reads_the_model_tensors_live():
+    """No copy: a LoRA update and AQN noise (norm weights changed in place) are seen by the next call."""
+    from qerl.noise import noisy_norms
+
+    model = _lora_model("llama")
+    ptrs = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    fe = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True)
+    before = fe.generate(PROMPTS, 6, greedy=True, ignore_eos=True)
+    assert {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())} == ptrs
+    with noisy_norms(model, 0.5, seed=0):
+        noisy = fe.generate(PROMPTS, 6, greedy=True, ignore_eos=True)
+    assert not torch.allclose(noisy.logprobs, before.logprobs)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.lora_B.weight.normal_(0, 1.0)
+    after = fe.generate(PROMPTS, 6, greedy=True, ignore_eos=True)
+    assert not torch.allclose(after.logprobs, before.logprobs)
+    ref = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=False).generate(PROMPTS, 6, greedy=True,
+                                                                               ignore_eos=True)
+    torch.testing.assert_close(after.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops a step dispatches, leaving out views and allocations (no kernel on a GPU).
+    A custom op (a Triton launch, the 4-bit GEMV) counts once."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided"):
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_layer(model_type, fused_on, lora_rank):
+    """Ops of one decode step, per decoder layer: the difference between 3- and 2-layer models."""
+    counts = []
+    for n_layers in (2, 3):
+        model = make_tiny_model(model_type, dtype=BF, num_hidden_layers=n_layers)
+        quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=lora_rank, backend="triton"))
+        fe = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=fused_on)
+        fe.generate([[5, 6, 7]], 2, temperature=1.0)  # allocates the buffers
+        counter = _OpCounter()
+        with counter, torch.no_grad():
+            fe._decode_step(256, (1.0, 0, 1.0, False, False))
+        counts.append(counter.ops)
+    per_layer = counts[1].copy()
+    per_layer.subtract(counts[0])
+    return sum(per_layer.values()), per_layer
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_fused_decode_step_launches_fewer_ops(model_type):
+    """Counted with a TorchDispatchMode (each Triton kernel is a custom op): with LoRA, the unfused
+    step dispatches 88 (Qwen2) / 101 (Qwen3) ops per layer, the fused one 20: 7 GEMVs, 4 LoRA-A,
+    4 bias/LoRA-B, 2 add+norm, 1 rotary+cache write, 1 SDPA, 1 SiLU*up."""
+    n_fused, ops = _ops_per_layer(model_type, True, 8)
+    n_unfused, _ = _ops_per_layer(model_type, False, 8)
+    assert n_fused <= 20, ops
+    assert n_unfused >= 4 * n_fused, (n_unfused, n_fused)
+    assert ops["qerl.nvfp4_linear.default"] == 7 and ops["qerl.lora_a.default"] == 4
+
+
+def test_fused_needs_a_kernel_backend(monkeypatch):
+    model = make_tiny_model("llama", dtype=torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="fused=True cannot run"):
+        FastEngine(model, eos_token_ids=[2], fused=True)
+    assert not FastEngine(model, eos_token_ids=[2]).fused  # CPU default: the HF-order eager path
