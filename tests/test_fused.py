@@ -237,3 +237,58 @@ def test_fused_needs_a_kernel_backend(monkeypatch):
     with pytest.raises(ValueError, match="fused=True cannot run"):
         FastEngine(model, eos_token_ids=[2], fused=True)
     assert not FastEngine(model, eos_token_ids=[2]).fused  # CPU default: the HF-order eager path
+
+
+# ---------------------------------------------------------------------------------- GPU
+def _agreement(a, b):
+    """(fraction of equal tokens, per-row length of the common prefix)."""
+    same = a.completion_ids == b.completion_ids
+    prefix = same.long().cumprod(1).sum(1)
+    return same.float().mean().item(), prefix
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_cuda_graphs_on_a_random_model():
+    """CUDA graphs of the fused step on a random Qwen2-architecture model (NVFP4 + LoRA with a
+    non-zero B, bf16; no download, so it runs on the device image): the same greedy tokens as the
+    unfused graphs and as fused eager (near ties aside), AQN noise and a LoRA update seen by the
+    next replay with no re-capture."""
+    from qerl.noise import keep_norms_fp32, noisy_norms
+
+    torch.manual_seed(0)
+    model = make_tiny_model("qwen2", dtype=BF, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=2, vocab_size=2048,
+                            max_position_embeddings=1024, tie_word_embeddings=False).cuda()
+    quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
+    keep_norms_fp32(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+        model.lm_head.weight.mul_(30)  # peaky next-token distributions: few near ties
+    prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (7, 30, 120, 200)]
+    kw = dict(greedy=True, ignore_eos=True)
+
+    def engine(**k):
+        return FastEngine(model, eos_token_ids=[2], pad_id=0, max_seq_len=512, **k)
+
+    unfused, fused_g, fused_e = engine(fused=False), engine(fused=True), engine(fused=True, cuda_graphs=False)
+    assert fused_g.fused and fused_g.cuda_graphs and not unfused.fused
+    a, b, c = (e.generate(prompts, 250, **kw) for e in (unfused, fused_g, fused_e))  # windows 256 and 512
+    for other in (a, c):
+        agree, prefix = _agreement(other, b)
+        assert agree > 0.9 and (prefix >= 16).all(), (agree, prefix)
+        n = int(prefix.min())
+        assert (other.logprobs[:, :n] - b.logprobs[:, :n]).abs().max() < 0.05
+    caps = fused_g.stats["captures"]
+    with noisy_norms(model, 0.05, seed=0):
+        d = fused_g.generate(prompts, 250, **kw)
+    assert not torch.equal(d.logprobs, b.logprobs)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.lora_B.weight.normal_(0, 0.5)
+    e = fused_g.generate(prompts, 250, **kw)
+    assert fused_g.stats["captures"] == caps  # same graphs, new noise and new LoRA weights
+    assert not torch.equal(e.logprobs, b.logprobs)
+    agree, prefix = _agreement(unfused.generate(prompts, 250, **kw), e)  # the update as the unfused path sees it
+    assert agree > 0.9 and (prefix >= 16).all(), (agree, prefix)
