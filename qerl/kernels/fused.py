@@ -265,38 +265,58 @@ def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
 
 
 @triton.jit
-def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, M, N0, N1, N2, R, NR, S, scaling,
-                     HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    i = tl.program_id(0)  # which output
-    y_ptr = _pick(i, y0, y1, y2)
-    N = _pick(i, N0, N1, N2)
+def _lora_tile(y_ptr, B, bias, h_ptr, m, M, N, cols, mn, i, R, NR, S, rr, mr, scaling,
+               HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Row m of output i, columns ``cols``: y + bias + scaling * h B^T in fp32 (h: the S partial sums)."""
+    y = tl.load(y_ptr + m * N + cols, mask=mn, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += bias
+    if HAS_LORA:
+        h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for s in range(0, S):
+            h += tl.load(h_ptr + (s * M + m) * NR + i * R + rr, mask=mr, other=0.0)
+        y += scaling * tl.sum(B * h[None, :], axis=1)
+    return y
+
+
+@triton.jit
+def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, N1, N2, R, NR, S, scaling,
+                     HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+    """Outputs i = program_id(0) in place; or (SILU_MUL, one program row) out = SiLU(y0') * y1'."""
+    i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = cols < N
     rr = tl.arange(0, BLOCK_R)
     mr = rr < R
+    N = _pick(i, N0, N1, N2)
+    mn = cols < N
+    B, B1, bias, bias1 = 0.0, 0.0, 0.0, 0.0
     if HAS_LORA:
         B = tl.load(_pick(i, b0, b1, b2) + cols[:, None].to(tl.int64) * R + rr[None, :],
                     mask=mn[:, None] & mr[None, :], other=0.0).to(tl.float32)
+        if SILU_MUL:
+            B1 = tl.load(b1 + cols[:, None].to(tl.int64) * R + rr[None, :], mask=mn[:, None] & mr[None, :],
+                         other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(_pick(i, c0, c1, c2) + cols, mask=mn, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            bias1 = tl.load(c1 + cols, mask=mn, other=0.0).to(tl.float32)
+    y_ptr = _pick(i, y0, y1, y2)
+    TY: tl.constexpr = y0.dtype.element_ty
     for m in range(0, M):
-        y = tl.load(y_ptr + m * N + cols, mask=mn, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y += bias
-        if HAS_LORA:
-            h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            for s in range(0, S):
-                h += tl.load(h_ptr + (s * M + m) * NR + i * R + rr, mask=mr, other=0.0)
-            y += scaling * tl.sum(B * h[None, :], axis=1)
-        tl.store(y_ptr + m * N + cols, _rnd(y, y_ptr.dtype.element_ty), mask=mn)
+        y = _lora_tile(y_ptr, B, bias, h_ptr, m, M, N, cols, mn, i, R, NR, S, rr, mr, scaling,
+                       HAS_LORA, HAS_BIAS, BLOCK_R)
+        if SILU_MUL:  # y is the gate row; the up row is output 1; HF rounding of each step
+            g = _rnd(y, TY).to(tl.float32)
+            u = _rnd(_lora_tile(y1, B1, bias1, h_ptr, m, M, N, cols, mn, 1, R, NR, S, rr, mr, scaling,
+                                HAS_LORA, HAS_BIAS, BLOCK_R), TY).to(tl.float32)
+            act = _rnd(g / (1.0 + tl.exp(-g)), TY).to(tl.float32)
+            tl.store(out_ptr + m * N + cols, _rnd(act * u, TY), mask=mn)
+        else:
+            tl.store(y_ptr + m * N + cols, _rnd(y, TY), mask=mn)
 
 
-@torch.library.custom_op("qerl::lora_out", mutates_args=("ys",))
-def lora_out(ys: list[torch.Tensor], h: torch.Tensor | None, Bs: list[torch.Tensor], biases: list[torch.Tensor],
-             scaling: float) -> None:
-    """In place, for each base output y_i [M, N_i] (1 to 3): y_i += bias_i + scaling * h_i B_i^T,
-    with h_i the i-th r columns of ``lora_a``'s partial sums (h None: bias only; biases []: none);
-    one rounding to y's dtype."""
+def _lora_out_launch(ys, h, Bs, biases, scaling, out=None):
     n, M = len(ys), ys[0].shape[0]
     has_lora, has_bias = h is not None, len(biases) > 0
     R = Bs[0].shape[1] if has_lora else 1
@@ -306,7 +326,28 @@ def lora_out(ys: list[torch.Tensor], h: torch.Tensor | None, Bs: list[torch.Tens
     c = (list(biases) + [biases[0]] * (3 - n)) if has_bias else y
     S, NR = (h.shape[0], h.shape[2]) if has_lora else (1, 1)
     Ns = [t.shape[1] for t in y]
-    grid = (n, triton.cdiv(max(Ns), BLOCK_N))
-    _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0], M,
-                           Ns[0], Ns[1], Ns[2], R, NR, S, scaling, HAS_LORA=has_lora, HAS_BIAS=has_bias,
-                           BLOCK_N=BLOCK_N, BLOCK_R=triton.next_power_of_2(R))
+    grid = (1 if out is not None else n, triton.cdiv(max(Ns), BLOCK_N))
+    _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0],
+                           out if out is not None else y[0], M, Ns[0], Ns[1], Ns[2], R, NR, S, scaling,
+                           HAS_LORA=has_lora, HAS_BIAS=has_bias, SILU_MUL=out is not None, BLOCK_N=BLOCK_N,
+                           BLOCK_R=triton.next_power_of_2(R))
+
+
+@torch.library.custom_op("qerl::lora_out", mutates_args=("ys",))
+def lora_out(ys: list[torch.Tensor], h: torch.Tensor | None, Bs: list[torch.Tensor], biases: list[torch.Tensor],
+             scaling: float) -> None:
+    """In place, for each base output y_i [M, N_i] (1 to 3): y_i += bias_i + scaling * h_i B_i^T,
+    with h_i the i-th r columns of ``lora_a``'s partial sums (h None: bias only; biases []: none);
+    one rounding to y's dtype."""
+    _lora_out_launch(ys, h, Bs, biases, scaling)
+
+
+@torch.library.custom_op("qerl::lora_silu_mul", mutates_args=())
+def lora_silu_mul(gate: torch.Tensor, up: torch.Tensor, h: torch.Tensor | None, Bs: list[torch.Tensor],
+                  biases: list[torch.Tensor], scaling: float) -> torch.Tensor:
+    """SiLU(g) * u with g, u = ``lora_out`` of the base outputs gate and up (their LoRA in h's
+    columns 0 and 1), each rounded to gate.dtype as HF's separate modules would: one launch for
+    the MLP's two epilogues and its activation."""
+    out = torch.empty_like(gate)
+    _lora_out_launch([gate, up], h, Bs, biases, scaling, out=out)
+    return out

@@ -26,9 +26,9 @@ on a GPU (for debugging and for measuring what the graphs buy).
 
 Fused decode (``fused=True``, the default on CUDA): the decode step's layers run through the
 Triton kernels of qerl.kernels.fused instead of the HF-order torch ops: residual add + RMSNorm in
-one kernel, q/k norm + rotary + KV-cache write in one, SiLU * up in one, and each group of
-Linears that share an input (q/k/v, gate/up) with one stacked LoRA-A and one bias/LoRA-B launch
-(rollout/fused_linear.py). Every weight is still read live from the modules, so LoRA and AQN
+one kernel, q/k norm + rotary + KV-cache write in one, and each group of Linears that share an
+input (q/k/v, gate/up) with one stacked LoRA-A and one bias/LoRA-B launch, gate/up's also
+applying SiLU(gate) * up (rollout/fused_linear.py). Every weight is still read live from the modules, so LoRA and AQN
 updates reach the captured graphs as before. Same arithmetic, different reduction order: tokens
 may differ from the unfused path where logits nearly tie (tested with a tolerance). Prefill stays
 unfused. On the CPU ``fused=True`` needs TRITON_INTERPRET=1 (tests); the default there is off, so
@@ -60,7 +60,7 @@ from qerl.rollout.common import (
     positions_from_mask,
     sample_tokens,
 )
-from qerl.rollout.fused_linear import grouped_linears
+from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 WINDOW = 256  # cache length granularity and the smallest attention window
@@ -239,8 +239,7 @@ class FastEngine:
             (o,) = grouped_linears(o.reshape(B, -1), [attn.o_proj])
             norm = layer.post_attention_layernorm
             res, x = fused.add_rmsnorm(res, o, norm.weight, norm.variance_epsilon)
-            g, u = grouped_linears(x, [mlp.gate_proj, mlp.up_proj])
-            (d,) = grouped_linears(fused.silu_mul(g, u), [mlp.down_proj])
+            (d,) = grouped_linears(silu_mlp_input(x, mlp.gate_proj, mlp.up_proj), [mlp.down_proj])
             norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.inner.norm
             res, x = fused.add_rmsnorm(res, d, norm.weight, norm.variance_epsilon)
         return x

@@ -71,3 +71,16 @@ def _epilogue(x, ys, parts, idx, has_lora, has_bias, scaling):
     h = fused.lora_a(x, [parts[i].A for i in idx]) if has_lora else None
     fused.lora_out([ys[i] for i in idx], h, [parts[i].B for i in idx] if has_lora else [],
                    [parts[i].bias for i in idx] if has_bias else [], float(scaling))
+
+
+def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor:
+    """SiLU(gate(x)) * up(x) for x [M, K]: the two base matmuls, then (with LoRA or biases) one
+    ``lora_a`` and one ``lora_silu_mul`` launch; else the base outputs into ``silu_mul``."""
+    x = x.contiguous()
+    pg, pu = _parts(gate), _parts(up)
+    if pg is None or pu is None or pg.key() != pu.key() or (pg.A is None and pg.bias is None):
+        return fused.silu_mul(*grouped_linears(x, [gate, up]))
+    g, u = pg.base(x), pu.base(x)
+    h = fused.lora_a(x, [pg.A, pu.A]) if pg.A is not None else None
+    return fused.lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
+                               [pg.bias, pu.bias] if pg.bias is not None else [], float(pg.scaling))
