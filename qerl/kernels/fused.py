@@ -7,13 +7,15 @@ live from the model's modules (LoRA A/B, norm weights that AQN perturbs in place
 graph captured once sees every later update:
 
   - ``rmsnorm`` / ``add_rmsnorm``: (residual + delta, then) HF's RMSNorm in one kernel; writes the
-    new residual and the normed activations.
+    new residual and the normed activations. ``add_rmsnorm_lora_a`` also multiplies the normed rows
+    by the LoRA A's of the Linears they feed (q/k/v, gate/up), in the same launch.
   - ``rope_cache_write``: Qwen3's q/k RMSNorm (if any), rotary embedding of q and k, and the K/V
     cache write at the slot read from a device tensor (no host sync), one kernel for all heads.
   - ``silu_mul``: SiLU(gate) * up.
   - ``lora_a``: h = x A^T for up to three adapters that share the input x (q/k/v, gate/up), one
     kernel, split over K (partial sums, added by ``lora_out``: deterministic, no atomics).
-  - ``lora_out``: y += bias + scaling * h B^T in place on up to three base outputs, one kernel.
+  - ``lora_out``: y += bias + scaling * h B^T in place on up to three base outputs, one kernel;
+    ``lora_silu_mul``: the same for gate and up, then SiLU(gate) * up, one kernel.
 
 Rounding follows HF's modules wherever it is cheap to (bf16 rounding of x_hat before the norm
 weight, of each rotary product and of SiLU before the multiply), but reductions run in a
@@ -68,9 +70,13 @@ def _pick(i, p0, p1, p2):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, out_ptr, N, eps,
-                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, out_ptr, a0, a1, a2, h_ptr, N, R, NR, eps,
+                        HAS_DELTA: tl.constexpr, STORE_RES: tl.constexpr, HAS_A: tl.constexpr, BLOCK: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
+    """Row program_id(0); program_id(1) == 0 stores the residual and the normed row, and with HAS_A
+    every program also multiplies the normed row by BLOCK_R rows of the stacked A (lora_a's h)."""
     row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
     TY: tl.constexpr = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -78,19 +84,37 @@ def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, out_ptr, N, eps,
     if HAS_DELTA:  # the residual add in the activation dtype, as h + delta is
         d = tl.load(delta_ptr + row * N + offs, mask=m, other=0.0)
         x = _rnd(x.to(tl.float32) + d.to(tl.float32), TY)
-        tl.store(res_out_ptr + row * N + offs, x, mask=m)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     # HF: x * rsqrt(var + eps) in fp32, rounded to the input dtype, then times the weight
     xn = _rnd(xf * (1.0 / tl.sqrt(var + eps)), TY).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, _rnd(xn * w, TY), mask=m)
+    y = _rnd(xn * w, TY)
+    if j == 0:
+        if STORE_RES:
+            tl.store(res_out_ptr + row * N + offs, x, mask=m)
+        tl.store(out_ptr + row * N + offs, y, mask=m)
+    if HAS_A:
+        nrb = tl.cdiv(R, BLOCK_R)
+        rr = (j % nrb) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mr = rr < R
+        a = tl.load(_pick(j // nrb, a0, a1, a2) + rr[:, None].to(tl.int64) * N + offs[None, :],
+                    mask=mr[:, None] & m[None, :], other=0.0).to(tl.float32)
+        acc = tl.sum(a * y.to(tl.float32)[None, :], axis=1)
+        tl.store(h_ptr + row * NR + (j // nrb) * R + rr, acc, mask=mr)
 
 
-def _norm_launch(res, delta, weight, eps, res_out, out):
+def _norm_launch(res, delta, weight, eps, res_out, out, As=(), h=None):
     M, N = res.shape
-    _add_rmsnorm_kernel[(M,)](res, delta if delta is not None else res, weight, res_out, out, N, eps,
-                              HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N))
+    n, R = len(As), (As[0].shape[0] if As else 1)
+    BLOCK_R = min(triton.next_power_of_2(R), 64 if INTERPRETED else 2)
+    a = list(As) + [res] * (3 - n)
+    BLOCK = triton.next_power_of_2(N)
+    _add_rmsnorm_kernel[(M, n * triton.cdiv(R, BLOCK_R) if n else 1)](
+        res, delta if delta is not None else res, weight, res_out, out, a[0], a[1], a[2], h if n else res,
+        N, R, n * R, eps, HAS_DELTA=delta is not None, STORE_RES=delta is not None or n > 0, HAS_A=n > 0,
+        BLOCK=BLOCK, BLOCK_R=BLOCK_R,
+        num_warps=8 if BLOCK >= 4096 else 4)
 
 
 @torch.library.custom_op("qerl::rmsnorm", mutates_args=())
@@ -108,6 +132,17 @@ def add_rmsnorm(res: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     res_out, out = torch.empty_like(res), torch.empty_like(res)
     _norm_launch(res, delta, weight, eps, res_out, out)
     return res_out, out
+
+
+@torch.library.custom_op("qerl::add_rmsnorm_lora_a", mutates_args=())
+def add_rmsnorm_lora_a(res: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       As: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rmsnorm`` (res itself, copied, when delta is None) and, in the same launch, ``lora_a``
+    of the normed rows for the adapters ``As`` of the Linears it feeds: (r, x, h [1, M, n*r])."""
+    res_out, out = torch.empty_like(res), torch.empty_like(res)
+    h = torch.empty((1, res.shape[0], len(As) * As[0].shape[0]), dtype=torch.float32, device=res.device)
+    _norm_launch(res, delta, weight, eps, res_out, out, As, h)
+    return res_out, out, h
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,10 +25,11 @@ Without CUDA (CPU tests) the same step function runs eagerly; ``cuda_graphs=Fals
 on a GPU (for debugging and for measuring what the graphs buy).
 
 Fused decode (``fused=True``, the default on CUDA): the decode step's layers run through the
-Triton kernels of qerl.kernels.fused instead of the HF-order torch ops: residual add + RMSNorm in
-one kernel, q/k norm + rotary + KV-cache write in one, and each group of Linears that share an
-input (q/k/v, gate/up) with one stacked LoRA-A and one bias/LoRA-B launch, gate/up's also
-applying SiLU(gate) * up (rollout/fused_linear.py). Every weight is still read live from the modules, so LoRA and AQN
+Triton kernels of qerl.kernels.fused instead of the HF-order torch ops: residual add + RMSNorm
+(+ the stacked LoRA-A product of the Linears it feeds) in one kernel, q/k norm + rotary + KV-cache
+write in one, one bias/LoRA-B launch per group of Linears that share an input (q/k/v; gate/up,
+which also applies SiLU(gate) * up), and LoRA-A + B launches for o_proj and down_proj
+(rollout/fused_linear.py). Every weight is still read live from the modules, so LoRA and AQN
 updates reach the captured graphs as before. Same arithmetic, different reduction order: tokens
 may differ from the unfused path where logits nearly tie (tested with a tolerance). Prefill stays
 unfused. On the CPU ``fused=True`` needs TRITON_INTERPRET=1 (tests); the default there is off, so
@@ -60,7 +61,7 @@ from qerl.rollout.common import (
     positions_from_mask,
     sample_tokens,
 )
-from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input
+from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input, stacked_A
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 WINDOW = 256  # cache length granularity and the smallest attention window
@@ -222,12 +223,12 @@ class FastEngine:
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         # the key mask as an additive float mask, once per step (a bool mask is converted per SDPA call)
         mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
-        norm = self.layers[0].input_layernorm
-        res = h.reshape(B, -1)
-        x = fused.rmsnorm(res, norm.weight, norm.variance_epsilon)
+        res, delta = h.reshape(B, -1), None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = grouped_linears(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            res, x, ha = self._fused_norm(res, delta, layer.input_layernorm, qkv)
+            q, k, v = grouped_linears(x, qkv, ha)
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             q = fused.rope_cache_write(q, k, v, cos, sin, b.k[i], b.v[i], b.cpos,
                                        None if qn is None else qn.weight, None if kn is None else kn.weight,
@@ -236,13 +237,22 @@ class FastEngine:
             # (HF's repeat_kv order), so no copy of K/V per query head (enable_gqa's math path makes one)
             o = F.scaled_dot_product_attention(q.view(B, self.n_kv, -1, self.head_dim), b.k[i][:, :, :window],
                                                b.v[i][:, :, :window], attn_mask=mask, scale=self.scaling)
-            (o,) = grouped_linears(o.reshape(B, -1), [attn.o_proj])
-            norm = layer.post_attention_layernorm
-            res, x = fused.add_rmsnorm(res, o, norm.weight, norm.variance_epsilon)
-            (d,) = grouped_linears(silu_mlp_input(x, mlp.gate_proj, mlp.up_proj), [mlp.down_proj])
-            norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.inner.norm
-            res, x = fused.add_rmsnorm(res, d, norm.weight, norm.variance_epsilon)
-        return x
+            (delta,) = grouped_linears(o.reshape(B, -1), [attn.o_proj])
+            gate_up = [mlp.gate_proj, mlp.up_proj]
+            res, x, hm = self._fused_norm(res, delta, layer.post_attention_layernorm, gate_up)
+            (delta,) = grouped_linears(silu_mlp_input(x, *gate_up, hm), [mlp.down_proj])
+        return self._fused_norm(res, delta, self.inner.norm, [])[1]
+
+    @staticmethod
+    def _fused_norm(res, delta, norm, feeds):
+        """(res + delta, its RMSNorm x, x times the stacked LoRA A of the Linears ``feeds`` or None), one launch."""
+        w, eps = norm.weight, norm.variance_epsilon
+        As = stacked_A(feeds) if feeds else None
+        if As is not None:
+            return fused.add_rmsnorm_lora_a(res, delta, w, eps, As)
+        if delta is None:
+            return res, fused.rmsnorm(res, w, eps), None
+        return (*fused.add_rmsnorm(res, delta, w, eps), None)
 
     def _logits(self, h, normed=False):
         if not normed:

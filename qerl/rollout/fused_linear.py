@@ -51,11 +51,24 @@ def _parts(m: nn.Module) -> _Parts | None:
     return None
 
 
-def grouped_linears(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor]:
-    """[m(x) for m in modules] for x [M, K] (outputs [M, N_i]), grouped as the module docstring says."""
+def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
+    """The LoRA A weights of ``modules`` if they form one LoRA group (<= 3, same rank, scaling, bias
+    presence), so that their ``lora_a`` can run inside the norm kernel that feeds them; else None."""
+    parts = [_parts(m) for m in modules]
+    if len(parts) > 3 or any(p is None or p.A is None for p in parts) or len({p.key() for p in parts}) != 1:
+        return None
+    return [p.A for p in parts]
+
+
+def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[m(x) for m in modules] for x [M, K] (outputs [M, N_i]), grouped as the module docstring says.
+    ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``)."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
     ys = [p.base(x) if p is not None else m(x) for p, m in zip(parts, modules)]
+    if h is not None:  # one LoRA group (stacked_A)
+        _epilogue(x, ys, parts, list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, h)
+        return ys
     groups: dict = {}
     for i, p in enumerate(parts):
         if p is not None and (p.A is not None or p.bias is not None):
@@ -66,21 +79,23 @@ def grouped_linears(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Ten
     return ys
 
 
-def _epilogue(x, ys, parts, idx, has_lora, has_bias, scaling):
-    """One lora_a (if LoRA) and one lora_out launch for the outputs ``idx`` (at most three)."""
-    h = fused.lora_a(x, [parts[i].A for i in idx]) if has_lora else None
+def _epilogue(x, ys, parts, idx, has_lora, has_bias, scaling, h=None):
+    """One lora_a (if LoRA and no h given) and one lora_out launch for the outputs ``idx`` (<= 3)."""
+    if has_lora and h is None:
+        h = fused.lora_a(x, [parts[i].A for i in idx])
     fused.lora_out([ys[i] for i in idx], h, [parts[i].B for i in idx] if has_lora else [],
                    [parts[i].bias for i in idx] if has_bias else [], float(scaling))
 
 
-def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor:
+def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(gate(x)) * up(x) for x [M, K]: the two base matmuls, then (with LoRA or biases) one
-    ``lora_a`` and one ``lora_silu_mul`` launch; else the base outputs into ``silu_mul``."""
+    ``lora_a`` (unless h is given) and one ``lora_silu_mul`` launch; else ``silu_mul``."""
     x = x.contiguous()
     pg, pu = _parts(gate), _parts(up)
     if pg is None or pu is None or pg.key() != pu.key() or (pg.A is None and pg.bias is None):
-        return fused.silu_mul(*grouped_linears(x, [gate, up]))
+        return fused.silu_mul(*grouped_linears(x, [gate, up], h))
     g, u = pg.base(x), pu.base(x)
-    h = fused.lora_a(x, [pg.A, pu.A]) if pg.A is not None else None
+    if pg.A is not None and h is None:
+        h = fused.lora_a(x, [pg.A, pu.A])
     return fused.lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
                                [pg.bias, pu.bias] if pg.bias is not None else [], float(pg.scaling))
