@@ -87,7 +87,7 @@ def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, out_ptr, a0, a1,
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     # HF: x * rsqrt(var + eps) in fp32, rounded to the input dtype, then times the weight
-    xn = _rnd(xf * (1.0 / tl.sqrt(var + eps)), TY).to(tl.float32)
+    xn = _rnd(xf * tl.rsqrt(var + eps), TY).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     y = _rnd(xn * w, TY)
     if j == 0:
@@ -108,7 +108,7 @@ def _norm_launch(res, delta, weight, eps, res_out, out, As=(), h=None):
     M, N = res.shape
     n, R = len(As), (As[0].shape[0] if As else 1)
     BLOCK_R = min(triton.next_power_of_2(R), 64 if INTERPRETED else 2)
-    a = list(As) + [res] * (3 - n)
+    a = list(As) + [As[0] if As else res] * (3 - n)  # padding of one pointer type (the kernel picks one)
     BLOCK = triton.next_power_of_2(N)
     _add_rmsnorm_kernel[(M, n * triton.cdiv(R, BLOCK_R) if n else 1)](
         res, delta if delta is not None else res, weight, res_out, out, a[0], a[1], a[2], h if n else res,
@@ -153,7 +153,7 @@ def add_rmsnorm_lora_a(res: torch.Tensor, delta: torch.Tensor | None, weight: to
 def _head_norm(x1, x2, w_ptr, offs, m, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, TY: tl.constexpr):
     """Qwen3's per-head RMSNorm on the two halves of one head (HF rounding)."""
     var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM
-    r = 1.0 / tl.sqrt(var + eps)
+    r = tl.rsqrt(var + eps)
     w1 = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + HALF + offs, mask=m, other=0.0).to(tl.float32)
     x1 = _rnd(_rnd(x1 * r, TY).to(tl.float32) * w1, TY).to(tl.float32)
