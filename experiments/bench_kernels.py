@@ -164,17 +164,15 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
 # config sweep (optional): which launch config wins per 7B shape and M
 
 
-GEMV_SWEEP = [(128, 8, 4, 2), (64, 8, 4, 2), (128, 16, 8, 2)]  # M = 1: (BLOCK_N, GROUPS, warps, stages)
-DOT16_SWEEP = [(128, 64, 4, 4, True, 2), (64, 128, 4, 4, True, 2), (64, 64, 4, 4, True, 2), (128, 128, 4, 3, True, 2),
-               (128, 64, 4, 4, True, 1), (128, 64, 4, 4, False, 2)]  # M <= 16: (BLOCK_N, BLOCK_K, warps, stages, SWAP_AB, DECODE)
+GEMV_SWEEP = [(128, 8, 4, 2), (64, 8, 4, 2)]  # M = 1: (BLOCK_N, GROUPS, warps, stages)
+DOT16_SWEEP = [(128, 64, 4, 4, True, 2), (64, 128, 4, 4, True, 2), (128, 64, 4, 4, True, 1),
+               (128, 64, 4, 4, False, 2)]  # M <= 16: (BLOCK_N, BLOCK_K, warps, stages, SWAP_AB, DECODE)
 DOT_SWEEP = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB, DECODE)
     "mid": [(64, 128, 64, 4, 4, True, 2), (64, 128, 128, 4, 3, True, 2), (64, 128, 64, 4, 4, False, 2)],
-    "big": [(128, 128, 64, 4, 4, True, 2), (256, 128, 64, 8, 3, True, 2), (128, 256, 64, 8, 3, True, 2),
-            (128, 128, 64, 4, 4, False, 2), (128, 256, 64, 8, 3, False, 2), (256, 128, 64, 8, 3, False, 2),
-            (128, 128, 64, 4, 4, True, 1), (128, 256, 64, 8, 3, False, 1)],
+    "big": [(128, 128, 64, 4, 4, True, 2), (256, 128, 64, 8, 3, True, 2), (128, 256, 64, 8, 3, False, 2),
+            (128, 128, 64, 4, 4, True, 1)],
 }
-BWD_SWEEP = [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (256, 64, 64, 8, 3),
-             (64, 128, 64, 4, 4)]  # (BLOCK_M, BLOCK_K, BLOCK_R, warps, stages)
+BWD_SWEEP = [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3)]  # (BLOCK_M, BLOCK_K, BLOCK_R, warps, stages)
 
 
 def sweep_candidates(m):
