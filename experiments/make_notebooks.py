@@ -37,6 +37,11 @@ CELLS = {
         SETUP,
         "plots.plot_rewards()\nshow('rewards')",
         "plots.plot_aqn()\nshow('aqn')",
+        "## The figure scripts' runs (experiments/fig4_reward_curves.py, fig8_aqn_ablation.py)\n"
+        "GRPO and DAPO across formats (one seed), and NVFP4 LoRA with / without AQN (three seeds).",
+        "for name in ['fig4_reward_curves', 'fig8_aqn_ablation']:\n"
+        "    if plots.experiment_figure(name) is not None:\n"
+        "        show(name)",
     ],
     "entropy": [
         "# Token entropy during RL (Fig. 5)\n`entropy` is measured in the training forward pass, "
@@ -44,6 +49,17 @@ CELLS = {
         SETUP,
         "plots.plot_entropy()\nshow('entropy')",
         "plots.entropy_early_late()",
+        "## Entropy in the Figure 4 runs (GRPO and DAPO across formats, one seed)",
+        "FIG4 = 'fig4_reward_curves/small'\n"
+        "if plots.plot_curves(experiment=FIG4, panels='loss_type', keys=('entropy', 'sampling/entropy'),\n"
+        "                     name='fig4_entropy', title='Token entropy across formats (fig4 runs, small)') is not None:\n"
+        "    show('fig4_entropy')",
+        "m = plots.load_metrics(experiment=FIG4, fields=('loss_type',))\n"
+        "if m is not None:\n"
+        "    last = m['step'].max()\n"
+        "    early = m[m['step'] <= 5].groupby(['loss_type', 'method'])['entropy'].mean()\n"
+        "    late = m[m['step'] > last - 5].groupby(['loss_type', 'method'])['entropy'].mean()\n"
+        "    display(pd.DataFrame({'entropy, first 5 steps': early, 'entropy, last 5 steps': late}))",
     ],
     "speed": [
         "# Where time goes\nStep time split into rollout and training (small runs), and the "
