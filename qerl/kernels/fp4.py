@@ -568,6 +568,12 @@ def _fit(cfg: dict, K: int) -> dict:
 # launchers
 
 _WORKSPACE: dict = {}
+# Workspaces replaced by larger ones. Never freed: a CUDA graph captured earlier (the rollout engine's
+# decode steps) holds raw pointers to the buffer it was captured with and keeps replaying into it;
+# freeing it would let the allocator hand that memory to other tensors while replays still write
+# split-K partial sums there (it did: wrong rollout log-probs, see LOG.md 2026-11-22). They stay
+# zeroed: every split-K launch leaves its workspace and counters as it found them.
+_RETIRED: list = []
 # triton.jit reads TRITON_INTERPRET when this module is imported, not when a kernel runs.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -577,14 +583,22 @@ def _workspace(device: torch.device, n_out: int, n_tiles: int) -> tuple[torch.Te
 
     One per device, not per stream, so that a CUDA graph captured on a side stream reuses the one
     allocated during warm-up; split-K launches must therefore not run concurrently on two
-    streams of one device (qerl runs everything on one stream).
+    streams of one device (qerl runs everything on one stream). Call it only for launches that
+    split K. A buffer that is outgrown is retired, not freed (``_RETIRED``); growth doubles, so
+    the retired ones sum to less than the live one.
     """
     key = str(device)
     ws, cnt = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < n_out:
-        ws = torch.zeros(max(n_out, 1 << 16), dtype=torch.float32, device=device)
+        if ws is not None:
+            _RETIRED.append(ws)
+        ws = torch.zeros(max(n_out, 2 * (ws.numel() if ws is not None else 0), 1 << 16),
+                         dtype=torch.float32, device=device)
     if cnt is None or cnt.numel() < n_tiles:
-        cnt = torch.zeros(max(n_tiles, 1 << 12), dtype=torch.int32, device=device)
+        if cnt is not None:
+            _RETIRED.append(cnt)
+        cnt = torch.zeros(max(n_tiles, 2 * (cnt.numel() if cnt is not None else 0), 1 << 12),
+                          dtype=torch.int32, device=device)
     _WORKSPACE[key] = (ws, cnt)
     return ws, cnt
 
@@ -664,7 +678,7 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
         split = split_k or _split(n_tiles, k_tiles, sms)
         tps = triton.cdiv(k_tiles, split)
         split = triton.cdiv(k_tiles, tps)
-        ws, cnt = _workspace(x.device, M * N, n_tiles)
+        ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else _workspace(x.device, 0, 0)
         _fwd_gemv_kernel[(n_tiles, split)](
             x2, x32, w32, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), x32.stride(0), out.stride(0),
             w32.stride(0), tps,
@@ -679,7 +693,8 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
             split = split_k
         tps = triton.cdiv(k_tiles, split)
         split = triton.cdiv(k_tiles, tps)
-        ws, cnt = _workspace(x.device, M * N, n_tiles)
+        # (without a split the kernel never touches the workspace: do not grow it for big GEMMs)
+        ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else _workspace(x.device, 0, 0)
         meta.setdefault("SWAP_AB", True)
         meta.setdefault("DECODE", 2)
         even_k = K % cfg["BLOCK_K"] == 0
