@@ -35,10 +35,10 @@ def _hf_rmsnorm(x, w, eps):  # Qwen2RMSNorm.forward (+ keep_norms_fp32's cast ba
     return (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).to(x.dtype)
 
 
-def _close_bf16(a, b):
+def _close_bf16(a, b, atol=1e-6):
     """Reductions in another order: x_hat may round one bf16 step apart, and the rounding after the
-    weight product another step: within 2 steps (relative 2^-6)."""
-    torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=1e-6)
+    weight product another step: within 2 steps (relative 2^-6); ``atol`` for sums that cancel."""
+    torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=atol)
 
 
 # ---------------------------------------------------------------------------------- kernels
@@ -131,8 +131,8 @@ def test_lora_a_and_out(n, bias, K, device):
     want = [(y.float() + (bs[i].float() if bias else 0) + 2.0 * (ref_h[:, i * R:(i + 1) * R] @ Bs[i].t())).to(BF)
             for i, y in enumerate(ys)]
     fused.lora_out(ys, h, Bs, bs, 2.0)
-    for y, w in zip(ys, want):
-        _close_bf16(y, w)
+    for y, w in zip(ys, want):  # terms of size ~1-10: a sum that cancels to ~0 keeps their fp32 error
+        _close_bf16(y, w, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -204,6 +204,17 @@ def test_fused_engine_bf16_agrees():
     first = a.completion_ids[:, :3] == b.completion_ids[:, :3]
     assert first.all()  # before any divergence the logits agree to bf16 rounding
     assert (a.logprobs[:, :3] - b.logprobs[:, :3]).abs().max() < 0.05
+
+
+def test_decode_step_runs_without_autograd():
+    """Graph warm-up/capture call the step outside generate (experiments/speed_common.warm_up_engine):
+    with grad enabled, the in-place LoRA epilogue on the 4-bit op's output must still run."""
+    model = _lora_model("qwen2", dtype=BF)
+    fe = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True)
+    fe.generate([[5, 6, 7]], 2, temperature=1.0)
+    assert torch.is_grad_enabled()
+    fe._decode_step(256, (1.0, 0, 1.0, False, False))
+    assert int(fe.buf.t) == 3  # the step ran and advanced the counters
 
 
 def test_fused_engine_reads_the_model_tensors_live():
@@ -287,48 +298,71 @@ def _agreement(a, b):
     return same.float().mean().item(), prefix
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_cuda_graphs_on_a_random_model():
-    """CUDA graphs of the fused step on a random Qwen2-architecture model (NVFP4 + LoRA with a
-    non-zero B, bf16; no download, so it runs on the device image): the same greedy tokens as the
-    unfused graphs and as fused eager (near ties aside), AQN noise and a LoRA update seen by the
-    next replay with no re-capture."""
-    from qerl.noise import keep_norms_fp32, noisy_norms
-
+def _gpu_model(dtype, lora):
     torch.manual_seed(0)
-    model = make_tiny_model("qwen2", dtype=BF, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+    model = make_tiny_model("qwen2", dtype=dtype, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                             num_attention_heads=8, num_key_value_heads=2, vocab_size=2048,
                             max_position_embeddings=1024, tie_word_embeddings=False).cuda()
-    quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
+    if lora:
+        quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+    return model
+
+
+GPU_PROMPTS = [[3 + (7 * i + 11 * j) % 2000 for j in range(n)] for i, n in enumerate((7, 30, 120, 200))]
+
+
+def _gpu_engine(model, **kw):
+    return FastEngine(model, eos_token_ids=[2], pad_id=0, max_seq_len=512, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_cuda_graphs_fp32_equal_unfused():
+    """fp32, random Qwen2-architecture model (no download: runs on the device image), 250 greedy
+    tokens over the 256 and 512 windows: the fused graphs give the unfused graphs' tokens (fp32:
+    reduction order moves logits by ~1e-6, far below the gaps greedy decides on)."""
+    model = _gpu_model(torch.float32, lora=False)
+    a = _gpu_engine(model, fused=False).generate(GPU_PROMPTS, 250, greedy=True, ignore_eos=True)
+    fe = _gpu_engine(model, fused=True)
+    assert fe.fused and fe.cuda_graphs
+    b = fe.generate(GPU_PROMPTS, 250, greedy=True, ignore_eos=True)
+    agree, prefix = _agreement(a, b)
+    assert agree > 0.95, (agree, prefix)
+    n = int(prefix.min())
+    assert (a.logprobs[:, :n] - b.logprobs[:, :n]).abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_cuda_graphs_bf16_lora_live():
+    """bf16 NVFP4 + LoRA (non-zero B): the fused graphs start as the unfused graphs and as fused
+    eager do (later a bf16 near tie may flip a greedy token on this random model, and a row then
+    continues differently), and see AQN noise and a LoRA update with no re-capture."""
+    from qerl.noise import keep_norms_fp32, noisy_norms
+
+    model = _gpu_model(BF, lora=True)
     keep_norms_fp32(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-        model.lm_head.weight.mul_(30)  # peaky next-token distributions: few near ties
-    prompts = [torch.randint(3, 2048, (n,)).tolist() for n in (7, 30, 120, 200)]
     kw = dict(greedy=True, ignore_eos=True)
-
-    def engine(**k):
-        return FastEngine(model, eos_token_ids=[2], pad_id=0, max_seq_len=512, **k)
-
-    unfused, fused_g, fused_e = engine(fused=False), engine(fused=True), engine(fused=True, cuda_graphs=False)
-    assert fused_g.fused and fused_g.cuda_graphs and not unfused.fused
-    a, b, c = (e.generate(prompts, 250, **kw) for e in (unfused, fused_g, fused_e))  # windows 256 and 512
+    unfused, fused_g, fused_e = (_gpu_engine(model, fused=False), _gpu_engine(model, fused=True),
+                                 _gpu_engine(model, fused=True, cuda_graphs=False))
+    a, b, c = (e.generate(GPU_PROMPTS, 250, **kw) for e in (unfused, fused_g, fused_e))
     for other in (a, c):
-        agree, prefix = _agreement(other, b)
-        assert agree > 0.9 and (prefix >= 16).all(), (agree, prefix)
+        _, prefix = _agreement(other, b)
+        assert (prefix >= 8).all(), prefix
         n = int(prefix.min())
         assert (other.logprobs[:, :n] - b.logprobs[:, :n]).abs().max() < 0.05
     caps = fused_g.stats["captures"]
     with noisy_norms(model, 0.05, seed=0):
-        d = fused_g.generate(prompts, 250, **kw)
+        d = fused_g.generate(GPU_PROMPTS, 250, **kw)
     assert not torch.equal(d.logprobs, b.logprobs)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.lora_B.weight.normal_(0, 0.5)
-    e = fused_g.generate(prompts, 250, **kw)
+    e = fused_g.generate(GPU_PROMPTS, 250, **kw)
     assert fused_g.stats["captures"] == caps  # same graphs, new noise and new LoRA weights
     assert not torch.equal(e.logprobs, b.logprobs)
-    agree, prefix = _agreement(unfused.generate(prompts, 250, **kw), e)  # the update as the unfused path sees it
-    assert agree > 0.9 and (prefix >= 16).all(), (agree, prefix)
+    _, prefix = _agreement(unfused.generate(GPU_PROMPTS, 250, **kw), e)  # the update as the unfused path sees it
+    assert (prefix >= 8).all(), prefix

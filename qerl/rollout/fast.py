@@ -278,8 +278,11 @@ class FastEngine:
         b.tok.copy_(tok)
         b.t.add_(1)
 
+    @torch.no_grad()
     def _decode_step(self, window, sampling):
-        """One decode step on the state buffers (what a CUDA graph holds)."""
+        """One decode step on the state buffers (what a CUDA graph holds). No autograd, also when
+        called outside ``generate`` (graph warm-up and capture): the fused epilogues write into
+        the base outputs in place, which autograd forbids on a custom op's output view."""
         b = self.buf
 
         def write(i, k, v):
