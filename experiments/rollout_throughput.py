@@ -175,25 +175,39 @@ def guarded(base: dict, fn, *args) -> dict:
 # summary
 
 
-def _pick(rows, model, method, batch, rank=SUMMARY_RANK, completion=None):
-    """The successful row of (model, method, batch, rank): fused decode where measured, then the
-    longest completion unless given."""
+def _pick(rows, model, method, batch, rank=SUMMARY_RANK, completion=None, fused=None):
+    """The successful row of (model, method, batch, rank[, fused]): CUDA graphs where measured (a
+    row whose graph warm-up failed ran eagerly), then fused decode, then the longest completion
+    unless given."""
     hits = [r for r in rows if r.get("model") == model and r.get("method") == method and r.get("batch") == batch
-            and r.get("lora_rank") == rank and r.get("tokens_per_s") and (completion is None or r["completion_len"] == completion)]
-    return max(hits, key=lambda r: (bool(r.get("fused")), r["completion_len"], r.get("date", ""))) if hits else None
+            and r.get("lora_rank") == rank and r.get("tokens_per_s") and (completion is None or r["completion_len"] == completion)
+            and (fused is None or bool(r.get("fused")) == fused)]
+    return max(hits, key=lambda r: (bool(r.get("cuda_graphs", True)), bool(r.get("fused")), r["completion_len"],
+                                    r.get("date", ""))) if hits else None
 
 
 def _ratio(rows, model, batch, num, den):
-    """tokens/s of num over den at the longest completion length both were measured at."""
-    a, b = _pick(rows, model, num, batch), _pick(rows, model, den, batch)
-    if a is None or b is None:
-        return None, None
-    if a["completion_len"] != b["completion_len"] and den != "hf_generate_bf16":
-        c = min(a["completion_len"], b["completion_len"])
-        a, b = _pick(rows, model, num, batch, completion=c), _pick(rows, model, den, batch, completion=c)
+    """tokens/s of num over den at the longest completion length both were measured at; fast-engine
+    rows compared at the same `fused` setting (fused where both have it)."""
+    if den == "hf_generate_bf16":
+        a, b = _pick(rows, model, num, batch), _pick(rows, model, den, batch)
+        return (None, None) if a is None or b is None else (
+            a["tokens_per_s"] / b["tokens_per_s"], f"{num} C={a['completion_len']} fused={bool(a.get('fused'))} / {den}")
+    for fused in (True, False):
+        a, b = _pick(rows, model, num, batch, fused=fused), _pick(rows, model, den, batch, fused=fused)
         if a is None or b is None:
-            return None, None
-    return a["tokens_per_s"] / b["tokens_per_s"], f"{num} C={a['completion_len']} / {den} C={b['completion_len']}"
+            continue
+        if a["completion_len"] != b["completion_len"]:
+            c = min(a["completion_len"], b["completion_len"])
+            a, b = (_pick(rows, model, num, batch, completion=c, fused=fused),
+                    _pick(rows, model, den, batch, completion=c, fused=fused))
+            if a is None or b is None:
+                continue
+        if not (a.get("cuda_graphs", True) and b.get("cuda_graphs", True)) and fused:
+            continue  # a fused row that fell back to eager: compare the unfused graphs instead
+        return (a["tokens_per_s"] / b["tokens_per_s"],
+                f"{num} C={a['completion_len']} / {den} C={b['completion_len']}, fused={fused}")
+    return None, None
 
 
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
