@@ -160,6 +160,9 @@ def _weight_tile(b, s, HB: tl.constexpr, IS_NV: tl.constexpr, MODE: tl.constexpr
         sc = sc.to(tl.bfloat16)
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, C // HB, HB)), (R, C))
     if MODE == 2:
+        # pack=4 hands the asm 4 consecutive bytes of a row only if the layout gives each thread
+        # aligned runs of >= 4 (Triton 3.6 chose sizePerThread [1, 8] for every sweep config);
+        # test_dot_paths checks it on the GPU.
         # lo carries the bits of w[8g..8g+3] in the slots of bytes 4g..4g+3, hi those of w[8g+4..8g+7];
         # the scale is one value over those 4 bytes (HB >= 8), so scale first, then reorder.
         lo, hi = tl.inline_asm_elementwise(_ASM_TILE, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
@@ -540,17 +543,22 @@ def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -
 
 def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
     """Heuristic launch config for ``kind`` in {"gemv", "dot", "bwd"} (overridable)."""
-    # Winners of the config sweep in experiments/bench_kernels.py --sweep (H100, 7B shapes).
+    # gemv: winner of the H200 sweep (experiments/bench_kernels.py --sweep, 7B shapes). dot/bwd:
+    # not yet swept with the current kernels (results/kernels/NOTES.md); 128x128x64, 4 warps, 4
+    # stages won the H100 sweep of the previous dot kernel at M = 2048.
     if kind == "gemv":
         bm = 1 if M <= 1 else triton.next_power_of_2(M)
         return dict(BLOCK_M=bm, BLOCK_N=128, GROUPS=8 if is_nv else 4, ACC_F32=False,
                     num_warps=4, num_stages=2)
     if kind == "dot":
         if M <= SKINNY_MAX_M:
-            return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SWAP_AB=True, num_warps=4, num_stages=4)
+            return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SWAP_AB=True, DECODE=1,
+                        num_warps=4, num_stages=4)
         if M <= 64:
-            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, num_warps=4, num_stages=4)
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, num_warps=4, num_stages=4)
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, DECODE=1,
+                        num_warps=4, num_stages=4)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, DECODE=1,
+                    num_warps=4, num_stages=4)
     if kind == "bwd":
         return dict(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=4, num_stages=4)
     raise ValueError(f"kind must be one of ('gemv', 'dot', 'bwd'), got {kind!r}")
@@ -695,8 +703,8 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
         split = triton.cdiv(k_tiles, tps)
         # (without a split the kernel never touches the workspace: do not grow it for big GEMMs)
         ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else _workspace(x.device, 0, 0)
-        meta.setdefault("SWAP_AB", True)
-        meta.setdefault("DECODE", 2)
+        meta.setdefault("SWAP_AB", True)  # configs written before these options existed
+        meta.setdefault("DECODE", 1)
         even_k = K % cfg["BLOCK_K"] == 0
         _fwd_dot_kernel[(n_tiles, split)](
             x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,

@@ -75,6 +75,29 @@ def test_gemv_paths(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_dot_paths(fmt):
+    """The tensor-core kernel in each operand order (SWAP_AB) and tile decode (DECODE 1: Triton
+    bf16 ops, 2: inline PTX), ragged shapes, skinny (split-K) and tiled M, bf16 and fp32 x."""
+    from qerl.kernels import fp4
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for n, k in [(3584, 3584), (1000, 4128), (200, 352)]:
+        t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+        wd = formats.dequantize(t, fmt, dtype=torch.float32)
+        args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
+        for m in (5, 16, 64, 300):
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                ref = x.float() @ wd.T
+                for swap in (True, False):
+                    for decode in (1, 2):
+                        cfg = fp4.pick_config("dot", m, n, k, fmt == "nvfp4")
+                        cfg.update(SWAP_AB=swap, DECODE=decode)
+                        y = fp4.launch_linear(x, *args, kind="dot", config=cfg)
+                        assert rel_err(y, ref) < TOL, (n, k, m, dtype, swap, decode)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_cuda_graph_replay(fmt):
     n, k = 1000, 4128
     t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
