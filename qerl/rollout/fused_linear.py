@@ -65,7 +65,7 @@ def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor |
     ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``)."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
-    ys = [p.base(x) if p is not None else m(x) for p, m in zip(parts, modules)]
+    ys = [(p.base(x) if p is not None else m(x)).contiguous() for p, m in zip(parts, modules)]  # rows of stride N
     if h is not None:  # one LoRA group (stacked_A)
         _epilogue(x, ys, parts, list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, h)
         return ys
@@ -94,7 +94,7 @@ def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Ten
     pg, pu = _parts(gate), _parts(up)
     if pg is None or pu is None or pg.key() != pu.key() or (pg.A is None and pg.bias is None):
         return fused.silu_mul(*grouped_linears(x, [gate, up], h))
-    g, u = pg.base(x), pu.base(x)
+    g, u = pg.base(x).contiguous(), pu.base(x).contiguous()
     if pg.A is not None and h is None:
         h = fused.lora_a(x, [pg.A, pu.A])
     return fused.lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
