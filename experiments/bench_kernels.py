@@ -164,15 +164,17 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
 # config sweep (optional): which launch config wins per 7B shape and M
 
 
-GEMV_SWEEP = [(128, 8, 4, 2), (64, 8, 4, 2)]  # M = 1: (BLOCK_N, GROUPS, warps, stages)
-DOT16_SWEEP = [(128, 64, 4, 4, True, 2), (64, 128, 4, 4, True, 2), (128, 64, 4, 4, True, 1),
-               (128, 64, 4, 4, False, 2)]  # M <= 16: (BLOCK_N, BLOCK_K, warps, stages, SWAP_AB, DECODE)
-DOT_SWEEP = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB, DECODE)
-    "mid": [(64, 128, 64, 4, 4, True, 2), (64, 128, 128, 4, 3, True, 2), (64, 128, 64, 4, 4, False, 2)],
-    "big": [(128, 128, 64, 4, 4, True, 2), (256, 128, 64, 8, 3, True, 2), (128, 256, 64, 8, 3, False, 2),
-            (128, 128, 64, 4, 4, True, 1)],
+GEMV_SWEEP = [(128, 8, 4, 2), (64, 8, 4, 2), (64, 4, 4, 2), (32, 8, 4, 2)]  # M = 1: (BLOCK_N, GROUPS, warps, stages)
+DOT16_SWEEP = [(128, 64, 4, 4, True), (64, 128, 4, 4, True), (64, 64, 4, 4, True), (128, 128, 4, 3, True),
+               (128, 64, 4, 4, False), (256, 64, 8, 3, True)]  # M <= 16: (BLOCK_N, BLOCK_K, warps, stages, SWAP_AB)
+DOT_SWEEP = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB)
+    "mid": [(64, 128, 64, 4, 4, True), (64, 128, 128, 4, 3, True), (64, 64, 64, 4, 4, True)],
+    "big": [(128, 128, 64, 4, 4, True), (256, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True),
+            (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False), (128, 128, 128, 8, 3, True)],
 }
-BWD_SWEEP = [(128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3)]  # (BLOCK_M, BLOCK_K, BLOCK_R, warps, stages)
+BWD_SWEEP = [(256, 64, 64, 8, 3, False, False), (128, 64, 64, 4, 4, True, True), (128, 128, 64, 8, 3, True, True),
+             (256, 128, 64, 8, 3, True, True), (256, 64, 64, 8, 3, True, True), (128, 128, 32, 4, 4, True, True),
+             (64, 128, 64, 4, 4, True, True)]  # (BLOCK_M, BLOCK_K, BLOCK_R, warps, stages, SWAP_AB, BF16_DECODE)
 
 
 def sweep_candidates(m):
@@ -182,15 +184,15 @@ def sweep_candidates(m):
         cands += [("gemv", dict(BLOCK_M=1, BLOCK_N=bn, GROUPS=g, ACC_F32=False, num_warps=w, num_stages=st))
                   for bn, g, w, st in GEMV_SWEEP]
     if 4 < m <= 16:
-        cands += [("dot", dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SWAP_AB=sw, DECODE=d, num_warps=w,
-                                num_stages=st)) for bn, bk, w, st, sw, d in DOT16_SWEEP]
+        cands += [("dot", dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SWAP_AB=sw, num_warps=w,
+                                num_stages=st)) for bn, bk, w, st, sw in DOT16_SWEEP]
     if m > 16:
-        cands += [("dot", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SWAP_AB=sw, DECODE=d, num_warps=w,
-                                num_stages=st)) for bm, bn, bk, w, st, sw, d in DOT_SWEEP["mid" if m <= 64 else "big"]]
+        cands += [("dot", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SWAP_AB=sw, num_warps=w,
+                                num_stages=st)) for bm, bn, bk, w, st, sw in DOT_SWEEP["mid" if m <= 64 else "big"]]
     if m >= 256:
         cands += [("bf16-grad", None)]
-        cands += [("bwd", dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, num_warps=w, num_stages=st))
-                  for bm, bk, br, w, st in BWD_SWEEP]
+        cands += [("bwd", dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, SWAP_AB=sw, BF16_DECODE=bf,
+                                num_warps=w, num_stages=st)) for bm, bk, br, w, st, sw, bf in BWD_SWEEP]
     return cands
 
 

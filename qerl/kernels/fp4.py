@@ -131,44 +131,19 @@ def _e2m1_bits(b, F32: tl.constexpr):
     return lo, hi
 
 
-# Packed bytes b0..b3 (one int32) -> bf16x2 registers (w0, w1), (w2, w3) | (w4, w5), (w6, w7), each
-# code * 2^-126 as in _e2m1_bits; prmt puts byte j in both halves' low byte (j=0: 0x5150).
-_ASM_TILE = tl.constexpr("""
-{
-.reg .b32 t, a, b;
-prmt.b32 t, $4, 0, 0x5150;
-shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x80008000; or.b32 $0, a, b;
-shl.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 8; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
-prmt.b32 t, $4, 0, 0x5352;
-shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; and.b32 b, b, 0x80008000; or.b32 $2, a, b;
-shl.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 8; and.b32 b, b, 0x80008000; or.b32 $3, a, b;
-}
-""")
-
-
 @triton.jit
 def _weight_tile(b, s, HB: tl.constexpr, IS_NV: tl.constexpr, MODE: tl.constexpr):
     """Packed bytes [R, C] and their block-scale bytes [R, C / HB] -> tile [R, 2C] equal to the
     weight times 2^-7 (NVFP4) or 2^-62 (MXFP4), exactly, with one multiply per weight.
-    MODE 0: fp32 (the interpreter, whose bf16 flushes subnormals; grad-input, where Triton 3.6
-    fails to compile the bf16 tile as the B operand); 1: bf16 (HMUL2, two weights at a time);
-    2: bf16 with the nibbles decoded by inline PTX, four bytes at a time."""
+    MODE 0: fp32 (the interpreter, whose bf16 flushes subnormals); 1: bf16 (HMUL2, two weights
+    at a time). (An inline-PTX nibble decode, four bytes at a time, gave wrong tiles on the H100
+    in every configuration of the 2026-11-22 sweep and was not faster than MODE 1: removed.)"""
     R: tl.constexpr = b.shape[0]
     C: tl.constexpr = b.shape[1]
     sc = _tile_scale(s, IS_NV)
     if MODE != 0:
         sc = sc.to(tl.bfloat16)
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, C // HB, HB)), (R, C))
-    if MODE == 2:
-        # pack=4 hands the asm 4 consecutive bytes of a row only if the layout gives each thread
-        # aligned runs of >= 4 (Triton 3.6 chose sizePerThread [1, 8] for every sweep config);
-        # test_dot_paths checks it on the GPU.
-        # lo carries the bits of w[8g..8g+3] in the slots of bytes 4g..4g+3, hi those of w[8g+4..8g+7];
-        # the scale is one value over those 4 bytes (HB >= 8), so scale first, then reorder.
-        lo, hi = tl.inline_asm_elementwise(_ASM_TILE, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
-                                           is_pure=True, pack=4)
-        w = tl.join(tl.reshape(lo * sc, (R, C // 4, 4)), tl.reshape(hi * sc, (R, C // 4, 4)))
-        return tl.reshape(tl.permute(w, (0, 1, 3, 2)), (R, 2 * C))
     lo, hi = _e2m1_bits(b, MODE == 0)
     # join + reshape interleaves (lo_j, hi_j) -> elements 2j, 2j+1 along K.
     return tl.reshape(tl.join(lo * sc, hi * sc), (R, 2 * C))
@@ -188,7 +163,7 @@ def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_xm, stride_om, tiles_per_split,
                     IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
-                    DECODE: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
+                    EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
     """y = x W^T with tensor cores. Grid (cdiv(M, BM) * cdiv(N, BN), split_k).
 
     SWAP_AB computes the tile as (W x^T)^T: the decoded weight is then the register operand A of
@@ -237,7 +212,7 @@ def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
             x = tl.load(x_rows + kk[None, :], mask=kk[None, :] < K, other=0.0)
             b = tl.load(w_rows + kh[None, :], mask=kh[None, :] < KH, other=0)
             s = tl.load(s_rows + blk[None, :], mask=blk[None, :] < NB, other=0)
-        w = _weight_tile(b, s, HB, IS_NV, 0 if F32_DOT else DECODE).to(x.dtype)
+        w = _weight_tile(b, s, HB, IS_NV, 0 if F32_DOT else 1).to(x.dtype)
         if SWAP_AB:
             acc = _dot(w, tl.trans(x), acc, F32_DOT)
         else:
@@ -253,9 +228,11 @@ def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
                     M, N, K, stride_dym, stride_dxm,
                     IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, EVEN_N: tl.constexpr,
-                    F32_DOT: tl.constexpr):
+                    SWAP_AB: tl.constexpr, BF16_DECODE: tl.constexpr, F32_DOT: tl.constexpr):
     """dx = dy W, reducing over N in BLOCK_R chunks. Grid (cdiv(M, BM) * cdiv(K, BK),).
-    Rows past M and columns past K are clamped (loaded, never stored); a ragged N is masked."""
+    Rows past M and columns past K are clamped (loaded, never stored); a ragged N is masked.
+    SWAP_AB computes the tile as (W^T dy^T)^T (the decoded weight as operand A); BF16_DECODE
+    decodes in bf16 (one HMUL2 per two weights) instead of fp32 + a cast."""
     HB: tl.constexpr = 8 if IS_NV else 16
     BKH: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BKH // HB
@@ -275,7 +252,10 @@ def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
     blk = tl.minimum(pid_k * NBK + tl.arange(0, NBK), NB - 1)
     offs_r = tl.arange(0, BLOCK_R)
     dy_rows = dy_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_dym
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for r0 in range(0, N, BLOCK_R):
         rr = r0 + offs_r
         w_rows = rr.to(tl.int64)[:, None]
@@ -288,8 +268,13 @@ def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
             dy = tl.load(dy_rows + rr[None, :], mask=r_mask[None, :], other=0.0)
             b = tl.load(w_ptr + w_rows * KH + kh[None, :], mask=r_mask[:, None], other=0)
             s = tl.load(s_ptr + w_rows * NB + blk[None, :], mask=r_mask[:, None], other=0)
-        w = _weight_tile(b, s, HB, IS_NV, 0).to(dy.dtype)
-        acc = _dot(dy, w, acc, F32_DOT)
+        w = _weight_tile(b, s, HB, IS_NV, 1 if BF16_DECODE and not F32_DOT else 0).to(dy.dtype)
+        if SWAP_AB:
+            acc = _dot(tl.trans(w), tl.trans(dy), acc, F32_DOT)
+        else:
+            acc = _dot(dy, w, acc, F32_DOT)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     acc = acc * _alpha_bf16(gs_ptr, IS_NV)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     tl.store(dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :],
@@ -548,19 +533,23 @@ def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
     # stages won the H100 sweep of the previous dot kernel at M = 2048.
     if kind == "gemv":
         bm = 1 if M <= 1 else triton.next_power_of_2(M)
-        return dict(BLOCK_M=bm, BLOCK_N=128, GROUPS=8 if is_nv else 4, ACC_F32=False,
+        # H100 sweep (2026-11-22): 64 columns a tile win on the large MLP matrices (gate/up 23.8 vs
+        # 25.8 us, down 22.9 vs 25.5 us at 7B), 128 on the attention ones (q/o 7.7 vs 8.1 us).
+        bn = 64 if N * K >= (1 << 25) else 128
+        return dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS=8 if is_nv else 4, ACC_F32=False,
                     num_warps=4, num_stages=2)
     if kind == "dot":
         if M <= SKINNY_MAX_M:
-            return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SWAP_AB=True, DECODE=1,
+            return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SWAP_AB=True,
                         num_warps=4, num_stages=4)
         if M <= 64:
-            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, DECODE=1,
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True,
                         num_warps=4, num_stages=4)
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, DECODE=1,
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True,
                     num_warps=4, num_stages=4)
     if kind == "bwd":
-        return dict(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, SWAP_AB=False, BF16_DECODE=False,
+                    num_warps=4, num_stages=4)
     raise ValueError(f"kind must be one of ('gemv', 'dot', 'bwd'), got {kind!r}")
 
 
@@ -704,7 +693,7 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
         # (without a split the kernel never touches the workspace: do not grow it for big GEMMs)
         ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else _workspace(x.device, 0, 0)
         meta.setdefault("SWAP_AB", True)  # configs written before these options existed
-        meta.setdefault("DECODE", 1)
+        meta.pop("DECODE", None)  # (an option of earlier versions)
         even_k = K % cfg["BLOCK_K"] == 0
         _fwd_dot_kernel[(n_tiles, split)](
             x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,
@@ -734,6 +723,8 @@ def launch_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     if N < cfg["BLOCK_R"]:
         cfg["BLOCK_R"] = max(16, triton.next_power_of_2(N))
     meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+    meta.setdefault("SWAP_AB", False)
+    meta.setdefault("BF16_DECODE", False)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
     _bwd_dot_kernel[grid](
         dy2, packed, _scale_bytes(scale), gs if gs is not None else packed, dx,

@@ -76,8 +76,8 @@ def test_gemv_paths(fmt):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_dot_paths(fmt):
-    """The tensor-core kernel in each operand order (SWAP_AB) and tile decode (DECODE 1: Triton
-    bf16 ops, 2: inline PTX), ragged shapes, skinny (split-K) and tiled M, bf16 and fp32 x."""
+    """The tensor-core kernels in each operand order (SWAP_AB), ragged shapes, skinny (split-K)
+    and tiled M, bf16 and fp32 x; grad-input in each order and decode precision."""
     from qerl.kernels import fp4
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -88,13 +88,19 @@ def test_dot_paths(fmt):
         for m in (5, 16, 64, 300):
             for dtype in (torch.bfloat16, torch.float32):
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
+                dy = torch.randn(m, n, device="cuda", dtype=dtype)
                 ref = x.float() @ wd.T
+                ref_g = dy.float() @ wd
                 for swap in (True, False):
-                    for decode in (1, 2):
-                        cfg = fp4.pick_config("dot", m, n, k, fmt == "nvfp4")
-                        cfg.update(SWAP_AB=swap, DECODE=decode)
-                        y = fp4.launch_linear(x, *args, kind="dot", config=cfg)
-                        assert rel_err(y, ref) < TOL, (n, k, m, dtype, swap, decode)
+                    cfg = fp4.pick_config("dot", m, n, k, fmt == "nvfp4")
+                    cfg.update(SWAP_AB=swap)
+                    y = fp4.launch_linear(x, *args, kind="dot", config=cfg)
+                    assert rel_err(y, ref) < TOL, (n, k, m, dtype, swap)
+                for swap, bf in ((False, False), (True, False), (True, True)):
+                    cfg = fp4.pick_config("bwd", m, n, k, fmt == "nvfp4")
+                    cfg.update(SWAP_AB=swap, BF16_DECODE=bf)
+                    g = fp4.launch_grad_input(dy, *args, config=cfg)
+                    assert rel_err(g, ref_g) < TOL, ("grad", n, k, m, dtype, swap, bf)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
