@@ -528,28 +528,30 @@ def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -
 
 def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
     """Heuristic launch config for ``kind`` in {"gemv", "dot", "bwd"} (overridable)."""
-    # gemv: winner of the H200 sweep (experiments/bench_kernels.py --sweep, 7B shapes). dot/bwd:
-    # not yet swept with the current kernels (results/kernels/NOTES.md); 128x128x64, 4 warps, 4
-    # stages won the H100 sweep of the previous dot kernel at M = 2048.
+    # Winners of the H100 sweep of 2026-11-22 (experiments/bench_kernels.py --sweep-only, Qwen2.5-7B
+    # shapes, results/kernels/h100_sweep.json); "large" = N * K >= 2^25 (the 7B-32B MLP matrices).
+    large = N * K >= (1 << 25)
     if kind == "gemv":
         bm = 1 if M <= 1 else triton.next_power_of_2(M)
-        # H100 sweep (2026-11-22): 64 columns a tile win on the large MLP matrices (gate/up 23.8 vs
-        # 25.8 us, down 22.9 vs 25.5 us at 7B), 128 on the attention ones (q/o 7.7 vs 8.1 us).
-        bn = 64 if N * K >= (1 << 25) else 128
-        return dict(BLOCK_M=bm, BLOCK_N=bn, GROUPS=8 if is_nv else 4, ACC_F32=False,
+        # 64 columns a tile on the large matrices (gate/up 22.9 vs 25.3 us, down 23.7 vs 26.7 at 7B),
+        # 128 on the attention ones (q/o 7.7 vs 7.8 us).
+        return dict(BLOCK_M=bm, BLOCK_N=64 if large else 128, GROUPS=8 if is_nv else 4, ACC_F32=False,
                     num_warps=4, num_stages=2)
     if kind == "dot":
-        if M <= SKINNY_MAX_M:
-            return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SWAP_AB=True,
-                        num_warps=4, num_stages=4)
+        if M <= SKINNY_MAX_M:  # M = 8: down 36.3 (x @ W^T) vs 39.3 us (swap); q/o 11.8 (64x64 swap) vs 13.2
+            if large:
+                return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SWAP_AB=False, num_warps=4, num_stages=4)
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SWAP_AB=True, num_warps=4, num_stages=4)
         if M <= 64:
-            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True,
-                        num_warps=4, num_stages=4)
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True,
-                    num_warps=4, num_stages=4)
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, num_warps=4, num_stages=4)
+        if M >= 1024 and N >= 16384:  # gate/up at M = 2048: 734 vs 781 us (down, N = 3584: 961 vs 882)
+            return dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SWAP_AB=True, num_warps=4, num_stages=4)
     if kind == "bwd":
-        return dict(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, SWAP_AB=False, BF16_DECODE=False,
-                    num_warps=4, num_stages=4)
+        # swap AB + bf16 decode, 256 x 128 tiles won on every 7B shape at M = 2048 (gate/up 2291 us,
+        # vs 2894 for the previous best, dy @ W with an fp32 decode).
+        return dict(BLOCK_M=256 if M >= 256 else 128, BLOCK_K=128, BLOCK_R=64, GROUP_M=8, SWAP_AB=True,
+                    BF16_DECODE=True, num_warps=8, num_stages=3)
     raise ValueError(f"kind must be one of ('gemv', 'dot', 'bwd'), got {kind!r}")
 
 
