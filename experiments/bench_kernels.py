@@ -172,9 +172,7 @@ DOT_SWEEP = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB)
     "big": [(128, 128, 64, 4, 4, True), (256, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True),
             (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False), (128, 128, 128, 8, 3, True)],
 }
-BWD_SWEEP = [(256, 64, 64, 8, 3, False, False), (128, 64, 64, 4, 4, True, True), (128, 128, 64, 8, 3, True, True),
-             (256, 128, 64, 8, 3, True, True), (256, 64, 64, 8, 3, True, True), (128, 128, 32, 4, 4, True, True),
-             (64, 128, 64, 4, 4, True, True)]  # (BLOCK_M, BLOCK_K, BLOCK_R, warps, stages, SWAP_AB, BF16_DECODE)
+BWD_SWEEP = [(128, 64, 64, 4, 4), (256, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4)]  # (BLOCK_M, BLOCK_K, BLOCK_R, warps, stages)
 
 
 def sweep_candidates(m):
@@ -191,8 +189,8 @@ def sweep_candidates(m):
                                 num_stages=st)) for bm, bn, bk, w, st, sw in DOT_SWEEP["mid" if m <= 64 else "big"]]
     if m >= 256:
         cands += [("bf16-grad", None)]
-        cands += [("bwd", dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, SWAP_AB=sw, BF16_DECODE=bf,
-                                num_warps=w, num_stages=st)) for bm, bk, br, w, st, sw, bf in BWD_SWEEP]
+        cands += [("bwd", dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, num_warps=w, num_stages=st))
+                  for bm, bk, br, w, st in BWD_SWEEP]
     return cands
 
 

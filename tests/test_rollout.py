@@ -239,8 +239,13 @@ def test_cuda_graphs_match_eager_and_see_noise(smollm2_gpu, fmt, fused):
     e = FastEngine(model, tok, cuda_graphs=False, max_seq_len=512, fused=fused)
     a = g.generate(prompts, 64, temperature=1.0, seed=4)
     b = e.generate(prompts, 64, temperature=1.0, seed=4)
-    agree = (a.completion_ids == b.completion_ids).float().mean()
-    assert agree > 0.9, agree  # windowed vs exact-length attention: rare near-tie flips allowed
+    # Not token agreement: sampled sequences diverge after the first near-tie flip, and the 4-bit
+    # kernels' split-K atomics are not bitwise run-to-run deterministic (NVFP4 eager vs eager agreed
+    # on 0.71 of 128-token positions on an H200, results/rollout/logprob_gap_h200.json). Instead
+    # each engine's log-probs of its own tokens against the training forward: graphs (bucketed
+    # attention windows) must be as close as eager (exact-length attention).
+    gap_a, gap_b = _logprob_gap(model, a), _logprob_gap(model, b)
+    assert gap_a < 0.06 and gap_a < 1.5 * gap_b + 0.01, (gap_a, gap_b)
     caps = g.stats["captures"]
     with noisy_norms(model, 0.05, seed=0):
         c = g.generate(prompts, 64, temperature=1.0, seed=4)
@@ -265,6 +270,17 @@ def test_cuda_graphs_match_eager_and_see_noise(smollm2_gpu, fmt, fused):
         n = int(out.completion_mask.sum())
         same.append(out.completion_ids[0, :n].tolist() == ref[0, len(p):].tolist()[:n])
     assert sum(same) >= 2, same  # CUDA graphs attend over a window: a near-tie may flip one
+
+
+def _logprob_gap(model, out) -> float:
+    """Mean |engine log-prob - training-forward log-prob| over the completion tokens."""
+    from qerl.rollout import sequence_logprobs
+
+    with torch.no_grad():
+        ref, _ = sequence_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids,
+                                   out.completion_mask, 1.0)
+    m = out.completion_mask.bool()
+    return float((out.logprobs - ref).abs()[m].mean())
 
 
 @pytest.mark.gpu

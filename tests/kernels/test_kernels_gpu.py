@@ -77,7 +77,7 @@ def test_gemv_paths(fmt):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_dot_paths(fmt):
     """The tensor-core kernels in each operand order (SWAP_AB), ragged shapes, skinny (split-K)
-    and tiled M, bf16 and fp32 x; grad-input in each order and decode precision."""
+    and tiled M, bf16 and fp32 x; grad-input in bf16 and fp32."""
     from qerl.kernels import fp4
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -96,11 +96,8 @@ def test_dot_paths(fmt):
                     cfg.update(SWAP_AB=swap)
                     y = fp4.launch_linear(x, *args, kind="dot", config=cfg)
                     assert rel_err(y, ref) < TOL, (n, k, m, dtype, swap)
-                for swap, bf in ((False, False), (True, False), (True, True)):
-                    cfg = fp4.pick_config("bwd", m, n, k, fmt == "nvfp4")
-                    cfg.update(SWAP_AB=swap, BF16_DECODE=bf)
-                    g = fp4.launch_grad_input(dy, *args, config=cfg)
-                    assert rel_err(g, ref_g) < TOL, ("grad", n, k, m, dtype, swap, bf)
+                g = fp4.launch_grad_input(dy, *args)  # fp32: 32-row tiles (Triton 3.6 limit)
+                assert rel_err(g, ref_g) < TOL, ("grad", n, k, m, dtype)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
