@@ -63,7 +63,7 @@ CELLS = {
     ],
     "speed": [
         "# Where time goes\nStep time split into rollout and training (small runs), and the "
-        "H200 kernel benchmark (`results/kernels/h200.json`): bf16 time / 4-bit time for one "
+        "H100 kernel benchmark (`results/kernels/h100.json`): bf16 time / 4-bit time for one "
         "decoder layer's linears (> 1 means the 4-bit kernel is faster).",
         SETUP,
         "plots.step_time_table()",

@@ -11,7 +11,7 @@ prints a note and returns None, so a partial results/ tree never crashes a noteb
     plot_entropy(results)  training-forward `entropy` and `sampling/entropy` per method, Fig. 5
     plot_aqn(results)      nvfp4_lora vs nvfp4_lora_aqn reward, `aqn/sigma` on a twin axis, Fig. 8
     plot_step_time(results) mean `time/rollout_s` and `time/train_s` per method, stacked bars
-    kernel_table(results)  Qwen2.5 decoder-layer linear time per method from results/kernels/h200.json
+    kernel_table(results)  Qwen2.5 decoder-layer linear time per method from results/kernels/h100.json
     plot_curves(results, experiment, by=..., panels=...)  any step metric of an experiment's runs, one
                            line per value of config fields `by`, one panel per value of `panels`
                            (Fig. 4, 7, 8, 9, 10, 16 via experiments/fig*.py)
@@ -341,7 +341,7 @@ def table2(results=RESULTS, out_dir=None, experiment="table2_bigmath/small", nam
 
 # ---------------------------------------------------------------- kernels
 
-def kernel_table(results=RESULTS, out_dir=None, name="kernels/h200.json"):
+def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
     """Decoder-layer linear time (ms, sum over the seven projections) per model, op, M and method.
 
     Rows name shared shapes like "q_proj/o_proj"; each name counts once per projection it stands

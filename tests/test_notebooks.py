@@ -41,10 +41,10 @@ def test_make_figures_writes_every_png(tmp_path):
 
 @needs_results
 def test_kernel_table_matches_benchmark_summary():
-    if not (ROOT / "results/kernels/h200.json").exists():
+    if not (ROOT / "results/kernels/h100.json").exists():
         pytest.skip("no kernel results")
     k = plots.kernel_table(out_dir=None)
-    summary = json.loads((ROOT / "results/kernels/h200.json").read_text())["summary"]
+    summary = json.loads((ROOT / "results/kernels/h100.json").read_text())["summary"]
     for m in (1, 8, 2048):
         got = k.loc[("qwen2.5-7b", "linear", m), "bf16/nvfp4"]
         assert got == pytest.approx(summary[f"qwen2.5-7b/layer/M{m}/nvfp4_over_bf16"], rel=1e-6)
