@@ -10,9 +10,9 @@ compares each mode's tokens with the eager engine's (`agreement_vs_eager`, `firs
 the mean position where a sequence first differs). Sampling is keyed (seed, sequence, step), so
 two modes pick different tokens only where their logits differ enough to flip a Gumbel-max.
 
-Writes <out>/logprob_gap_<gpu>.json (gpu, git_sha, date, env, rows).
+Writes <out>/<gpu>.json (gpu, git_sha, date, env, rows); default out results/rollout/logprob_gap.
 
-Run:  python experiments/logprob_gap.py --out results/rollout          (GPU, ~1 min on an H100)
+Run:  python experiments/logprob_gap.py          (GPU, ~1 min on an H100)
       python experiments/logprob_gap.py --device cpu --modes eager     (CPU, a few minutes)
 """
 
@@ -54,7 +54,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=16, help="chat prompts (the questions, repeated)")
     ap.add_argument("--new", type=int, default=128, help="sampled tokens per prompt")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/rollout")
+    ap.add_argument("--out", default="results/rollout/logprob_gap")
     ap.add_argument("--git-sha", default=None)
     args = ap.parse_args()
 
@@ -111,7 +111,7 @@ def main():
         del model
     res = dict(sc.provenance(args.git_sha), rows=rows,
                note="engine log-probs of its own sampled tokens vs the training forward on the same tokens")
-    out = Path(args.out) / f"logprob_gap_{res['gpu'] if dev.type == 'cuda' else 'cpu'}.json"
+    out = Path(args.out) / f"{res['gpu'] if dev.type == 'cuda' else 'cpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")

@@ -241,7 +241,7 @@ def test_cuda_graphs_match_eager_and_see_noise(smollm2_gpu, fmt, fused):
     b = e.generate(prompts, 64, temperature=1.0, seed=4)
     # Not token agreement: sampled sequences diverge after the first near-tie flip, and the 4-bit
     # kernels' split-K atomics are not bitwise run-to-run deterministic (NVFP4 eager vs eager agreed
-    # on 0.71 of 128-token positions on an H200, results/rollout/logprob_gap_h200.json). Instead
+    # on 0.71 of 128-token positions on an H200, results/rollout/logprob_gap/h200.json). Instead
     # each engine's log-probs of its own tokens against the training forward: graphs (bucketed
     # attention windows) must be as close as eager (exact-length attention).
     gap_a, gap_b = _logprob_gap(model, a), _logprob_gap(model, b)
