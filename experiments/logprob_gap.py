@@ -89,8 +89,7 @@ def main():
             runs = [eng.generate(prompts, args.new, temperature=1.0, seed=args.seed) for _ in range(2)]
             o = runs[0]
             with torch.no_grad():
-                ref = sequence_logprobs(model, o.prompt_ids, o.prompt_mask, o.completion_ids, o.completion_mask, 1.0)
-            ref = ref[0] if isinstance(ref, tuple) else ref
+                ref, _ = sequence_logprobs(model, o.prompt_ids, o.prompt_mask, o.completion_ids, o.completion_mask, 1.0)
             m = o.completion_mask.bool()
             gap = (o.logprobs - ref).abs()[m]
             row = dict(model=DEFAULT_MODEL, fmt=fmt, mode=mode, prompts=len(prompts), new_tokens=args.new,

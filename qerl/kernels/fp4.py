@@ -694,7 +694,6 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
         # (without a split the kernel never touches the workspace: do not grow it for big GEMMs)
         ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else _workspace(x.device, 0, 0)
         meta.setdefault("SWAP_AB", True)  # configs written before these options existed
-        meta.pop("DECODE", None)  # (an option of earlier versions)
         even_k = K % cfg["BLOCK_K"] == 0
         _fwd_dot_kernel[(n_tiles, split)](
             x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,
