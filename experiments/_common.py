@@ -42,8 +42,6 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from qerl.config import PROFILES, TABLE4_BIGMATH, TrainConfig, make_config  # noqa: E402
 from qerl.logging import git_info  # noqa: E402

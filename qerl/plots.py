@@ -345,7 +345,7 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
     """Decoder-layer linear time (ms, sum over the seven projections) per model, op, M and method.
 
     Rows name shared shapes like "q_proj/o_proj"; each name counts once per projection it stands
-    for, as experiments/bench_kernels.py does for its summary. Adds bf16/<fmt> speedup columns
+    for, as benchmarks/bench_kernels.py does for its summary. Adds bf16/<fmt> speedup columns
     (> 1 means the 4-bit kernel is faster). Saves kernels.png (speedup of nvfp4 over bf16 vs M).
     """
     path = Path(results) / name

@@ -1,8 +1,8 @@
 """Write notebooks/{table1,rewards,entropy,speed,experiments,table3,rollout}.ipynb from the cell lists below (nbformat), so
 the notebooks are reproducible and reviewable as code. They read results/ only.
 
-    .venv/bin/python experiments/make_notebooks.py      # write (outputs empty)
-    .venv/bin/python experiments/run_notebooks.py       # execute them in place
+    python -m benchmarks.make_notebooks      # write (outputs empty)
+    python -m benchmarks.run_notebooks       # execute them in place
 """
 
 from pathlib import Path
@@ -164,7 +164,7 @@ CELLS["table3"] = [
     "log-probs, one policy update) for bf16 LoRA, QLoRA (bitsandbytes NF4) and NVFP4 on random-weight "
     "Qwen2.5 architectures, prompt 256 and fixed-length completions; peak memory, model size, and the "
     "32B model under an 80 GiB cap. Reads `results/table3/<gpu>.json` from "
-    "`experiments/table3_speed_memory.py` (a missing folder prints a note); `paper_*` columns are the "
+    "`benchmarks/table3_speed_memory.py` (a missing folder prints a note); `paper_*` columns are the "
     "paper's values, a reference only.",
     TABLE3_LOAD,
     TABLE3_ROWS,
@@ -212,7 +212,7 @@ CELLS["rollout"] = [
     "# Rollout throughput (paper Tables 5-9, Figure 11)\nThe fast engine (static KV cache, CUDA graphs) on "
     "random-weight Qwen2.5 architectures: bf16 LoRA, bitsandbytes NF4, MXFP4 and NVFP4, plus HF `generate` in "
     "bf16 (what a user gets without an engine; a shorter completion, a per-token rate). Reads "
-    "`results/rollout/<gpu>.json` from `experiments/rollout_throughput.py`; `paper_*` columns are the "
+    "`results/rollout/<gpu>.json` from `benchmarks/rollout_throughput.py`; `paper_*` columns are the "
     "paper's vLLM numbers, a reference only.",
     ROLLOUT_LOAD,
     ROLLOUT_PLOT,
