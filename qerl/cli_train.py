@@ -13,7 +13,7 @@ import dataclasses
 import json
 import typing
 
-from qerl.config import METHODS, PROFILES, TrainConfig, make_config
+from qerl.config import PROFILES, TrainConfig, make_config, method_name, methods, table_bases
 
 
 def _field_type(f: dataclasses.Field):
@@ -36,7 +36,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             inner = typing.get_args(t)[0]
             p.add_argument(flag, type=inner, nargs="+", default=None)
         elif t in (int, float, str):
-            kw = {"choices": METHODS} if f.name == "method" else {}
+            kw = {"choices": methods()} if f.name == "method" else {}
             p.add_argument(flag, type=t, default=None, **kw)
         else:  # Optional[str] and friends
             p.add_argument(flag, type=str, default=None)
@@ -57,7 +57,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="hub id, local folder, .gguf, or the embedded default")
-    p.add_argument("--method", default="bf16_lora", choices=METHODS + ("bf16", "nvfp4", "mxfp4", "nf4"),
+    p.add_argument("--method", default="bf16_lora", choices=methods() + table_bases(),
                    help="base format (a method name, or a bare format for the untrained rows)")
     p.add_argument("--adapter", default=None, help="a qerl checkpoint folder (trainable.safetensors) to load")
     p.add_argument("--datasets", nargs="+", default=["gsm8k"])
@@ -84,8 +84,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from qerl.train import build_policy, load_trainable
 
     method = args.method
-    bare = method in ("bf16", "nvfp4", "mxfp4", "nf4")
-    cfg = TrainConfig(model=args.model, method="bf16_lora" if method == "bf16" else (f"{method}_lora" if bare else method),
+    bare = method in table_bases()
+    cfg = TrainConfig(model=args.model, method=method_name(method) if bare else method,
                       lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
     model, tok, _, info = build_policy(cfg, lora=not bare)
     if args.adapter:
