@@ -42,8 +42,6 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from qerl.cli_train import eval_flags  # noqa: E402
 from qerl.config import PROFILES, TABLE4_BIGMATH, TrainConfig, eval_settings, make_config  # noqa: E402
