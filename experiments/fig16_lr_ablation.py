@@ -5,9 +5,9 @@ The paper trains Qwen2.5-7B-Instruct at lr 5e-6 and 3e-5 with QeRL (Fig. 16) and
 while bf16 LoRA becomes unstable. Here: methods nvfp4_lora_aqn and bf16_lora at a low and a high
 learning rate (6x apart, as in the paper), one panel per method.
 
-    python experiments/fig16_lr_ablation.py --profile small --parallel 8   # 1 H200, ~10 min (8 runs)
-    python experiments/fig16_lr_ablation.py --profile smoke                # CPU, ~4 x 3 min
-    python experiments/fig16_lr_ablation.py --profile paper --gpus 0 1 2 3 # 4 x Qwen2.5-7B, 200 steps
+    python -m experiments.fig16_lr_ablation --profile small --parallel 8   # 1 H200, ~10 min (8 runs)
+    python -m experiments.fig16_lr_ablation --profile smoke                # CPU, ~4 x 3 min
+    python -m experiments.fig16_lr_ablation --profile paper --gpus 0 1 2 3 # 4 x Qwen2.5-7B, 200 steps
 
 Learning rates: paper 5e-6 / 3e-5; small and smoke 5e-5 / 3e-4 (around the small profile's 2e-4,
 which the 135M model needs to move in 30 steps). small = the embedded SmolLM2-135M-Instruct on arith
@@ -18,7 +18,7 @@ results/figures/fig16_lr_ablation.png.
 
 from __future__ import annotations
 
-import _common as C
+from experiments import _common as C
 
 NAME = "fig16_lr_ablation"
 METHODS = ("nvfp4_lora_aqn", "bf16_lora")

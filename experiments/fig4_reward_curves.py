@@ -6,9 +6,9 @@ not name the data). Here: every method in {bf16_full, bf16_lora, nf4_lora, mxfp4
 under both losses, GRPO = TRL loss_type "grpo" and DAPO = "bnpo" (both beta 0, clip 0.2 / 0.28,
 Table 4); everything else from the profile.
 
-    python experiments/fig4_reward_curves.py --profile small --parallel 10   # 1 H200, ~10 min (10 runs)
-    python experiments/fig4_reward_curves.py --profile smoke                 # CPU, ~10 x 3 min
-    python experiments/fig4_reward_curves.py --profile paper --gpus 0 1 2 3 4 5 6 7   # 10 x Qwen2.5-7B, 200 steps
+    python -m experiments.fig4_reward_curves --profile small --parallel 10   # 1 H200, ~10 min (10 runs)
+    python -m experiments.fig4_reward_curves --profile smoke                 # CPU, ~10 x 3 min
+    python -m experiments.fig4_reward_curves --profile paper --gpus 0 1 2 3 4 5 6 7   # 10 x Qwen2.5-7B, 200 steps
 
 small = the embedded SmolLM2-135M-Instruct on arith level 0, 30 steps; paper = Qwen2.5-7B-Instruct
 on GSM8K with Table 4 settings, 200 steps (days per run with qerl's rollout; not run here).
@@ -18,7 +18,7 @@ results/figures/fig4_reward_curves.png (one panel per loss).
 
 from __future__ import annotations
 
-import _common as C
+from experiments import _common as C
 
 NAME = "fig4_reward_curves"
 METHODS = ("bf16_full", "bf16_lora", "nf4_lora", "mxfp4_lora", "nvfp4_lora")

@@ -8,10 +8,10 @@ skips rows already in results/table1/<profile>/runs/, and rebuilds
 results/table1/<profile>/table.csv (long form: model, method, dataset, metric, value, seed, run,
 git_sha) and results/figures/table1.png.
 
-    python experiments/table1_gsm8k.py --profile small --parallel 15   # 1 H200, ~10 min (15 rows)
-    python experiments/table1_gsm8k.py --profile smoke --methods nvfp4_lora --base-rows   # CPU, ~3 min
-    python experiments/table1_gsm8k.py --profile paper --gpus 0 1 2 3 4 5 6 7   # Qwen2.5-3B and 7B
-    python experiments/table1_gsm8k.py --profile small --dry-run          # the planned runs and commands
+    python -m experiments.table1_gsm8k --profile small --parallel 15   # 1 H200, ~10 min (15 rows)
+    python -m experiments.table1_gsm8k --profile smoke --methods nvfp4_lora --base-rows   # CPU, ~3 min
+    python -m experiments.table1_gsm8k --profile paper --gpus 0 1 2 3 4 5 6 7   # Qwen2.5-3B and 7B
+    python -m experiments.table1_gsm8k --profile small --dry-run          # the planned runs and commands
 
 small = the embedded SmolLM2-135M-Instruct on the built-in arith task (level 0), where the model
 starts at ~15% and can learn; paper = Qwen2.5-3B/7B-Instruct on GSM8K with Table 4 settings
@@ -22,8 +22,7 @@ Seeds: smoke 0; small 0 1; paper 0.
 
 from __future__ import annotations
 
-import _common as C
-
+from experiments import _common as C
 from qerl.config import METHODS
 
 NAME = "table1"

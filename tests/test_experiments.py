@@ -20,8 +20,7 @@ from qerl.cli_train import add_eval_args, add_train_args, config_from_args
 from qerl.config import PROFILES, TABLE4_BIGMATH, make_config
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
-import _common as C  # noqa: E402
+from experiments import _common as C  # noqa: E402
 
 SCRIPTS = ["table1_gsm8k", "table2_bigmath", "fig4_reward_curves", "fig5_entropy", "fig7_training_reward",
            "fig8_aqn_ablation", "fig9_noise_schedulers", "fig10_lora_rank", "fig16_lr_ablation"]
@@ -40,7 +39,7 @@ EXPECTED_RUNS = {
 
 
 def _plan(script, profile, tmp_path, *extra):
-    exp = importlib.import_module(script).EXPERIMENT
+    exp = importlib.import_module(f"experiments.{script}").EXPERIMENT
     args = C.parse_args(exp, ["--profile", profile, "--results", str(tmp_path / "results"),
                               "--runs-dir", str(tmp_path / "runs"), "--data-dir", "DATA", *extra])
     return exp, args, C.planned(exp, args)
@@ -63,9 +62,9 @@ def _eval_args(cmd):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_imports_and_has_a_docstring(script):
-    mod = importlib.import_module(script)
+    mod = importlib.import_module(f"experiments.{script}")
     doc = mod.__doc__
-    assert doc.startswith("Paper ") and f"experiments/{script}.py" in doc
+    assert doc.startswith("Paper ") and f"python -m experiments.{script} " in doc
     assert "--profile small" in doc and "--profile paper" in doc and "H200" in doc
     assert isinstance(mod.EXPERIMENT, C.Experiment) and mod.EXPERIMENT.name == mod.NAME
 
@@ -213,7 +212,7 @@ sys.exit(3 if sched == "cosine" and seed == 1 else 0)
 
 def test_run_loop_launches_copies_collects_and_draws(tmp_path, monkeypatch):
     """The real loop with a stand-in for `python -m qerl train`: parallel launch, copy, table, figure."""
-    exp = importlib.import_module("fig9_noise_schedulers").EXPERIMENT
+    exp = importlib.import_module("experiments.fig9_noise_schedulers").EXPERIMENT
     script = tmp_path / "fake_train.py"
     script.write_text(FAKE_TRAIN)
     real = C.command

@@ -5,7 +5,6 @@ Run with: .venv/bin/python -m pytest tests/test_notebooks.py -q   (about 10 s on
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ import pytest
 from qerl import plots
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["table1", "rewards", "entropy", "aqn", "step_time", "kernels"]
 
@@ -23,7 +21,7 @@ needs_results = pytest.mark.skipif(not (ROOT / "results/table1/small/table.csv")
 
 @needs_results
 def test_make_figures_writes_every_png(tmp_path):
-    import make_figures
+    from experiments import make_figures
 
     out = make_figures.main(["--out", str(tmp_path)])
     for name in FIGURES:
@@ -68,9 +66,9 @@ def test_partial_results_draw_what_exists(tmp_path):
 
 @needs_results
 def test_notebook_executes(tmp_path):
-    import make_notebooks
     import nbformat
-    import run_notebooks
+
+    from benchmarks import make_notebooks, run_notebooks
 
     path = tmp_path / "entropy.ipynb"
     nbformat.write(make_notebooks.build("entropy"), path)
@@ -82,7 +80,7 @@ def test_notebook_executes(tmp_path):
 
 
 def test_unknown_notebook_name_raises():
-    import make_notebooks
+    from benchmarks import make_notebooks
 
     with pytest.raises(ValueError, match="allowed"):
         make_notebooks.build("nope")

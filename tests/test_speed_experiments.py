@@ -1,5 +1,5 @@
-"""The speed experiments on the CPU with tiny models: experiments/rollout_throughput.py (issue #5),
-experiments/table3_speed_memory.py (issue #6) and their helpers (experiments/speed_common.py):
+"""The speed experiments on the CPU with tiny models: benchmarks/rollout_throughput.py (issue #5),
+benchmarks/table3_speed_memory.py (issue #6) and their helpers (benchmarks/speed_common.py):
 the measured rows, the GRPO step, the OOM handler, the JSON schema with exactly the summary keys,
 and merging result files. The GPU runs themselves are in the scripts' docstrings.
 
@@ -7,19 +7,16 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_speed_experiments.p
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
 
-import rollout_throughput as rt  # noqa: E402
-import speed_common as sc  # noqa: E402
-import table3_speed_memory as t3  # noqa: E402
-
+from benchmarks import rollout_throughput as rt  # noqa: E402
+from benchmarks import speed_common as sc  # noqa: E402
+from benchmarks import table3_speed_memory as t3  # noqa: E402
 from qerl.quantize import lora_parameters  # noqa: E402
 
 P, C = 6, 5
@@ -269,9 +266,9 @@ def test_table3_summary_has_exactly_the_keys_and_json(tmp_path):
 
 
 def _run_notebook(name, tmp_path, monkeypatch, results):
-    import make_notebooks
     import nbformat
-    import run_notebooks
+
+    from benchmarks import make_notebooks, run_notebooks
 
     monkeypatch.setenv("QERL_RESULTS", str(results))
     path = tmp_path / f"{name}.ipynb"

@@ -529,7 +529,7 @@ def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -
 
 def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
     """Heuristic launch config for ``kind`` in {"gemv", "dot", "bwd"} (overridable)."""
-    # Winners of the H100 sweep of 2026-11-22 (experiments/bench_kernels.py --sweep-only, Qwen2.5-7B
+    # Winners of the H100 sweep of 2026-11-22 (benchmarks/bench_kernels.py --sweep-only, Qwen2.5-7B
     # shapes, results/kernels/h100_sweep.json); "large" = N * K >= 2^25 (the 7B-32B MLP matrices).
     large = N * K >= (1 << 25)
     if kind == "gemv":

@@ -13,9 +13,9 @@ the median over many replays, timed with CUDA events; the graph removes Python l
 for every method alike. Copy bandwidth (bytes read + written by a 1 GiB device-to-device copy) is
 measured in the same run.
 
-Run:   python experiments/bench_kernels.py                   (all models, about 2 min on an H200)
-       python experiments/bench_kernels.py --models qwen2.5-7b --m 1 8 2048
-       python experiments/bench_kernels.py --sweep           (also try launch configs, 7B layer)
+Run:   python -m benchmarks.bench_kernels                   (all models, about 2 min on an H200)
+       python -m benchmarks.bench_kernels --models qwen2.5-7b --m 1 8 2048
+       python -m benchmarks.bench_kernels --sweep           (also try launch configs, 7B layer)
 """
 
 import argparse
@@ -31,14 +31,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
+from benchmarks.speed_common import copy_bandwidth_tbps  # noqa: E402
 from qerl import formats, kernels  # noqa: E402
 from qerl.kernels import fp4  # noqa: E402
 from qerl.kernels.shapes import MODEL_DIMS, PROJECTIONS, linear_shapes  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speed_common import copy_bandwidth_tbps  # noqa: E402
 
 M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 2048)
 BYTES_PER_WEIGHT = {"nvfp4": 0.5625, "mxfp4": 0.53125, "bf16": 2.0, "nf4": 0.5 + 4 / 64}

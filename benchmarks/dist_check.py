@@ -16,7 +16,7 @@ torchrun with --nproc-per-node GPUs (``--worker``, launched by this script as su
 
 Command (one node with 2 GPUs; keep NVLink multicast off):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        python experiments/dist_check.py --out results/dist/h200.json
+        python -m benchmarks.dist_check --out results/dist/h200.json
 Expected (an estimate, not yet measured): about 4-6 minutes on 2 H200s (model load and compilation in 2 launches, then
 ~1 min of steps). The last stdout line is the result as one JSON object.
 """
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TARGETS = {"step1_loss_rel_diff": ("<=", 1e-3), "step1_gradnorm_rel_diff": ("<=", 1e-3),
@@ -121,7 +120,7 @@ def worker(a) -> None:
 # ----------------------------------------------------------------------------- driver
 def launch(a, nproc: int, part: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(Path(__file__).resolve()), "--worker", "--part", str(part), "--work-dir", a.work_dir]
+           "-m", "benchmarks.dist_check", "--worker", "--part", str(part), "--work-dir", a.work_dir]
     for k, v in vars(a).items():
         if (k.startswith(("eq_", "time_")) or k in ("reward", "model")) and v is not None:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
@@ -130,7 +129,7 @@ def launch(a, nproc: int, part: Path) -> None:
     env.setdefault("OMP_NUM_THREADS", "4")  # the same for both launches (torchrun would set 1 for nproc > 1)
     print(f"[dist_check] {' '.join(cmd[2:6])} {nproc} ...", flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, env=env, check=True)
+    subprocess.run(cmd, env=env, check=True, cwd=ROOT)
     print(f"[dist_check] nproc {nproc} done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 

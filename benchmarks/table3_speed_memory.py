@@ -25,31 +25,25 @@ reference, and `summary` with exactly the keys of issue #6; prints a table; the 
 is the summary as one JSON object. notebooks/table3.ipynb plots where the step time goes.
 
 Run (GPU; expected minutes on an H200 in brackets; must-have rows first):
-  python experiments/table3_speed_memory.py --models qwen2.5-7b qwen2.5-14b --batch 8          [~8]
-  python experiments/table3_speed_memory.py --models qwen2.5-32b --methods nvfp4 bf16 \\
+  python -m benchmarks.table3_speed_memory --models qwen2.5-7b qwen2.5-14b --batch 8          [~8]
+  python -m benchmarks.table3_speed_memory --models qwen2.5-32b --methods nvfp4 bf16 \\
       --batch 2 8 --memory-cap-gib 80                                                          [~5]
-  python experiments/table3_speed_memory.py --models qwen2.5-7b --batch 2 4 8 --grad-ckpt on off \\
+  python -m benchmarks.table3_speed_memory --models qwen2.5-7b --batch 2 4 8 --grad-ckpt on off \\
       --completion 512                                                                         (optional)
-  python experiments/table3_speed_memory.py --merge a/h200.json b/h200.json --out results/table3   (CPU)
+  python -m benchmarks.table3_speed_memory --merge a/h200.json b/h200.json --out results/table3   (CPU)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import speed_common as sc  # noqa: E402
-
+from benchmarks import speed_common as sc  # noqa: E402
 from qerl import loss as qloss  # noqa: E402
 from qerl.quantize import lora_parameters  # noqa: E402
 from qerl.rollout import RolloutOutput, sequence_logprobs  # noqa: E402

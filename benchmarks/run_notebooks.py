@@ -1,7 +1,7 @@
 """Execute notebooks headless in place with nbclient (kernel python3 from the venv's ipykernel);
 exit non-zero on the first cell error.
 
-    .venv/bin/python experiments/run_notebooks.py [notebooks/table1.ipynb ...]
+    python -m benchmarks.run_notebooks [notebooks/table1.ipynb ...]
 
 With no arguments runs every notebooks/*.ipynb (about 5-10 s each on 2 CPU cores).
 """

@@ -32,29 +32,24 @@ Writes <out>/<gpu>.json: gpu, git_sha, date, env, copy_bandwidth_tbps, targets, 
 the keys of issue #5; prints a table; the last stdout line is the summary as one JSON object.
 
 Run (GPU; expected minutes on an H200 in brackets):
-  python experiments/rollout_throughput.py --models qwen2.5-7b qwen2.5-14b             [~5]
-  python experiments/rollout_throughput.py --models qwen2.5-32b                       [~6]
-  python experiments/rollout_throughput.py --models qwen2.5-3b qwen2.5-7b --methods bf16 nvfp4 \\
+  python -m benchmarks.rollout_throughput --models qwen2.5-7b qwen2.5-14b             [~5]
+  python -m benchmarks.rollout_throughput --models qwen2.5-32b                       [~6]
+  python -m benchmarks.rollout_throughput --models qwen2.5-3b qwen2.5-7b --methods bf16 nvfp4 \\
       --batch 2 --ranks 16 32 64 --completion 256                                     [~3]
-  python experiments/rollout_throughput.py --merge a/h200.json b/h200.json --out results/rollout   (CPU)
+  python -m benchmarks.rollout_throughput --merge a/h200.json b/h200.json --out results/rollout   (CPU)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import speed_common as sc  # noqa: E402
+from benchmarks import speed_common as sc  # noqa: E402
 
 METHODS = ("bf16", "nf4", "mxfp4", "nvfp4", "hf_generate_bf16")
 SUMMARY_MODELS = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")

@@ -5,7 +5,7 @@ buffers with their real shapes, and the size is the sum of parameter and buffer 
 excluded; embeddings and lm_head stay bf16, as in the paper). The paper's numbers are a labelled
 reference column.
 
-    python experiments/model_sizes.py        # seconds, CPU; writes results/model_sizes/sizes.json
+    python -m benchmarks.model_sizes        # seconds, CPU; writes results/model_sizes/sizes.json
 """
 
 import json

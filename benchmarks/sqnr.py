@@ -6,8 +6,8 @@ layers) and over all of them. NVFP4 is measured twice: with the fused global sca
 ((q,k,v) and (gate,up) share the max amax, as qerl.quantize does) and with a per-tensor global
 scale. Embeddings and lm_head stay 16-bit in qerl and are not measured.
 
-    python experiments/sqnr.py                                   # embedded SmolLM2-135M-Instruct
-    python experiments/sqnr.py --model /path/to/hf_folder_or_file.gguf [--dtype float32]
+    python -m benchmarks.sqnr                                   # embedded SmolLM2-135M-Instruct
+    python -m benchmarks.sqnr --model /path/to/hf_folder_or_file.gguf [--dtype float32]
 
 Writes results/sqnr/<model-name>.json (provenance: command, git sha, date, versions) and prints
 a markdown table. Runtime: ~10-20 s on 2 CPU cores for the 135M model (plus a one-off GGUF

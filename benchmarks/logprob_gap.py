@@ -12,8 +12,8 @@ two modes pick different tokens only where their logits differ enough to flip a 
 
 Writes <out>/<gpu>.json (gpu, git_sha, date, env, rows); default out results/rollout/logprob_gap.
 
-Run:  python experiments/logprob_gap.py          (GPU, ~1 min on an H100)
-      python experiments/logprob_gap.py --device cpu --modes eager     (CPU, a few minutes)
+Run:  python -m benchmarks.logprob_gap          (GPU, ~1 min on an H100)
+      python -m benchmarks.logprob_gap --device cpu --modes eager     (CPU, a few minutes)
 """
 
 from __future__ import annotations
@@ -21,16 +21,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import speed_common as sc  # noqa: E402
+from benchmarks import speed_common as sc  # noqa: E402
 
 QUESTIONS = ["Write a haiku about the sea.", "What is 12 + 7?", "Name three prime numbers.",
              "Explain what a prime number is.", "What is the capital of France?", "Count from 1 to 10.",

@@ -3,17 +3,14 @@
 Catches Triton compile failures (e.g. "PassManager::run failed" in TritonGPUOptimizeDotOperands)
 before spending GPU time. Needs the Triton version of the GPU machine on sys.path (3.6 there):
   pip download --no-deps triton==3.6.0 ... ; unzip into /tmp/t36
-  PYTHONPATH=/tmp/t36 python experiments/compile_check_sm90.py bwd \\
+  PYTHONPATH=/tmp/t36 python -m benchmarks.compile_check_sm90 bwd \\
       '{"BLOCK_M":128,"BLOCK_K":64,"BLOCK_R":64,"num_warps":4,"num_stages":4}' '*fp32'
 Arguments: kind (dot | bwd), the launch config as JSON, the activation pointer type (*bf16 or *fp32).
 Prints OK with the shared memory in bytes, or the compiler's error.
 """
 
 import json
-import os
 import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
