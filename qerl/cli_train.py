@@ -13,7 +13,7 @@ import dataclasses
 import json
 import typing
 
-from qerl.config import METHODS, PROFILES, TrainConfig, eval_settings, make_config
+from qerl.config import PROFILES, TrainConfig, eval_settings, make_config, method_name, methods, table_bases
 
 
 def _field_type(f: dataclasses.Field):
@@ -44,7 +44,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             inner = typing.get_args(t)[0]
             p.add_argument(flag, type=inner, nargs="+", default=None)
         elif t in (int, float, str):
-            kw = {"choices": METHODS} if f.name == "method" else {}
+            kw = {"choices": methods()} if f.name == "method" else {}
             p.add_argument(flag, type=t, default=None, **kw)
         else:  # Optional[str] and friends
             p.add_argument(flag, type=str, default=None)
@@ -70,7 +70,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="the profile whose evaluation settings (and model) are the defaults below")
     p.add_argument("--model", default=None, help="hub id, local folder, .gguf, or the embedded default "
                                                  "(default: the checkpoint's model, else the profile's)")
-    p.add_argument("--method", default=None, choices=METHODS + ("bf16", "nvfp4", "mxfp4", "nf4"),
+    p.add_argument("--method", default=None, choices=methods() + table_bases(),
                    help="base format: a method name, or a bare format for the untrained rows "
                         "(default: the checkpoint's method, else bf16)")
     p.add_argument("--adapter", default=None,
@@ -116,7 +116,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     ck = read_checkpoint_config(args.adapter) if args.adapter else {}
     method = args.method or ck.get("method") or "bf16"
-    bare = method in ("bf16", "nvfp4", "mxfp4", "nf4")
+    bare = method in table_bases()
     if bare and args.adapter:
         raise ValueError(f"--method {method} is a bare base format (no adapter); to load --adapter give a method "
                          f"such as {method}_lora")
@@ -127,7 +127,7 @@ def run_eval(args: argparse.Namespace) -> int:
     for k in settings:
         if getattr(args, k, None) is not None:
             settings[k] = getattr(args, k)
-    cfg = TrainConfig(model=model, method="bf16_lora" if method == "bf16" else (f"{method}_lora" if bare else method),
+    cfg = TrainConfig(model=model, method=method_name(method) if bare else method,
                       **policy)
     model, tok, _, info = build_policy(cfg, lora=not bare)
     if args.adapter:

@@ -12,16 +12,48 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-METHODS = ("bf16_full", "bf16_lora", "nf4_lora", "mxfp4_lora", "nvfp4_lora", "nvfp4_lora_aqn")
+from qerl import formats
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+# The paper's format: QeRL is LoRA on an NVFP4 base with AQN.
+QERL_FORMAT = "nvfp4"
+
+
+def table_bases() -> tuple[str, ...]:
+    """Base-weight formats in the paper's row order: bf16, then the 4-bit baselines, QeRL's last.
+
+    qerl registers its own format first (qerl.formats.names(): nvfp4, mxfp4, nf4), so the
+    4-bit rows are the registry's order reversed (nf4 = QLoRA, mxfp4, nvfp4).
+    """
+    return ("bf16",) + tuple(reversed(formats.names()))
+
+
+def method_name(fmt: str, lora: bool = True, aqn: bool = False) -> str:
+    """The shorthand of a method: <fmt>_lora, <fmt>_lora_aqn or bf16_full."""
+    return f"{fmt}_{'lora' if lora else 'full'}" + ("_aqn" if aqn else "")
+
+
+def methods() -> tuple[str, ...]:
+    """Every method shorthand: bf16_full, and <base>_lora[_aqn] for bf16 and each registered format."""
+    return ("bf16_full",) + tuple(method_name(b, True, aqn) for b in table_bases() for aqn in (False, True))
+
+
+def parse_method(method: str) -> dict:
+    """{"fmt", "lora", "aqn"} of a method shorthand (nvfp4_lora_aqn -> nvfp4, LoRA, AQN)."""
+    if method not in methods():
+        raise ValueError(f"unknown method {method!r}; expected one of {methods()}")
+    fmt, kind, *aqn = method.split("_")
+    return {"fmt": fmt, "lora": kind == "lora", "aqn": bool(aqn)}
+
+
+# The rows of the paper's Table 1, in its order.
+METHODS = ("bf16_full",) + tuple(method_name(b) for b in table_bases()) + (method_name(QERL_FORMAT, aqn=True),)
 
 
 def method_format(method: str) -> str:
-    """The base-weight format of a Table 1 method (bf16 for the BF16 rows)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    return method.split("_")[0]
+    """The base-weight format of a method (bf16 for the BF16 rows)."""
+    return parse_method(method)["fmt"]
 
 
 @dataclass
@@ -147,7 +179,7 @@ class TrainConfig:
 
     @property
     def aqn(self) -> bool:
-        return self.method.endswith("_aqn")
+        return parse_method(self.method)["aqn"]
 
     @property
     def rollout_batch_size(self) -> int:
