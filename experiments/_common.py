@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from qerl.config import PROFILES, TABLE4_BIGMATH, TrainConfig, make_config
+from qerl.cli_train import eval_flags
+from qerl.config import PROFILES, TABLE4_BIGMATH, TrainConfig, eval_settings, make_config
 from qerl.logging import git_info
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,13 +173,8 @@ def command(exp: Experiment, run: Run, args, run_dir: Path) -> list[str]:
                      f"{exp.name}-{args.profile}", "--resume-from", "auto", *_flags(ov)]
     cfg = make_config(args.profile, **{**run.overrides, **common_overrides(args)})
     fmt = run.name.rsplit("base-", 1)[1]
-    return py + ["eval", "--model", cfg.model, "--method", fmt, "--datasets", *cfg.eval_datasets,
-                 "--limit", str(cfg.eval_limit), "--samples", str(cfg.eval_samples), "--temperature",
-                 str(cfg.eval_temperature), "--top-p", str(cfg.eval_top_p), "--max-new-tokens",
-                 str(cfg.eval_max_completion_length or cfg.max_completion_length), "--batch-size",
-                 str(max(cfg.micro_batch_size, 8)), "--out", str(run_dir / "eval.json"),
-                 "--arith-levels", *map(str, cfg.arith_levels), "--seed", str(args.seeds[0]),
-                 *(["--data-dir", cfg.data_dir] if cfg.data_dir else [])]
+    return py + ["eval", "--profile", args.profile, "--model", cfg.model, "--method", fmt,
+                 *eval_flags(eval_settings(cfg)), "--out", str(run_dir / "eval.json"), "--seed", str(args.seeds[0])]
 
 
 # Fields that say where or how a run is logged, not what it computes.

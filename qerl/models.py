@@ -458,7 +458,7 @@ def build_quantized_model(config_or_name, quantize_config=None, device: str | to
 
     from qerl import formats
     from qerl.qlinear import QuantLinear
-    from qerl.quantize import FUSED_GROUPS, QuantizeConfig, quantize_
+    from qerl.quantize import FUSED_GROUPS, QuantizeConfig, quantize_, shared_scale_fn
 
     qc = quantize_config or QuantizeConfig()
     device = torch.device(device)
@@ -472,7 +472,8 @@ def build_quantized_model(config_or_name, quantize_config=None, device: str | to
         qlin = {n: m for n, m in layer.named_modules() if isinstance(m, QuantLinear)}
         groups = []  # lists of QuantLinear names quantized together (fused global scales)
         fused = set()
-        if qc.fmt == "nvfp4" and qc.fuse_global_scales:
+        fuse = shared_scale_fn(qc)
+        if fuse is not None:
             for parent, names in FUSED_GROUPS:
                 g = [f"{parent}.{nm}" for nm in names if f"{parent}.{nm}" in qlin]
                 if g:
@@ -482,7 +483,7 @@ def build_quantized_model(config_or_name, quantize_config=None, device: str | to
         for group in groups:
             dense = {n: random_tensor(prefix + n + ".weight", (qlin[n].out_features, qlin[n].in_features),
                                       dtype, device, seed, std) for n in group}
-            gs = formats.fused_global_scale(list(dense.values())) if len(group) > 1 else None
+            gs = fuse(list(dense.values())) if len(group) > 1 else None
             for n in group:
                 q = qlin[n]
                 if qc.fmt == "bf16":

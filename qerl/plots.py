@@ -30,11 +30,14 @@ matplotlib.use("Agg")  # headless: notebooks and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from qerl import formats  # noqa: E402
+from qerl.config import METHODS, methods, table_bases  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 TABLE1 = "table1/small"
-# Order the methods as the paper's Table 1 does: full and LoRA bf16, then the 4-bit LoRA variants.
-METHOD_ORDER = ["bf16", "nf4", "mxfp4", "nvfp4", "bf16_full", "bf16_lora", "nf4_lora",
-                "mxfp4_lora", "nvfp4_lora", "nvfp4_lora_aqn"]
+# Order the methods as the paper's Table 1 does: the untrained bases, full and LoRA bf16, then the
+# 4-bit LoRA variants (qerl.config's Table 1 rows, from the format registry), then the rest.
+METHOD_ORDER = list(dict.fromkeys(table_bases() + METHODS + methods()))
 
 
 def _note(msg):
@@ -361,7 +364,7 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
         return None
     df["layer_ms"] = df["ms"] * df["proj"].str.count("/").add(1)
     tab = df.pivot_table(index=["model", "op", "M"], columns="method", values="layer_ms", aggfunc="sum")
-    for fmt in ("nvfp4", "mxfp4", "nf4"):
+    for fmt in formats.names():
         if fmt in tab and "bf16" in tab:
             tab[f"bf16/{fmt}"] = tab["bf16"] / tab[fmt]
     if "bf16/nvfp4" in tab:

@@ -16,6 +16,7 @@ holds trainable weights, optimizer, scheduler and RNG states.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -29,9 +30,9 @@ from qerl import distributed as qdist
 from qerl import evaluate as qeval
 from qerl import loss as qloss
 from qerl import rewards as qrewards
-from qerl.config import TrainConfig
+from qerl.config import TrainConfig, eval_settings
 from qerl.logging import RunLogger
-from qerl.noise import AQNConfig, keep_norms_fp32, noisy_norms
+from qerl.noise import AQNConfig, find_norms, keep_norms_fp32, noisy_norms
 from qerl.qlinear import QuantLinear
 from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
 from qerl.rollout import make_engine, sequence_logprobs
@@ -74,6 +75,12 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
         info.update(rep)
         trainable = lora_parameters(model)
     info["norms_fp32"] = keep_norms_fp32(model)  # so small AQN sigmas are not rounded away (see noise.py)
+    if cfg.train_norms and lora:  # the official --ln: AQN's norm weights trained (fp32) next to the adapters
+        norms = [m.weight for _, m in find_norms(model)]
+        for w in norms:
+            w.requires_grad_(True)
+        trainable = trainable + [w for w in norms if all(w is not t for t in trainable)]
+        info["trainable_norms"] = len(norms)
     info["model_size_bytes"] = model_size_bytes(model)
     info["trainable_params"] = sum(p.numel() for p in trainable)
     if cfg.gradient_checkpointing:
@@ -100,14 +107,20 @@ class adapters_disabled:
 def make_optimizer(cfg: TrainConfig, params, total_updates: int):
     from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
+    # No weight decay on 1-D parameters (norm weights, biases), as the HF Trainer (and so TRL) does.
+    params = list(params)
+    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    betas = (0.9, cfg.adam_beta2)
     if cfg.optim == "adamw_8bit":
         if not torch.cuda.is_available():
             raise ValueError("optim=adamw_8bit needs CUDA (bitsandbytes); use optim=adamw on the CPU")
         import bitsandbytes as bnb
 
-        opt = bnb.optim.AdamW8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        opt = bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate, betas=betas)
     else:
-        opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas)
     warm = int(cfg.warmup_ratio * total_updates)
     if cfg.lr_scheduler == "cosine":
         sched = get_cosine_schedule_with_warmup(opt, warm, total_updates)
@@ -132,6 +145,7 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))  # read by `eval`
     params = dict(model.named_parameters())
     save_file({n: params[n].detach().contiguous().cpu() for n in trainable_names}, str(path / "trainable.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
@@ -146,18 +160,67 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
             print(f"[qerl] PEFT adapter export skipped: {e}")
 
 
+def read_checkpoint_config(path) -> dict:
+    """What a checkpoint says about the policy it was trained as: {model, method, lora_rank, lora_alpha,
+    lora_dropout, train_norms} as far as it records them.
+
+    ``path`` is a qerl checkpoint folder (its config.json; older checkpoints: the run folder's
+    config.json two levels up) or a PEFT adapter folder (adapter_config.json: r, lora_alpha,
+    modules_to_save; the method is not recorded there). LoRA on a subset of the projections cannot be
+    rebuilt (qerl puts LoRA on all seven) and is refused.
+    """
+    from qerl.noise import NORM_NAMES
+    from qerl.quantize import DEFAULT_TARGETS
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint or adapter folder")
+    peft = path / "adapter_config.json"
+    if peft.exists():
+        c = json.loads(peft.read_text())
+        targets = {t.rsplit(".", 1)[-1] for t in (c.get("target_modules") or [])}
+        if targets != set(DEFAULT_TARGETS) or c.get("rank_pattern") or c.get("alpha_pattern"):
+            raise ValueError(f"{peft}: LoRA on {sorted(targets)} (rank/alpha patterns {c.get('rank_pattern')}, "
+                             f"{c.get('alpha_pattern')}); qerl rebuilds only one rank and alpha on all of "
+                             f"{list(DEFAULT_TARGETS)}")
+        saved = set(c.get("modules_to_save") or [])
+        if saved - set(NORM_NAMES):
+            raise ValueError(f"{peft}: modules_to_save {sorted(saved)}; qerl trains only {list(NORM_NAMES)}")
+        out = {"lora_rank": int(c["r"]), "lora_alpha": float(c["lora_alpha"]),
+               "lora_dropout": float(c.get("lora_dropout") or 0.0), "train_norms": bool(saved)}
+        return {**({"model": c["base_model_name_or_path"]} if c.get("base_model_name_or_path") else {}), **out}
+    for cfg_file in (path / "config.json", path.parent.parent / "config.json"):
+        if cfg_file.exists() and (path / "trainable.safetensors").exists():
+            c = json.loads(cfg_file.read_text())
+            keys = ("model", "method", "lora_rank", "lora_alpha", "lora_dropout", "train_norms")
+            return {k: c[k] for k in keys if k in c}
+    raise FileNotFoundError(f"{path} is neither a qerl checkpoint (trainable.safetensors with config.json here or "
+                            f"in its run folder) nor a PEFT adapter folder (adapter_config.json)")
+
+
 def load_trainable(path, model):
-    """Load a checkpoint's trainable tensors (LoRA, or all weights for bf16_full) into the model."""
+    """Load a checkpoint's trainable tensors (LoRA, trained norms, or all weights for bf16_full) into the
+    model; ``path`` may also be a PEFT adapter folder that qerl exported (adapter_model.safetensors)."""
     from safetensors.torch import load_file
 
-    f = Path(path) / "trainable.safetensors"
-    if not f.exists():
-        raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N)")
-    state = load_file(str(f))
+    path = Path(path)
+    f = path / "trainable.safetensors"
+    if f.exists():
+        state = load_file(str(f))
+    elif (path / "adapter_model.safetensors").exists():
+        prefix = "base_model.model."
+        state = {k.removeprefix(prefix): v for k, v in load_file(str(path / "adapter_model.safetensors")).items()}
+    else:
+        raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N) "
+                                "or a PEFT adapter folder (adapter_model.safetensors)")
     params = dict(model.named_parameters())
     missing = set(state) - set(params)
     if missing:
         raise ValueError(f"checkpoint {path} has parameters the model lacks: {sorted(missing)[:5]}")
+    bad = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in state.items() if t.shape != params[n].shape]
+    if bad:
+        raise ValueError(f"checkpoint {path} does not fit the model (LoRA rank?): {bad[0][0]} is {bad[0][1]} "
+                         f"in the checkpoint, {bad[0][2]} in the model")
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t.to(params[n].device))
@@ -422,15 +485,12 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     logger = (RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped, "world_size": world},
                         cfg.wandb_mode, cfg.wandb_project, cfg.wandb_group, resume=resume is not None)
               if main else _NullLogger())
-    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                   greedy=cfg.eval_greedy, max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
-                   batch_size=max(cfg.micro_batch_size, 8), limit=cfg.eval_limit, engine=cfg.engine, data_dir=cfg.data_dir, seed=cfg.seed,
-                   arith_levels=cfg.arith_levels, max_prompt_length=cfg.max_prompt_length)
+    eval_kw = {**eval_settings(cfg), "seed": cfg.seed}
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
     if main and start == 0 and cfg.eval_datasets:  # evaluation: rank 0 only, the others wait
-        ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-        logger.log({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()}, step=0)
-        summary.update({f"eval_before/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
+        ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+        logger.log(qeval.summary_entries("eval", ev), step=0)
+        summary.update(qeval.summary_entries("eval_before", ev))
     num_tokens = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -444,8 +504,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
         m["memory/peak_gib"] = qdist.all_reduce(
             torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else _rss_peak_gib(), "max")
         if main and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
-            ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-            m.update({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
+            ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+            m.update(qeval.summary_entries("eval", ev))
         logger.log(m, step=step + 1)
         bar.set_postfix(reward=f"{m['reward']:.3f}", ent=f"{m['entropy']:.3f}" if m.get("entropy") else "-")
         if main and cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -454,10 +514,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     if done and main:
         save_checkpoint(out / "checkpoints" / f"step-{end}", end, model, trainable_names, opt, sched, cfg)
         if cfg.eval_datasets:
-            ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-            logger.log({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()}, step=end)
-            summary.update({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
-            summary.update({f"eval/{d}/format": r["format"] for d, r in ev.items()})
+            ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+            logger.log(qeval.summary_entries("eval", ev), step=end)
+            summary.update(qeval.summary_entries("eval", ev))
     if done:
         summary["status"] = "ok"
     summary["steps"] = end
