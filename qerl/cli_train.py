@@ -15,11 +15,20 @@ import sys
 import typing
 
 from qerl.config import PROFILES, TrainConfig, eval_settings, make_config, method_name, methods, table_bases
+from qerl.rewards import REWARDS
 
 
 def _field_type(f: dataclasses.Field):
     t = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing), {})  # noqa: S307 - our own annotations
     return t
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes"):
+        return True
+    if s.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -31,16 +40,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         t = hints[f.name]
         origin = typing.get_origin(t)
-        if t is bool:
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
+        if t is bool:  # `--flag` alone means true; `--flag false` turns a profile's true off
+            p.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL")
         elif origin is tuple:
             inner = typing.get_args(t)[0]
             p.add_argument(flag, type=inner, nargs="+", default=None)
         elif t in (int, float, str):
-            kw = {"choices": methods()} if f.name == "method" else {}
+            kw = {"choices": methods()} if f.name == "method" else {"choices": REWARDS} if f.name == "reward" else {}
             p.add_argument(flag, type=t, default=None, **kw)
-        else:  # Optional[str] and friends
-            p.add_argument(flag, type=str, default=None)
+        else:  # Optional[str], Optional[float]: the inner type
+            inner = next((a for a in typing.get_args(t) if a is not type(None)), str)
+            p.add_argument(flag, type=inner, default=None)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
