@@ -21,6 +21,14 @@ def _field_type(f: dataclasses.Field):
     return t
 
 
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes"):
+        return True
+    if s.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="small", choices=tuple(PROFILES), help="base settings; flags override")
     hints = typing.get_type_hints(TrainConfig)
@@ -30,8 +38,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         t = hints[f.name]
         origin = typing.get_origin(t)
-        if t is bool:
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
+        if t is bool:  # `--flag` alone means true; `--flag false` turns a profile's true off
+            p.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL")
         elif origin is tuple:
             inner = typing.get_args(t)[0]
             p.add_argument(flag, type=inner, nargs="+", default=None)

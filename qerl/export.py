@@ -277,10 +277,14 @@ def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=
     peft's get_peft_model_state_dict names them) and adapter_config.json, so that
     `peft.PeftModel.from_pretrained(dense_model, out_dir)` reproduces our outputs on the dense
     (or dequantized) base. Ranks or alphas that differ between modules go to rank_pattern /
-    alpha_pattern. Returns {"out_dir", "num_modules", "target_modules"}.
+    alpha_pattern. Trained AQN norm weights (``train_norms``: input/post_attention_layernorm weights
+    with requires_grad) are saved as PEFT's modules_to_save, as the official code's ``--ln`` does:
+    keys ``base_model.model.<norm>.weight`` (fp32, as trained). Returns {"out_dir", "num_modules",
+    "target_modules", "modules_to_save"}.
     """
     from peft import LoraConfig
 
+    from qerl.noise import find_norms
     from qerl.qlinear import QuantLinear
 
     mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.r > 0}
@@ -292,6 +296,10 @@ def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=
     for name, m in mods.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight.detach().cpu().contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight.detach().cpu().contiguous()
+    norms = [(n, m) for n, m in find_norms(model) if m.weight.requires_grad]
+    for name, m in norms:
+        tensors[f"base_model.model.{name}.weight"] = m.weight.detach().cpu().contiguous()
+    modules_to_save = sorted({n.rsplit(".", 1)[-1] for n, _ in norms}) or None
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
 
     # Short names (q_proj, ...) when every such module in the model has an adapter, which is
@@ -310,10 +318,11 @@ def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=
     LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                bias="none", task_type="CAUSAL_LM", rank_pattern=rank_pattern,
                alpha_pattern=alpha_pattern, base_model_name_or_path=str(base_model_name_or_path),
-               inference_mode=True).save_pretrained(str(out_dir))
+               modules_to_save=modules_to_save, inference_mode=True).save_pretrained(str(out_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    return {"out_dir": str(out_dir), "num_modules": len(mods), "target_modules": targets}
+    return {"out_dir": str(out_dir), "num_modules": len(mods), "target_modules": targets,
+            "modules_to_save": modules_to_save}
 
 
 # ----------------------------------------------------------------------------------------------
