@@ -14,6 +14,7 @@ import json
 import typing
 
 from qerl.config import PROFILES, TrainConfig, eval_settings, make_config, method_name, methods, table_bases
+from qerl.rewards import REWARDS
 
 
 def _field_type(f: dataclasses.Field):
@@ -44,10 +45,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             inner = typing.get_args(t)[0]
             p.add_argument(flag, type=inner, nargs="+", default=None)
         elif t in (int, float, str):
-            kw = {"choices": methods()} if f.name == "method" else {}
+            kw = {"choices": methods()} if f.name == "method" else {"choices": REWARDS} if f.name == "reward" else {}
             p.add_argument(flag, type=t, default=None, **kw)
-        else:  # Optional[str] and friends
-            p.add_argument(flag, type=str, default=None)
+        else:  # Optional[str], Optional[float]: the inner type
+            inner = next((a for a in typing.get_args(t) if a is not type(None)), str)
+            p.add_argument(flag, type=inner, default=None)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

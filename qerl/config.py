@@ -102,7 +102,8 @@ class TrainConfig:
     scale_rewards: str = "group"  # group | batch | none
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no resampling here; counted)
-    format_reward_weight: float = 0.0  # reward = accuracy + w * format
+    reward: str = "math_verify"  # math_verify | official_exact (the official GSM8K reward; qerl.rewards)
+    format_reward_weight: float | None = None  # reward = accuracy + w * format; None: 0 (math_verify), 0.2 (official_exact)
     # ---- AQN (paper section 3.3 / Algorithm 1); enabled by method nvfp4_lora_aqn
     sigma_start: float = 1e-2  # paper Table 4: 1e-2 (section 4.1 says 5e-2; official scripts 1e-2)
     sigma_end: float = 5e-4  # paper Table 4: 5e-4 (official scripts 1e-4)
@@ -162,6 +163,12 @@ class TrainConfig:
         if self.method == "bf16_full" and self.beta > 0:
             raise ValueError("beta > 0 needs a reference policy; bf16_full has no adapters to disable "
                              "and qerl keeps no second model copy. Use beta=0 (the paper's setting).")
+        from qerl.rewards import OFFICIAL_FORMAT_REWARD, REWARDS
+
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.format_reward_weight is None:
+            self.format_reward_weight = OFFICIAL_FORMAT_REWARD if self.reward == "official_exact" else 0.0
         if self.train_norms and self.method == "bf16_full":
             raise ValueError("train_norms is for the LoRA methods: bf16_full already trains every weight")
         if not 0 < self.adam_beta2 < 1:
@@ -215,12 +222,28 @@ PROFILES: dict[str, dict] = {
                   temperature=1.0, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, eval_limit=0, eval_samples=8,
                   eval_temperature=0.6, eval_top_p=0.95, save_every=50),
 }
+# The official NVlabs/QeRL training scripts (GRPO on GSM8K) as overrides on the paper profile. Read in the
+# official code's mirror vukrosic/QeRL-learn (the index holds only eval/gsm8k.py of NVlabs/QeRL itself):
+# training/dapo_qwen2.5-{3b,7b}_nvfp4_single_gpu.sh and dapo_qwen2.5-7b_bf16_single_gpu.sh pass
+# --lora-rank 16 --lora-alpha 16 --adam-beta2 0.99 --weight-decay 0.1 --warmup-ratio 0.1 cosine
+# --max-grad-norm 0.2 --mask-truncated-completions True --ln True (norms in modules_to_save, qerl.py)
+# --sigma-start 1e-2 --sigma-end 1e-4 --num-stages 10, lr 1e-5 (bf16: 5e-6), adamw_8bit, and for GSM8K
+# max prompt 256 / completion 2048; their GRPO branch (rl_mode grpo) sets beta 0.04, epsilon_high 0.2,
+# num_iterations 1 (the scripts default to loss_type bnpo, which switches to DAPO: beta 0, eps_high 0.28).
+# qerl.py's GSM8K reward is an exact match plus a 0.2 think-tag reward (reward="official_exact").
+# Not taken from the single-GPU scripts: their batch (2 prompts x 2 generations); the paper's 16 x 8 stays.
+PROFILES["official"] = {**PROFILES["paper"], **dict(
+    lora_rank=16, lora_alpha=16, adam_beta2=0.99, weight_decay=0.1, warmup_ratio=0.1, lr_scheduler="cosine",
+    max_grad_norm=0.2, mask_truncated_completions=True, train_norms=True, sigma_start=1e-2, sigma_end=1e-4,
+    num_stages=10, learning_rate=1e-5, optim="adamw_8bit", max_prompt_length=256, max_completion_length=2048,
+    loss_type="grpo", beta=0.04, epsilon=0.2, epsilon_high=0.2, num_iterations=1, reward="official_exact")}
 
 
 # Settings a profile gives one method (applied after the profile, before flags).
 PROFILE_METHOD_OVERRIDES: dict[str, dict[str, dict]] = {
     # Table 4: lr 1e-5 for QeRL / QLoRA, 5e-6 for bf16 LoRA (Appendix E: higher collapses late in training).
     "paper": {"bf16_lora": dict(learning_rate=5e-6)},
+    "official": {"bf16_lora": dict(learning_rate=5e-6)},  # dapo_qwen2.5-7b_bf16_single_gpu.sh: lr=5e-6
 }
 
 # Table 4's BigMath column (Table 2, Fig. 7; DAPO), as overrides on the paper profile: 8 prompts x 16

@@ -80,6 +80,7 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
         for w in norms:
             w.requires_grad_(True)
         trainable = trainable + [w for w in norms if all(w is not t for t in trainable)]
+        model.qerl_initial_norms = {n: m.weight.detach().clone() for n, m in find_norms(model)}  # KL reference
         info["trainable_norms"] = len(norms)
     info["model_size_bytes"] = model_size_bytes(model)
     info["trainable_params"] = sum(p.numel() for p in trainable)
@@ -90,18 +91,29 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
 
 
 class adapters_disabled:
-    """Context: every QuantLinear's LoRA off (the KL reference policy, no second copy)."""
+    """Context: every QuantLinear's LoRA off and trained norms back at their initial weights (the KL
+    reference policy, no second copy; PEFT's disable_adapter does the same to modules_to_save)."""
 
     def __init__(self, model):
         self.mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        initial = getattr(model, "qerl_initial_norms", {})
+        self.norms = [(m.weight, initial[n]) for n, m in find_norms(model) if n in initial]
+        self.trained = []
 
     def __enter__(self):
         for m in self.mods:
             m._adapters_enabled = False
+        with torch.no_grad():
+            self.trained = [w.detach().clone() for w, _ in self.norms]
+            for w, w0 in self.norms:
+                w.copy_(w0)
 
     def __exit__(self, *exc):
         for m in self.mods:
             m._adapters_enabled = True
+        with torch.no_grad():
+            for (w, _), t in zip(self.norms, self.trained):
+                w.copy_(t)
 
 
 def make_optimizer(cfg: TrainConfig, params, total_updates: int):
@@ -278,7 +290,7 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
     cmask = ro.completion_mask
     # ---- rewards (local); then every rank holds the whole batch's per-completion values
     texts = tokenizer.batch_decode(ro.completion_ids * cmask + engine.pad_id * (1 - cmask), skip_special_tokens=True)
-    res = qrewards.score_batch(texts, golds)
+    res = qrewards.score_batch(texts, golds, reward=cfg.reward)
     if cfg.mask_truncated_completions:
         cmask = cmask * (~ro.truncated).long()[:, None]
     per_seq = torch.tensor([res.rewards, res.format], dtype=torch.float64).T

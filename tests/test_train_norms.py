@@ -138,3 +138,18 @@ def test_cli_flag():
     assert config_from_args(p.parse_args(["--profile", "smoke"])).train_norms is False
     with pytest.raises(SystemExit):
         p.parse_args(["--train-norms", "maybe"])
+
+
+def test_kl_reference_uses_the_initial_norms(tiny_llama_dir):
+    """beta > 0: the reference policy is the model without adapters AND with its norms as loaded."""
+    from qerl.train import adapters_disabled
+
+    model, _, _, _ = build_policy(_cfg(Path("."), tiny_llama_dir), device=torch.device("cpu"))
+    initial = _norms(model)
+    with torch.no_grad():
+        for _, m in find_norms(model):
+            m.weight.add_(0.1)
+    trained = _norms(model)
+    with adapters_disabled(model):
+        assert all(torch.equal(a, b) for a, b in zip(_norms(model), initial))
+    assert all(torch.equal(a, b) for a, b in zip(_norms(model), trained))
