@@ -242,8 +242,7 @@ def read_checkpoint_config(path) -> dict:
     modules_to_save; the method is not recorded there). LoRA on a subset of the projections cannot be
     rebuilt (qerl puts LoRA on all seven) and is refused.
     """
-    from qerl.noise import NORM_NAMES
-    from qerl.quantize import DEFAULT_TARGETS
+    from qerl.arch import LINEAR_NAMES, NORM_NAMES
 
     path = Path(path)
     if not path.is_dir():
@@ -252,10 +251,10 @@ def read_checkpoint_config(path) -> dict:
     if peft.exists():
         c = json.loads(peft.read_text())
         targets = {t.rsplit(".", 1)[-1] for t in (c.get("target_modules") or [])}
-        if targets != set(DEFAULT_TARGETS) or c.get("rank_pattern") or c.get("alpha_pattern"):
+        if targets != set(LINEAR_NAMES) or c.get("rank_pattern") or c.get("alpha_pattern"):
             raise ValueError(f"{peft}: LoRA on {sorted(targets)} (rank/alpha patterns {c.get('rank_pattern')}, "
                              f"{c.get('alpha_pattern')}); qerl rebuilds only one rank and alpha on all of "
-                             f"{list(DEFAULT_TARGETS)}")
+                             f"{list(LINEAR_NAMES)}")
         saved = set(c.get("modules_to_save") or [])
         if saved - set(NORM_NAMES):
             raise ValueError(f"{peft}: modules_to_save {sorted(saved)}; qerl trains only {list(NORM_NAMES)}")
