@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import typing
 
 from qerl.config import PROFILES, TrainConfig, eval_settings, make_config, method_name, methods, table_bases
@@ -58,9 +59,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from qerl.train import train
+    from qerl.train import NonFiniteError, RolloutGapError, train
 
-    summary = train(config_from_args(args))
+    try:
+        summary = train(config_from_args(args))
+    except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     print(json.dumps(summary, default=str))
     return 0 if summary.get("status") == "ok" else 1
 
