@@ -72,7 +72,7 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
         trainable = [p for p in model.parameters()]
     else:
         fmt = cfg.fmt
-        if "bitsandbytes" in formats.get(fmt).kernels and device.type == "cpu":
+        if fmt != "bf16" and "bitsandbytes" in formats.get(fmt).kernels and device.type == "cpu":
             print(f"[qerl] {fmt} on CPU: using qerl's pure-torch {fmt} (bitsandbytes-compatible codes) instead of "
                   "bitsandbytes kernels; same quantized weights, slower")
         rep = quantize_(model, cfg.quantize_config(lora=lora))
