@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import typing
 
 from qerl.config import PROFILES, TrainConfig, eval_settings, make_config, method_name, methods, table_bases
@@ -58,16 +59,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from qerl.train import train
+    from qerl.train import NonFiniteError, RolloutGapError, train
 
-    summary = train(config_from_args(args))
+    try:
+        summary = train(config_from_args(args))
+    except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     print(json.dumps(summary, default=str))
     return 0 if summary.get("status") == "ok" else 1
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     """Evaluation flags; each defaults to the chosen profile's evaluation settings
-    (qerl.evaluate.eval_settings), so `eval --profile small` evaluates as `train --profile small` does."""
+    (qerl.config.eval_settings), so `eval --profile small` evaluates as `train --profile small` does."""
     p.add_argument("--profile", default="small", choices=tuple(PROFILES),
                    help="the profile whose evaluation settings (and model) are the defaults below")
     p.add_argument("--model", default=None, help="hub id, local folder, .gguf, or the embedded default "
@@ -96,7 +101,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def eval_flags(settings: dict) -> list[str]:
-    """`python -m qerl eval` flags for a qerl.evaluate.eval_settings dict (experiment scripts use this)."""
+    """`python -m qerl eval` flags for a qerl.config.eval_settings dict (experiment scripts use this)."""
     out = []
     for k, v in settings.items():
         if v is None or (k == "greedy" and not v):

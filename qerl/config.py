@@ -104,6 +104,9 @@ class TrainConfig:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no resampling here; counted)
     reward: str = "math_verify"  # math_verify | official_exact (the official GSM8K reward; qerl.rewards)
     format_reward_weight: float | None = None  # reward = accuracy + w * format; None: 0 (math_verify), 0.2 (official_exact)
+    # ---- broken-rollout guard (runs without AQN): stop when sampling/logprob_gap stays above the limit
+    max_logprob_gap: float = 0.2  # nats, mean |rollout - training| log-prob over completion tokens
+    max_logprob_gap_steps: int = 3  # consecutive steps above it before stopping; 0 = no check
     # ---- AQN (paper section 3.3 / Algorithm 1); enabled by method nvfp4_lora_aqn
     sigma_start: float = 1e-2  # paper Table 4: 1e-2 (section 4.1 says 5e-2; official scripts 1e-2)
     sigma_end: float = 5e-4  # paper Table 4: 5e-4 (official scripts 1e-4)
@@ -163,6 +166,10 @@ class TrainConfig:
         if self.method == "bf16_full" and self.beta > 0:
             raise ValueError("beta > 0 needs a reference policy; bf16_full has no adapters to disable "
                              "and qerl keeps no second model copy. Use beta=0 (the paper's setting).")
+        if not self.max_logprob_gap > 0:
+            raise ValueError(f"max_logprob_gap must be > 0 nats, got {self.max_logprob_gap}")
+        if self.max_logprob_gap_steps < 0:
+            raise ValueError(f"max_logprob_gap_steps must be >= 0 (0 = no check), got {self.max_logprob_gap_steps}")
         from qerl.rewards import OFFICIAL_FORMAT_REWARD, REWARDS
 
         if self.reward not in REWARDS:

@@ -34,11 +34,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from qerl import formats
-from qerl.models import SUPPORTED_MODEL_TYPES, TOKENIZER_FILES, resolve_model_path
+from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, check_supported
+from qerl.models import TOKENIZER_FILES, resolve_model_path
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Projections that vLLM fuses into one GEMM and that therefore share one NVFP4 global scale.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep the streaming writer's memory low
 
 _LAYER_LINEAR = re.compile(
@@ -148,7 +146,7 @@ def _quantize_group(weights: dict[str, torch.Tensor], fmt: str, fused: bool = Tr
     shared = {}
     fuse = formats.get(fmt).fused_global_scale if fused else None
     if fuse is not None:
-        for group in FUSED_GROUPS:
+        for _, group in FUSED_GROUPS:
             members = [n for n in weights if n.rsplit(".", 1)[-1] in group]
             if members:
                 gs = fuse([weights[n] for n in members])
@@ -382,11 +380,7 @@ def quantize_checkpoint(src, out_dir, fmt: str, progress: bool = True, cache_dir
     t0 = time.perf_counter()
     src = _source_folder(src, cache_dir)
     cfg = json.loads((src / "config.json").read_text())
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture model_type={model_type!r} "
-                         f"(architectures={cfg.get('architectures')}); qerl quantizes "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Qwen2/Qwen2.5, Qwen3)")
+    check_supported(cfg.get("model_type"), "qerl quantizes", f" (architectures={cfg.get('architectures')})")
     where = _tensor_index(src)
 
     # Plan: which tensors are quantized (per layer), which are copied; check every shape first.

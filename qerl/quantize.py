@@ -3,8 +3,8 @@
 Which modules: q,k,v,o,gate,up,down of every decoder layer (the paper's LoRA targets).
 Embeddings, lm_head and the norms stay 16-bit. Fused projections (q,k,v) and (gate,up) share
 one NVFP4 global scale, as vLLM expects when it fuses them into one GEMM.
-Supported families are named in SUPPORTED_MODEL_TYPES; anything else is a clear error rather
-than a guess from a model name.
+Supported families are named in qerl.arch (SUPPORTED_MODEL_TYPES); anything else is a clear error
+rather than a guess from a model name.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from qerl import formats, kernels
+from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, check_supported
 from qerl.qlinear import QuantLinear, base_formats
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,7 +31,7 @@ class QuantizeConfig:
     lora_rank: int = 32  # r; paper Table 4 (the official scripts use 16); 0 = no adapter
     lora_alpha: float = 64.0  # scaling = lora_alpha / lora_rank
     lora_dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS  # module names inside each decoder layer
+    targets: tuple[str, ...] = LINEAR_NAMES  # module names inside each decoder layer (qerl.arch)
     fuse_global_scales: bool = True  # (q,k,v) and (gate,up) share one global scale (formats that have one: nvfp4)
     lora_dtype: str = "float32"  # adapter parameter dtype (PEFT's autocast_adapter_dtype keeps fp32)
     backend: str = "auto"  # kernel dispatch: auto | triton | reference | bitsandbytes (nf4)
@@ -42,9 +40,9 @@ class QuantizeConfig:
     def __post_init__(self):
         if self.fmt not in base_formats():
             raise ValueError(f"fmt must be one of {base_formats()}, got {self.fmt!r}")
-        bad = set(self.targets) - set(DEFAULT_TARGETS)
+        bad = set(self.targets) - set(LINEAR_NAMES)
         if bad:
-            raise ValueError(f"unknown targets {sorted(bad)}; allowed: {DEFAULT_TARGETS}")
+            raise ValueError(f"unknown targets {sorted(bad)}; allowed: {LINEAR_NAMES}")
         if self.lora_dtype not in _DTYPES:
             raise ValueError(f"lora_dtype must be one of {tuple(_DTYPES)}, got {self.lora_dtype!r}")
         if self.backend not in kernels.BACKENDS:
@@ -55,10 +53,7 @@ class QuantizeConfig:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a supported causal LM, or a ValueError naming what is supported."""
     cfg = getattr(model, "config", None)
-    mtype = getattr(cfg, "model_type", None)
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture {mtype!r}: qerl supports model_type in {SUPPORTED_MODEL_TYPES} "
-                         "(Llama, Qwen2/Qwen2.5, Qwen3)")
+    check_supported(getattr(cfg, "model_type", None))
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):

@@ -44,6 +44,10 @@ class NonFiniteError(RuntimeError):
     """A NaN/inf loss or gradient: training stops instead of corrupting the adapters."""
 
 
+class RolloutGapError(RuntimeError):
+    """The rollout's log-probs stayed far from the training forward's (a broken rollout): training stops."""
+
+
 # ----------------------------------------------------------------------------- model
 def pick_device() -> torch.device:
     return qdist.pick_device()  # cuda:LOCAL_RANK under torchrun
@@ -116,11 +120,63 @@ class adapters_disabled:
                 w.copy_(t)
 
 
+class MasterWeights:
+    """fp32 master copies of 16-bit trainable weights (bf16_full): bf16 compute, fp32 updates.
+
+    Each 16-bit parameter's gradient is moved, as soon as autograd accumulates it, into the fp32
+    master's ``.grad`` (a post-accumulate-grad hook; the 16-bit ``.grad`` stays None), so the
+    micro-batches also accumulate in fp32. The optimizer steps the masters; ``copy_back`` (an
+    optimizer step post-hook) then rounds them into the 16-bit weights. Without the masters an
+    update of lr 1e-5 is below half a bf16 ulp of most weights and rounds away. fp32 parameters
+    (the RMSNorm weights) are their own masters.
+    """
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.masters = []
+        for p in self.params:
+            if p.dtype == torch.float32:
+                self.masters.append(p)
+                continue
+            m = torch.nn.Parameter(p.detach().float().clone())
+            p.register_post_accumulate_grad_hook(self._mover(m))
+            self.masters.append(m)
+        self._of = {id(p): m for p, m in zip(self.params, self.masters)}
+
+    @staticmethod
+    def _mover(master):
+        def hook(p):
+            g = p.grad.float()
+            master.grad = g if master.grad is None else master.grad.add_(g)
+            p.grad = None
+        return hook
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        return self._of[id(p)]
+
+    @torch.no_grad()
+    def copy_back(self, *_):
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+
+
+def optimizer_params(opt) -> list:
+    """The tensors the optimizer steps (the fp32 masters under bf16_full): clip and reduce these grads."""
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
 def make_optimizer(cfg: TrainConfig, params, total_updates: int):
+    """(optimizer, scheduler) of the trainable ``params``. bf16_full with 16-bit weights: the optimizer
+    steps fp32 masters (``opt.qerl_master``, a MasterWeights) and copies them into the weights."""
     from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
-    # No weight decay on 1-D parameters (norm weights, biases), as the HF Trainer (and so TRL) does.
     params = list(params)
+    master = None
+    if cfg.method == "bf16_full" and any(p.dtype != torch.float32 for p in params):
+        master = MasterWeights(params)
+        params = master.masters
+    # No weight decay on 1-D parameters (norm weights, biases), as the HF Trainer (and so TRL) does.
     groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
@@ -133,6 +189,9 @@ def make_optimizer(cfg: TrainConfig, params, total_updates: int):
         opt = bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate, betas=betas)
     else:
         opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas)
+    opt.qerl_master = master
+    if master is not None:
+        opt.register_step_post_hook(master.copy_back)
     warm = int(cfg.warmup_ratio * total_updates)
     if cfg.lr_scheduler == "cosine":
         sched = get_cosine_schedule_with_warmup(opt, warm, total_updates)
@@ -159,7 +218,9 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))  # read by `eval`
     params = dict(model.named_parameters())
-    save_file({n: params[n].detach().contiguous().cpu() for n in trainable_names}, str(path / "trainable.safetensors"))
+    master = getattr(opt, "qerl_master", None)  # bf16_full: the fp32 masters are the trained weights
+    tensors = {n: master.master_of(params[n]) if master is not None else params[n] for n in trainable_names}
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(path / "trainable.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         "python": random.getstate()}}, path / "state.pt")
@@ -181,8 +242,7 @@ def read_checkpoint_config(path) -> dict:
     modules_to_save; the method is not recorded there). LoRA on a subset of the projections cannot be
     rebuilt (qerl puts LoRA on all seven) and is refused.
     """
-    from qerl.noise import NORM_NAMES
-    from qerl.quantize import DEFAULT_TARGETS
+    from qerl.arch import LINEAR_NAMES, NORM_NAMES
 
     path = Path(path)
     if not path.is_dir():
@@ -191,10 +251,10 @@ def read_checkpoint_config(path) -> dict:
     if peft.exists():
         c = json.loads(peft.read_text())
         targets = {t.rsplit(".", 1)[-1] for t in (c.get("target_modules") or [])}
-        if targets != set(DEFAULT_TARGETS) or c.get("rank_pattern") or c.get("alpha_pattern"):
+        if targets != set(LINEAR_NAMES) or c.get("rank_pattern") or c.get("alpha_pattern"):
             raise ValueError(f"{peft}: LoRA on {sorted(targets)} (rank/alpha patterns {c.get('rank_pattern')}, "
                              f"{c.get('alpha_pattern')}); qerl rebuilds only one rank and alpha on all of "
-                             f"{list(DEFAULT_TARGETS)}")
+                             f"{list(LINEAR_NAMES)}")
         saved = set(c.get("modules_to_save") or [])
         if saved - set(NORM_NAMES):
             raise ValueError(f"{peft}: modules_to_save {sorted(saved)}; qerl trains only {list(NORM_NAMES)}")
@@ -210,9 +270,10 @@ def read_checkpoint_config(path) -> dict:
                             f"in its run folder) nor a PEFT adapter folder (adapter_config.json)")
 
 
-def load_trainable(path, model):
+def load_trainable(path, model) -> dict:
     """Load a checkpoint's trainable tensors (LoRA, trained norms, or all weights for bf16_full) into the
-    model; ``path`` may also be a PEFT adapter folder that qerl exported (adapter_model.safetensors)."""
+    model (cast to its dtypes) and return them as stored; ``path`` may also be a PEFT adapter folder
+    that qerl exported (adapter_model.safetensors)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -236,10 +297,17 @@ def load_trainable(path, model):
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t.to(params[n].device))
+    return state
 
 
 def load_checkpoint(path: Path, model, opt, sched) -> int:
-    load_trainable(path, model)
+    state = load_trainable(path, model)
+    master = getattr(opt, "qerl_master", None)
+    if master is not None:  # bf16_full: the fp32 masters resume from the stored fp32 values
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, t in state.items():
+                master.master_of(params[n]).copy_(t.to(params[n].device))
     st = torch.load(path / "state.pt", weights_only=False)
     opt.load_state_dict(st["optimizer"])
     sched.load_state_dict(st["scheduler"])
@@ -322,31 +390,35 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
         metrics["dynamic_sampling/kept_groups"] = int(keep.sum()) // G
     idx = torch.nonzero(keep).squeeze(1)  # global indices
     adv = adv[first:first + len(texts)].to(device)
-    # ---- log-probs of the sampled sequences under the clean policy (old) and reference (beta)
+    # ---- log-probs of the sampled sequences under the clean policy (old) and reference (beta).
+    # One optimizer step on one pass over the rollout: the policy has not moved when each micro-batch
+    # is trained, so the old log-probs are the training forward's own, detached (TRL); no extra forward.
     t1 = time.perf_counter()
     mb = cfg.micro_batch_size
+    n = idx.numel()
+    reuse = reuse_training_logprobs(cfg, n)
     old_lp = torch.zeros_like(ro.logprobs)
     ref_lp = torch.zeros_like(ro.logprobs) if cfg.beta > 0 else None
-    with torch.no_grad():
-        for s in range(0, len(texts), mb):
-            sl = slice(s, s + mb)
-            lp, _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                      ro.completion_mask[sl], cfg.temperature)
-            old_lp[sl] = lp
-            if ref_lp is not None:
-                with adapters_disabled(model):
-                    ref_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                                      ro.completion_mask[sl], cfg.temperature)
-    m = ro.completion_mask.float()
-    gap = (old_lp - ro.logprobs).abs() * m
-    gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
-    gap_max = qdist.all_reduce(float(gap.max()) if gap.numel() else 0.0, "max")
-    metrics["sampling/logprob_gap"] = gap_sum / max(gap_n, 1.0)
-    metrics["sampling/logprob_gap_max"] = gap_max if gap_n > 0 else None
+    if not reuse or ref_lp is not None:
+        with torch.no_grad():
+            for s in range(0, len(texts), mb):
+                sl = slice(s, s + mb)
+                if not reuse:
+                    old_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl],
+                                                      ro.completion_ids[sl], ro.completion_mask[sl], cfg.temperature)
+                if ref_lp is not None:
+                    with adapters_disabled(model):
+                        ref_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl],
+                                                          ro.completion_ids[sl], ro.completion_mask[sl], cfg.temperature)
+    # rows whose old log-probs exist: all of them, or (reuse) the ones this rank trains
+    scored = torch.ones(len(texts), dtype=torch.bool)
+    if reuse:
+        scored = torch.zeros(len(texts), dtype=torch.bool)
+        own = idx[(idx >= first) & (idx < first + len(texts))] - first
+        scored[own] = True
     # ---- policy updates: the global mini/micro-batch plan is the same on every rank; each rank runs
     # the members of each micro-batch it generated, and the gradients are summed once per optimizer step
     model.train()
-    n = idx.numel()
     mini = cfg.mini_batch_size or n
     keys = _LOSS_METRICS if cfg.beta > 0 else tuple(k for k in _LOSS_METRICS if k != "kl")
     table = []  # per global micro-batch: [loss, sums of the token metrics over this rank's tokens]
@@ -391,7 +463,9 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
                     at += own.numel()
                     mi_d = own.to(device)
                     lp, ent, mask = lp_all[sl], ent_all[sl], cmask[mi_d]
-                    loss, lm = qloss.policy_loss(lp, old_lp[mi_d], adv[mi_d], mask, cfg.loss_type, epsilon=cfg.epsilon,
+                    if reuse:
+                        old_lp[mi_d] = lp.detach()
+                    loss, lm = qloss.policy_loss(lp, None if reuse else old_lp[mi_d], adv[mi_d], mask, cfg.loss_type, epsilon=cfg.epsilon,
                                                  epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                                  ref_logp=ref_lp[mi_d] if ref_lp is not None else None,
                                                  num_items_in_batch=n_tokens,
@@ -422,6 +496,12 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
             sched.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
+    m = ro.completion_mask.float() * scored.to(ro.completion_mask.device)[:, None]
+    gap = (old_lp - ro.logprobs).abs() * m
+    gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
+    gap_max = qdist.all_reduce(float(gap.max()) if gap.numel() else 0.0, "max")
+    metrics["sampling/logprob_gap"] = gap_sum / max(gap_n, 1.0)
+    metrics["sampling/logprob_gap_max"] = gap_max if gap_n > 0 else None
     metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
     if table:  # each micro-batch's loss and token means over all ranks, then their mean (as one process logs them)
         tab = torch.tensor(qdist.all_reduce([v for row in table for v in row], "sum"), dtype=torch.float64)
@@ -438,6 +518,12 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
     metrics["num_tokens_step"] = int(n_prompt + n_compl)
     metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")
     return metrics
+
+
+def reuse_training_logprobs(cfg: TrainConfig, n: int) -> bool:
+    """Whether the training forward's detached log-probs serve as the old log-probs: one iteration
+    and one optimizer step over the ``n`` trained completions (the ratio is then exactly 1)."""
+    return cfg.num_iterations == 1 and (cfg.mini_batch_size == 0 or cfg.mini_batch_size >= n)
 
 
 def _loss_share(loss_type: str, n_own: int, n_micro: int, tokens_own: float, tokens_micro: float) -> float:
@@ -482,6 +568,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     n_per_rollout = cfg.rollout_batch_size
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
+    trainable = optimizer_params(opt)  # bf16_full: the fp32 masters hold the gradients
     aqn = AQNConfig(enabled=cfg.aqn, sigma_start=cfg.sigma_start, sigma_end=cfg.sigma_end, num_stages=cfg.num_stages,
                     schedule=cfg.noise_schedule, seed=cfg.seed)
     start = 0
@@ -494,6 +581,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
             start = load_checkpoint(resume, model, opt, sched)
             qdist.print0(f"[qerl] resumed from {resume} at step {start}")
     qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
+    if opt.qerl_master is not None:
+        opt.qerl_master.copy_back()
     logger = (RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped, "world_size": world},
                         cfg.wandb_mode, cfg.wandb_project, cfg.wandb_group, resume=resume is not None)
               if main else _NullLogger())
@@ -506,6 +595,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     num_tokens = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    gap_run = 0  # consecutive steps whose rollout-vs-training log-prob gap is above max_logprob_gap
     end = cfg.max_steps if stop_after is None else min(cfg.max_steps, stop_after)
     bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps, disable=not main)
     for step in bar:
@@ -519,6 +609,15 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
             ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
             m.update(qeval.summary_entries("eval", ev))
         logger.log(m, step=step + 1)
+        gap = m.get("sampling/logprob_gap")
+        gap_run = gap_run + 1 if (not cfg.aqn and gap is not None and gap > cfg.max_logprob_gap) else 0
+        if cfg.max_logprob_gap_steps and gap_run >= cfg.max_logprob_gap_steps:
+            msg = (f"broken rollout: mean |rollout - training| log-prob gap {gap:.3f} nats at step {step + 1}, "
+                   f"above max_logprob_gap={cfg.max_logprob_gap} for {gap_run} consecutive steps (a run without "
+                   "AQN should be near 0.01-0.05); check the rollout engine / 4-bit kernels, or raise "
+                   "max_logprob_gap / set max_logprob_gap_steps=0 to disable the check")
+            logger.finish({**summary, "status": "stopped", "error": msg, "steps": step + 1})
+            raise RolloutGapError(msg)
         bar.set_postfix(reward=f"{m['reward']:.3f}", ent=f"{m['entropy']:.3f}" if m.get("entropy") else "-")
         if main and cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(out / "checkpoints" / f"step-{step + 1}", step + 1, model, trainable_names, opt, sched, cfg)

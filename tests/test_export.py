@@ -101,7 +101,7 @@ def test_nvfp4_fused_groups_share_the_max_global_scale(arch, request, tmp_path):
     quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
     src_state, state = _source_state(src), load_quantized_state(tmp_path / "out")
     for layer in range(2):
-        for group in FUSED_GROUPS + (("o_proj",), ("down_proj",)):
+        for group in tuple(g for _, g in FUSED_GROUPS) + (("o_proj",), ("down_proj",)):
             parent = "self_attn" if group[0] in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             names = [f"model.layers.{layer}.{parent}.{p}" for p in group]
             amax = max(src_state[n + ".weight"].abs().max() for n in names)
