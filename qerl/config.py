@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from qerl import formats
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
 # The paper's format: QeRL is LoRA on an NVFP4 base with AQN.
 QERL_FORMAT = "nvfp4"
@@ -137,6 +136,8 @@ class TrainConfig:
             raise ValueError(f"full fine-tuning (lora=False) needs the bf16 base, got fmt={self.fmt!r}")
         if self.aqn and not self.lora:
             raise ValueError("AQN (aqn=True) is for the LoRA methods; full fine-tuning has no frozen base")
+        from qerl.loss import LOSS_TYPES  # the loss table lives with the losses
+
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.scale_rewards not in ("group", "batch", "none"):
