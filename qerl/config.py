@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from qerl import formats
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
 # The paper's format: QeRL is LoRA on an NVFP4 base with AQN.
 QERL_FORMAT = "nvfp4"
@@ -133,6 +132,8 @@ class TrainConfig:
 
     def __post_init__(self):
         method_format(self.method)
+        from qerl.loss import LOSS_TYPES  # the loss table lives with the losses
+
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.scale_rewards not in ("group", "batch", "none"):
