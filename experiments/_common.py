@@ -553,6 +553,9 @@ def estimate(jobs: list[Job], profile: str, parallel: int) -> str:
 def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label: str) -> int:
     """Plan, check, run, collect and (with --publish) publish `targets` in one run root."""
     git = git_info()
+    if shared.collect_only and shared.publish:
+        raise SystemExit("--publish with --collect-only: use --resume ROOT --publish (it runs nothing when the root "
+                         "is finished)")
     if shared.collect_only:
         base = Path(shared.resume) / "results" if shared.resume else Path(shared.results)
         for exp, args in targets:
@@ -567,6 +570,9 @@ def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label:
     root = Path(shared.resume or shared.root or new_root(shared, label, git))
     if shared.resume and not (root / "plan.json").exists():
         raise SystemExit(f"{root} is not a run root (no plan.json)")
+    if shared.resume and json.loads((root / "plan.json").read_text()).get("profile") != shared.profile:
+        raise SystemExit(f"{root} was planned at profile {json.loads((root / 'plan.json').read_text()).get('profile')}"
+                         f", not {shared.profile}")
     if not shared.resume and root.exists() and any(root.iterdir()):
         raise SystemExit(f"{root} exists and is not empty: continue it with --resume {root}, or pick another --root")
     jobs = plan_jobs(targets, root)
@@ -597,14 +603,17 @@ def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label:
         print(f"  WARNING: git sha {git['git_sha']}, dirty {git['git_dirty']}: these runs cannot be tied to a commit "
               "(on a tree without .git set QERL_GIT_SHA)", flush=True)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    entries = [{"work": str(j.work), "spec": j.spec, "command": shlex.join(j.command),
+                "uses": [f"{e.name}/{r.name}" for e, _, r in j.uses]} for j in jobs]
     if shared.resume:
         plan = json.loads((root / "plan.json").read_text())
         plan.setdefault("resumes", []).append({"date": now, **git, "argv": sys.argv, "drift_allowed": drift})
+        known = {r["work"] for r in plan["runs"]}
+        plan["runs"] += [e for e in entries if e["work"] not in known]  # runs this invocation adds
+        plan["experiments"] = list(dict.fromkeys(plan["experiments"] + [e.name for e, _ in targets]))
     else:
         plan = {"created": now, **git, "profile": shared.profile, "argv": sys.argv,
-                "experiments": [e.name for e, _ in targets],
-                "runs": [{"work": str(j.work), "spec": j.spec, "command": shlex.join(j.command),
-                          "uses": [f"{e.name}/{r.name}" for e, _, r in j.uses]} for j in jobs]}
+                "experiments": [e.name for e, _ in targets], "runs": entries}
     root.mkdir(parents=True, exist_ok=True)
     (root / "plan.json").write_text(json.dumps(plan, indent=2))
     codes = launch(todo, shared, git) if todo else {}

@@ -317,6 +317,8 @@ def test_resume_stops_on_drift_unless_allowed(fake_runs, monkeypatch, capsys):
     with pytest.raises(SystemExit, match="differ from the plan"):
         C.main(exp, base + ["--resume", str(root), "--max-steps", "2"])
     assert "max_steps=30 (planned 2)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="planned at profile small"):
+        C.main(exp, [*base, "--resume", str(root), "--profile", "smoke"])
     with pytest.raises(SystemExit, match="not a run root"):
         C.main(exp, base + ["--resume", str(tmp_path / "nothing")])
 
