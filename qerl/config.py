@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from qerl import formats
 
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
-# The paper's format: QeRL is LoRA on an NVFP4 base with AQN.
+# The formats of the paper's two 4-bit roles: QeRL is LoRA on an NVFP4 base with AQN; its baseline
+# QLoRA is LoRA on an NF4 base (bitsandbytes).
 QERL_FORMAT = "nvfp4"
+QLORA_FORMAT = "nf4"
 
 
 def table_bases() -> tuple[str, ...]:
