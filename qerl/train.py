@@ -32,11 +32,12 @@ from tqdm.auto import tqdm
 from qerl import data as qdata
 from qerl import distributed as qdist
 from qerl import evaluate as qeval
+from qerl import formats
 from qerl import step as qstep
 from qerl.config import TrainConfig, eval_settings
 from qerl.logging import RunLogger
 from qerl.noise import AQNConfig, find_norms, keep_norms_fp32
-from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
+from qerl.quantize import lora_parameters, model_size_bytes, quantize_
 from qerl.rollout import make_engine
 from qerl.step import NonFiniteError, adapters_disabled  # noqa: F401 - re-exported
 
@@ -64,17 +65,16 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
     if model is None:
         model, tokenizer = models.load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
     info = {"method": cfg.method, "fmt": cfg.fmt}
-    if cfg.method == "bf16_full" or (cfg.fmt == "bf16" and not lora):
+    if not cfg.lora or (cfg.fmt == "bf16" and not lora):
         for p in model.parameters():
             p.requires_grad_(True)
         trainable = [p for p in model.parameters()]
     else:
         fmt = cfg.fmt
-        if fmt == "nf4" and device.type == "cpu":
-            print("[qerl] nf4 on CPU: using qerl's pure-torch NF4 (bitsandbytes-compatible codes) instead of "
+        if fmt != "bf16" and "bitsandbytes" in formats.get(fmt).kernels and device.type == "cpu":
+            print(f"[qerl] {fmt} on CPU: using qerl's pure-torch {fmt} (bitsandbytes-compatible codes) instead of "
                   "bitsandbytes kernels; same quantized weights, slower")
-        rep = quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=cfg.lora_rank if lora else 0, lora_alpha=cfg.lora_alpha,
-                                              lora_dropout=cfg.lora_dropout, backend=cfg.backend))
+        rep = quantize_(model, cfg.quantize_config(lora=lora))
         info.update(rep)
         trainable = lora_parameters(model)
     info["norms_fp32"] = keep_norms_fp32(model)  # so small AQN sigmas are not rounded away (see noise.py)
@@ -146,7 +146,7 @@ def make_optimizer(cfg: TrainConfig, params, total_updates: int):
 
     params = list(params)
     master = None
-    if cfg.method == "bf16_full" and any(p.dtype != torch.float32 for p in params):
+    if not cfg.lora and any(p.dtype != torch.float32 for p in params):
         master = MasterWeights(params)
         params = master.masters
     # No weight decay on 1-D parameters (norm weights, biases), as the HF Trainer (and so TRL) does.
@@ -197,7 +197,7 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         "python": random.getstate()}}, path / "state.pt")
-    if cfg.method != "bf16_full":
+    if cfg.lora:
         try:
             from qerl.export import export_peft_adapter
 
@@ -371,8 +371,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
     trainable = optimizer_params(opt)  # bf16_full: the fp32 masters hold the gradients
-    aqn = AQNConfig(enabled=cfg.aqn, sigma_start=cfg.sigma_start, sigma_end=cfg.sigma_end, num_stages=cfg.num_stages,
-                    schedule=cfg.noise_schedule, seed=cfg.seed)
+    aqn = cfg.aqn_config()
     start = 0
     resume = None
     if cfg.resume_from:
