@@ -112,6 +112,13 @@ def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
     return "triton"
 
 
+def resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
+    """The backend ``linear`` / ``grad_input`` run for these arguments (raises as they do)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return _resolve_backend(backend, fmt, device)
+
+
 def dequantize_fp32(fmt: str, tensors: dict, out_features: int, in_features: int) -> torch.Tensor:
     """The dense fp32 weight [out, in] that the reference path multiplies with."""
     from qerl import formats
@@ -172,5 +179,5 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     return fp4.grad_input(dy, fmt, *_triton_args(fmt, tensors))
 
 
-__all__ = ["linear", "grad_input", "linear_reference", "grad_input_reference", "dequantize_fp32",
+__all__ = ["linear", "grad_input", "resolve_backend", "linear_reference", "grad_input_reference", "dequantize_fp32",
            "triton_available", "BACKENDS", "FORMATS", "TRITON_FORMATS"]
