@@ -3,7 +3,8 @@ PY ?= python
 PROFILE ?= $(shell $(PY) -c "import torch;print('small' if torch.cuda.is_available() else 'smoke')" 2>/dev/null || echo smoke)
 OUT ?= results
 PARALLEL ?= 1
-# extra flags for the experiment scripts, e.g. ARGS="--gpus 0 1 --data-dir ../shared/data" or ARGS=--dry-run
+# extra flags for the experiment scripts, e.g. ARGS="--gpus 0 1 --data-dir ../shared/data", ARGS=--dry-run,
+# ARGS="--resume runs/<root>" (continue a run root; each invocation otherwise starts a new one), ARGS=--publish
 ARGS ?=
 define EXP
 @echo "$@: PROFILE=$(PROFILE) (default: small on a GPU, smoke otherwise)"
@@ -11,7 +12,7 @@ $(PY) -m experiments.$(1) --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
 endef
 
 .PHONY: help setup test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
-	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all rollout-throughput table3 \
+	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
 	train-ddp dist-check
 
 help:
@@ -65,6 +66,10 @@ fig16: ## Fig. 16 / 17: learning-rate ablation of QeRL and bf16 LoRA
 	$(call EXP,fig16_lr_ablation)
 
 reproduce-all: table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 ## every table and figure above at PROFILE
+
+EXPERIMENTS ?= table1 fig4 fig5 fig8
+reproduce: ## EXPERIMENTS in one new run root, shared runs once (ARGS="--resume ROOT", "--publish", "--dry-run")
+	$(PY) -m experiments.reproduce --profile $(PROFILE) --experiments $(EXPERIMENTS) --parallel $(PARALLEL) $(ARGS)
 
 model-sizes: ## the paper's Model Size column from the Qwen2.5 configs (CPU, seconds)
 	$(PY) -m benchmarks.model_sizes

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from benchmarks.speed_common import copy_bandwidth_tbps  # noqa: E402
 from qerl import formats, kernels  # noqa: E402
+from qerl.arch import LAYER_CONFIGS, LINEAR_NAMES, linear_shapes  # noqa: E402
 from qerl.kernels import fp4  # noqa: E402
-from qerl.kernels.shapes import MODEL_DIMS, PROJECTIONS, linear_shapes  # noqa: E402
 
 M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 2048)
 BYTES_PER_WEIGHT = {"nvfp4": 0.5625, "mxfp4": 0.53125, "bf16": 2.0, "nf4": 0.5 + 4 / 64}
@@ -251,7 +251,7 @@ def summarize(rows, copy_tbps):
     def layer(op, meth, m):
         shapes = linear_shapes("qwen2.5-7b")
         total = 0.0
-        for p in PROJECTIONS:
+        for p in LINEAR_NAMES:
             n, k = shapes[p]
             hit = [r["ms"] for r in rows if r["model"] == "qwen2.5-7b" and r["op"] == op
                    and r["method"] == meth and r["M"] == m and r["N"] == n and r["K"] == k]
@@ -278,7 +278,7 @@ def summarize(rows, copy_tbps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=list(MODEL_DIMS), choices=list(MODEL_DIMS),
+    ap.add_argument("--models", nargs="+", default=list(LAYER_CONFIGS), choices=list(LAYER_CONFIGS),
                     help="models whose linear shapes to time")
     ap.add_argument("--m", nargs="+", type=int, default=list(M_VALUES), help="rows M of the forward")
     ap.add_argument("--grad-m", nargs="+", type=int, default=[256, 2048], help="rows M of grad-input")

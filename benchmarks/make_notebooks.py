@@ -37,7 +37,7 @@ CELLS = {
         SETUP,
         "plots.plot_rewards()\nshow('rewards')",
         "plots.plot_aqn()\nshow('aqn')",
-        "## The figure scripts' runs (experiments/fig4_reward_curves.py, fig8_aqn_ablation.py)\n"
+        "## The figure scripts' runs (experiments.fig4_reward_curves, experiments.fig8_aqn_ablation)\n"
         "GRPO and DAPO across formats (one seed), and NVFP4 LoRA with / without AQN (three seeds).",
         "for name in ['fig4_reward_curves', 'fig8_aqn_ablation']:\n"
         "    if plots.experiment_figure(name) is not None:\n"
@@ -75,7 +75,7 @@ CELLS = {
         "if k is not None else None",
     ],
     "experiments": [
-        "# The paper's other tables and figures (experiments/table2_bigmath.py, fig*.py)\nEach cell "
+        "# The paper's other tables and figures (experiments.table2_bigmath, experiments.fig*)\nEach cell "
         "draws one experiment's figure from `results/<experiment>/small/` (the script's `--profile "
         "small` run: the embedded SmolLM2-135M-Instruct, not the paper's Qwen2.5 models); an experiment "
         "without results yet prints a skip note instead.",
@@ -93,130 +93,51 @@ CELLS = {
 }
 
 
-def speed_load(folder: str, script: str, extra: str = "") -> str:
-    """The first code cell of a speed notebook: read results/<folder>/<gpu>.json into `runs` and `rows`."""
-    return f"""import json
-import os
+def speed_load(folder: str, columns: str) -> str:
+    """The first code cell of a speed notebook: results/<folder>/<gpu>.json into `runs` and `rows`."""
+    return f"""import os
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
+from IPython.display import Image, display
+from qerl import plots
 pd.set_option("display.precision", 2)
 
 # QERL_RESULTS points the notebook at another results folder (the tests use it).
-RESULTS = Path(os.environ.get("QERL_RESULTS", "results")) / "{folder}"
-runs = {{f.stem: json.loads(f.read_text()) for f in sorted(RESULTS.glob("*.json"))}}
-rows = pd.DataFrame([{{**r, "gpu": g}} for g, run in runs.items() for r in run["rows"]]) if runs else None
-if rows is None:
-    print(f"no results in {{RESULTS}}/ yet: run experiments/{script} on a GPU (see its docstring)"){extra}"""
+RESULTS = Path(os.environ.get("QERL_RESULTS", "results"))
+runs, rows = plots.speed_results("{folder}", RESULTS)
+rows.reindex(columns=plots.{columns}) if rows is not None else None"""
 
 
-TABLE3_LOAD = speed_load("table3", "table3_speed_memory.py")
-
-TABLE3_ROWS = """COLS = ["gpu", "model", "method", "batch", "grad_ckpt", "completion_len", "step_s", "rollout_s", "logprob_s",
-        "update_s", "rollout_share", "peak_gib", "model_size_gb", "paper_model_size_gb", "paper_s_per_step",
-        "memory_cap_gib", "oom", "oom_phase"]
-rows.reindex(columns=COLS) if rows is not None else None"""
-
-TABLE3_PLOT = """def plot_split(rows):
-    \"\"\"Stacked bars: rollout / old log-probs / policy update seconds of each measured step.\"\"\"
-    ok = rows[rows["step_s"].notna()] if rows is not None and "step_s" in rows else None
-    if ok is None or ok.empty:
-        print("no completed GRPO steps to plot")
-        return
-    ok = ok.sort_values(["gpu", "model", "batch", "grad_ckpt", "method"])
-    labels = [f"{r.gpu} {r.model} bs{r.batch} {'GC' if r.grad_ckpt else 'no GC'} C={r.completion_len} | {r.method}"
-              for r in ok.itertuples()]
-    y = list(range(len(ok)))
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(ok) + 1.5))
-    left = [0.0] * len(ok)
-    for phase, color in (("rollout_s", "tab:blue"), ("logprob_s", "tab:orange"), ("update_s", "tab:green")):
-        ax.barh(y, ok[phase], left=left, color=color, label=phase[:-2])
-        left = [a + b for a, b in zip(left, ok[phase])]
-    for i, r in enumerate(ok.itertuples()):
-        ax.text(r.step_s, i, f" {r.step_s:.1f} s, {100 * r.rollout_share:.0f}% rollout, {r.peak_gib:.0f} GiB",
-                va="center", fontsize=8)
-    ax.set_yticks(y, labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds per GRPO step (random weights; results/table3/<gpu>.json)")
-    ax.set_xlim(0, max(left) * 1.45)
-    ax.legend(loc="lower right")
-    plt.tight_layout()
-    out = RESULTS.parent / "figures" / "table3_step_split.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.show()
+def speed_plot(fn: str, name: str) -> str:
+    return f"""if plots.{fn}(rows, results=RESULTS) is not None:
+    display(Image(str(RESULTS / "figures" / "{name}.png")))"""
 
 
-plot_split(rows)"""
-
-TABLE3_SUMMARY = """for gpu, run in runs.items():
-    print(f"{gpu}: git {run.get('git_sha')}, {run.get('date')}")
-    display(pd.DataFrame({"measured": run["summary"], "target": run.get("targets", {}),
-                          "from": run.get("summary_notes", {})}))
-    for r in run["rows"]:
-        if r.get("oom") or r.get("error"):
-            print(f"  {r['model']} {r['method']} bs{r['batch']}: {'OOM' if r.get('oom') else 'FAILED'} in "
-                  f"{r.get('oom_phase') or r.get('failed_phase')}: {str(r.get('error'))[:120]}")"""
+SPEED_SUMMARY = """for gpu, table in plots.speed_summary(runs).items():
+    display(table)"""
 
 CELLS["table3"] = [
     "# Table 3: where the GRPO step time goes\nOne full GRPO step (rollout with the fast engine, old "
     "log-probs, one policy update) for bf16 LoRA, QLoRA (bitsandbytes NF4) and NVFP4 on random-weight "
     "Qwen2.5 architectures, prompt 256 and fixed-length completions; peak memory, model size, and the "
     "32B model under an 80 GiB cap. Reads `results/table3/<gpu>.json` from "
-    "`benchmarks/table3_speed_memory.py` (a missing folder prints a note); `paper_*` columns are the "
+    "`python -m benchmarks.table3_speed_memory` (a missing folder prints a note); `paper_*` columns are the "
     "paper's values, a reference only.",
-    TABLE3_LOAD,
-    TABLE3_ROWS,
-    TABLE3_PLOT,
-    TABLE3_SUMMARY,
+    speed_load("table3", "TABLE3_COLUMNS"),
+    speed_plot("plot_table3_split", "table3_step_split"),
+    SPEED_SUMMARY,
 ]
-
-
-ROLLOUT_LOAD = speed_load("rollout", "rollout_throughput.py", """
-else:
-    cols = ["gpu", "model", "method", "batch", "lora_rank", "completion_len", "tokens_per_s", "ms_per_decode_step",
-            "roofline_fraction", "peak_gib", "paper_vllm_tokens_per_s"]
-    display(rows.reindex(columns=cols))""")
-
-ROLLOUT_PLOT = """def plot_throughput(rows):
-    \"\"\"Figure 11 at this scale: generated tokens/s per method, one panel per batch size.\"\"\"
-    if rows is None or rows.empty:
-        print("nothing to plot")
-        return
-    batches = sorted(rows["batch"].unique())
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.8), squeeze=False)
-    methods = [m for m in ["bf16", "nf4", "mxfp4", "nvfp4", "hf_generate_bf16"] if m in set(rows["method"])]
-    for ax, bs in zip(axes[0], batches):
-        sub = rows[rows["batch"] == bs]
-        models = sorted(sub["model"].unique())
-        width = 0.8 / max(len(methods), 1)
-        for j, m in enumerate(methods):
-            vals = [sub[(sub["model"] == mo) & (sub["method"] == m)]["tokens_per_s"].max() for mo in models]
-            ax.bar([i + j * width for i in range(len(models))], vals, width, label=m)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models)
-        ax.set_title(f"batch {bs}")
-        ax.set_ylabel("generated tokens / s")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("rollout throughput, random weights, prompt 256 (results/rollout/<gpu>.json)")
-    plt.tight_layout()
-    out = RESULTS.parent / "figures" / "rollout_throughput.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.show()
-
-
-plot_throughput(rows)"""
 
 CELLS["rollout"] = [
     "# Rollout throughput (paper Tables 5-9, Figure 11)\nThe fast engine (static KV cache, CUDA graphs) on "
     "random-weight Qwen2.5 architectures: bf16 LoRA, bitsandbytes NF4, MXFP4 and NVFP4, plus HF `generate` in "
     "bf16 (what a user gets without an engine; a shorter completion, a per-token rate). Reads "
-    "`results/rollout/<gpu>.json` from `benchmarks/rollout_throughput.py`; `paper_*` columns are the "
+    "`results/rollout/<gpu>.json` from `python -m benchmarks.rollout_throughput`; `paper_*` columns are the "
     "paper's vLLM numbers, a reference only.",
-    ROLLOUT_LOAD,
-    ROLLOUT_PLOT,
-    TABLE3_SUMMARY,
+    speed_load("rollout", "ROLLOUT_COLUMNS"),
+    speed_plot("plot_rollout_throughput", "rollout_throughput"),
+    SPEED_SUMMARY,
 ]
 
 

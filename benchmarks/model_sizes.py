@@ -12,8 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+from qerl.arch import QWEN25_CONFIGS
 from qerl.logging import environment
-from qerl.models import QWEN25_CONFIGS, build_model_from_config
+from qerl.models import build_model_from_config
 from qerl.quantize import QuantizeConfig, model_size_bytes, quantize_
 
 PAPER_GB = {  # paper Table 3, "Model Size" (GB), reference only

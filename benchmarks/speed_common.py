@@ -21,15 +21,13 @@ from pathlib import Path
 
 import torch
 
+from qerl.arch import PAPER_MODELS
 from qerl.logging import environment
 from qerl.qlinear import QuantLinear
 from qerl.quantize import QuantizeConfig, model_size_bytes
 
 MODELS = {
-    "qwen2.5-3b": "Qwen/Qwen2.5-3B-Instruct",
-    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
-    "qwen2.5-14b": "Qwen/Qwen2.5-14B-Instruct",
-    "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct",
+    **PAPER_MODELS,  # "qwen2.5-7b" -> "Qwen/Qwen2.5-7B-Instruct" (qerl.arch)
     # a toy architecture for the scripts' CPU smoke tests (--models tiny-qwen2 --device cpu)
     "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,

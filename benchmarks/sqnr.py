@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 from qerl import formats
+from qerl.arch import FUSED_GROUPS, LINEAR_NAMES
 
 # ----------------------------------------------------------------------------------------------
 # CLI
 
-PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+PROJS = LINEAR_NAMES
+FUSED = {p: group[0] for _, group in FUSED_GROUPS for p in group}  # projection -> its fused group's key
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # Columns: (name, format, fuse nvfp4 global scales)
 COLUMNS = (("nvfp4", "nvfp4", True), ("nvfp4_per_tensor_gs", "nvfp4", False),

@@ -18,8 +18,8 @@ small / smoke = the embedded SmolLM2-135M-Instruct: BigMath is beyond a 135M mod
 copy, so it trains with DAPO on the profile's arith task and is evaluated on arith plus the four
 Table 2 benchmarks (expect ~0 there: the rows check the pipeline, not the paper's claim).
 The benchmarks load from --data-dir (a copy of ../shared/data) or the Hugging Face hub.
-Seeds: smoke 0; small 0; paper 0. Writes results/table2_bigmath/<profile>/ and
-results/figures/table2_bigmath.png.
+Seeds: smoke 0; small 0; paper 0. Writes <run root>/results/table2_bigmath/<profile>/ and
+<run root>/results/figures/table2_bigmath.png.
 """
 
 from __future__ import annotations

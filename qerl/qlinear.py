@@ -23,28 +23,21 @@ import torch.nn.functional as F
 
 from qerl import formats, kernels
 
-BASE_FORMATS = ("bf16",) + tuple(formats.FORMATS)
+
+def base_formats() -> tuple[str, ...]:
+    """The base-weight formats a QuantLinear can hold: "bf16" (dense) and every registered format."""
+    return ("bf16",) + formats.names()
 
 
 def packed_shapes(fmt: str, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of the packed buffers of one weight [out, in], without computing them.
 
     Used to build quantized models on the meta device (model sizes of 7B-32B configs) and to
-    allocate layer-by-layer builds.
+    allocate layer-by-layer builds. The format's spec in the registry says what they are.
     """
-    formats.check_shape((out_features, in_features), fmt)
-    half = (out_features, in_features // 2)
-    if fmt == "nvfp4":
-        return {
-            "weight_packed": (half, torch.uint8),
-            "weight_scale": ((out_features, in_features // 16), torch.float8_e4m3fn),
-            "weight_global_scale": ((1,), torch.float32),
-        }
-    if fmt == "mxfp4":
-        return {"weight_packed": (half, torch.uint8), "weight_scale": ((out_features, in_features // 32), torch.uint8)}
-    if fmt == "nf4":
-        return {"weight_packed": (half, torch.uint8), "weight_absmax": ((out_features * in_features // 64,), torch.float32)}
-    raise ValueError(f"unknown base format {fmt!r}; expected one of {BASE_FORMATS}")
+    if fmt not in formats.names():
+        raise ValueError(f"unknown base format {fmt!r}; expected one of {base_formats()}")
+    return formats.packed_shapes(fmt, out_features, in_features)
 
 
 class _PackedMatmul(torch.autograd.Function):
@@ -78,8 +71,8 @@ class QuantLinear(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, lora_dtype: torch.dtype = torch.float32,
                  device=None, backend: str = "auto"):
         super().__init__()
-        if fmt not in BASE_FORMATS:
-            raise ValueError(f"unknown base format {fmt!r}; expected one of {BASE_FORMATS}")
+        if fmt not in base_formats():
+            raise ValueError(f"unknown base format {fmt!r}; expected one of {base_formats()}")
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
         self.in_features, self.out_features, self.fmt, self.backend = in_features, out_features, fmt, backend

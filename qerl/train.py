@@ -16,6 +16,7 @@ holds trainable weights, optimizer, scheduler and RNG states.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -29,9 +30,9 @@ from qerl import distributed as qdist
 from qerl import evaluate as qeval
 from qerl import loss as qloss
 from qerl import rewards as qrewards
-from qerl.config import TrainConfig
+from qerl.config import TrainConfig, eval_settings
 from qerl.logging import RunLogger
-from qerl.noise import AQNConfig, keep_norms_fp32, noisy_norms
+from qerl.noise import AQNConfig, find_norms, keep_norms_fp32, noisy_norms
 from qerl.qlinear import QuantLinear
 from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
 from qerl.rollout import make_engine, sequence_logprobs
@@ -41,6 +42,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 class NonFiniteError(RuntimeError):
     """A NaN/inf loss or gradient: training stops instead of corrupting the adapters."""
+
+
+class RolloutGapError(RuntimeError):
+    """The rollout's log-probs stayed far from the training forward's (a broken rollout): training stops."""
 
 
 # ----------------------------------------------------------------------------- model
@@ -74,6 +79,13 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
         info.update(rep)
         trainable = lora_parameters(model)
     info["norms_fp32"] = keep_norms_fp32(model)  # so small AQN sigmas are not rounded away (see noise.py)
+    if cfg.train_norms and lora:  # the official --ln: AQN's norm weights trained (fp32) next to the adapters
+        norms = [m.weight for _, m in find_norms(model)]
+        for w in norms:
+            w.requires_grad_(True)
+        trainable = trainable + [w for w in norms if all(w is not t for t in trainable)]
+        model.qerl_initial_norms = {n: m.weight.detach().clone() for n, m in find_norms(model)}  # KL reference
+        info["trainable_norms"] = len(norms)
     info["model_size_bytes"] = model_size_bytes(model)
     info["trainable_params"] = sum(p.numel() for p in trainable)
     if cfg.gradient_checkpointing:
@@ -83,31 +95,103 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
 
 
 class adapters_disabled:
-    """Context: every QuantLinear's LoRA off (the KL reference policy, no second copy)."""
+    """Context: every QuantLinear's LoRA off and trained norms back at their initial weights (the KL
+    reference policy, no second copy; PEFT's disable_adapter does the same to modules_to_save)."""
 
     def __init__(self, model):
         self.mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        initial = getattr(model, "qerl_initial_norms", {})
+        self.norms = [(m.weight, initial[n]) for n, m in find_norms(model) if n in initial]
+        self.trained = []
 
     def __enter__(self):
         for m in self.mods:
             m._adapters_enabled = False
+        with torch.no_grad():
+            self.trained = [w.detach().clone() for w, _ in self.norms]
+            for w, w0 in self.norms:
+                w.copy_(w0)
 
     def __exit__(self, *exc):
         for m in self.mods:
             m._adapters_enabled = True
+        with torch.no_grad():
+            for (w, _), t in zip(self.norms, self.trained):
+                w.copy_(t)
+
+
+class MasterWeights:
+    """fp32 master copies of 16-bit trainable weights (bf16_full): bf16 compute, fp32 updates.
+
+    Each 16-bit parameter's gradient is moved, as soon as autograd accumulates it, into the fp32
+    master's ``.grad`` (a post-accumulate-grad hook; the 16-bit ``.grad`` stays None), so the
+    micro-batches also accumulate in fp32. The optimizer steps the masters; ``copy_back`` (an
+    optimizer step post-hook) then rounds them into the 16-bit weights. Without the masters an
+    update of lr 1e-5 is below half a bf16 ulp of most weights and rounds away. fp32 parameters
+    (the RMSNorm weights) are their own masters.
+    """
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.masters = []
+        for p in self.params:
+            if p.dtype == torch.float32:
+                self.masters.append(p)
+                continue
+            m = torch.nn.Parameter(p.detach().float().clone())
+            p.register_post_accumulate_grad_hook(self._mover(m))
+            self.masters.append(m)
+        self._of = {id(p): m for p, m in zip(self.params, self.masters)}
+
+    @staticmethod
+    def _mover(master):
+        def hook(p):
+            g = p.grad.float()
+            master.grad = g if master.grad is None else master.grad.add_(g)
+            p.grad = None
+        return hook
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        return self._of[id(p)]
+
+    @torch.no_grad()
+    def copy_back(self, *_):
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+
+
+def optimizer_params(opt) -> list:
+    """The tensors the optimizer steps (the fp32 masters under bf16_full): clip and reduce these grads."""
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 def make_optimizer(cfg: TrainConfig, params, total_updates: int):
+    """(optimizer, scheduler) of the trainable ``params``. bf16_full with 16-bit weights: the optimizer
+    steps fp32 masters (``opt.qerl_master``, a MasterWeights) and copies them into the weights."""
     from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
+    params = list(params)
+    master = None
+    if cfg.method == "bf16_full" and any(p.dtype != torch.float32 for p in params):
+        master = MasterWeights(params)
+        params = master.masters
+    # No weight decay on 1-D parameters (norm weights, biases), as the HF Trainer (and so TRL) does.
+    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    betas = (0.9, cfg.adam_beta2)
     if cfg.optim == "adamw_8bit":
         if not torch.cuda.is_available():
             raise ValueError("optim=adamw_8bit needs CUDA (bitsandbytes); use optim=adamw on the CPU")
         import bitsandbytes as bnb
 
-        opt = bnb.optim.AdamW8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        opt = bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate, betas=betas)
     else:
-        opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas)
+    opt.qerl_master = master
+    if master is not None:
+        opt.register_step_post_hook(master.copy_back)
     warm = int(cfg.warmup_ratio * total_updates)
     if cfg.lr_scheduler == "cosine":
         sched = get_cosine_schedule_with_warmup(opt, warm, total_updates)
@@ -132,8 +216,11 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))  # read by `eval`
     params = dict(model.named_parameters())
-    save_file({n: params[n].detach().contiguous().cpu() for n in trainable_names}, str(path / "trainable.safetensors"))
+    master = getattr(opt, "qerl_master", None)  # bf16_full: the fp32 masters are the trained weights
+    tensors = {n: master.master_of(params[n]) if master is not None else params[n] for n in trainable_names}
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(path / "trainable.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         "python": random.getstate()}}, path / "state.pt")
@@ -146,25 +233,81 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
             print(f"[qerl] PEFT adapter export skipped: {e}")
 
 
-def load_trainable(path, model):
-    """Load a checkpoint's trainable tensors (LoRA, or all weights for bf16_full) into the model."""
+def read_checkpoint_config(path) -> dict:
+    """What a checkpoint says about the policy it was trained as: {model, method, lora_rank, lora_alpha,
+    lora_dropout, train_norms} as far as it records them.
+
+    ``path`` is a qerl checkpoint folder (its config.json; older checkpoints: the run folder's
+    config.json two levels up) or a PEFT adapter folder (adapter_config.json: r, lora_alpha,
+    modules_to_save; the method is not recorded there). LoRA on a subset of the projections cannot be
+    rebuilt (qerl puts LoRA on all seven) and is refused.
+    """
+    from qerl.arch import LINEAR_NAMES, NORM_NAMES
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint or adapter folder")
+    peft = path / "adapter_config.json"
+    if peft.exists():
+        c = json.loads(peft.read_text())
+        targets = {t.rsplit(".", 1)[-1] for t in (c.get("target_modules") or [])}
+        if targets != set(LINEAR_NAMES) or c.get("rank_pattern") or c.get("alpha_pattern"):
+            raise ValueError(f"{peft}: LoRA on {sorted(targets)} (rank/alpha patterns {c.get('rank_pattern')}, "
+                             f"{c.get('alpha_pattern')}); qerl rebuilds only one rank and alpha on all of "
+                             f"{list(LINEAR_NAMES)}")
+        saved = set(c.get("modules_to_save") or [])
+        if saved - set(NORM_NAMES):
+            raise ValueError(f"{peft}: modules_to_save {sorted(saved)}; qerl trains only {list(NORM_NAMES)}")
+        out = {"lora_rank": int(c["r"]), "lora_alpha": float(c["lora_alpha"]),
+               "lora_dropout": float(c.get("lora_dropout") or 0.0), "train_norms": bool(saved)}
+        return {**({"model": c["base_model_name_or_path"]} if c.get("base_model_name_or_path") else {}), **out}
+    for cfg_file in (path / "config.json", path.parent.parent / "config.json"):
+        if cfg_file.exists() and (path / "trainable.safetensors").exists():
+            c = json.loads(cfg_file.read_text())
+            keys = ("model", "method", "lora_rank", "lora_alpha", "lora_dropout", "train_norms")
+            return {k: c[k] for k in keys if k in c}
+    raise FileNotFoundError(f"{path} is neither a qerl checkpoint (trainable.safetensors with config.json here or "
+                            f"in its run folder) nor a PEFT adapter folder (adapter_config.json)")
+
+
+def load_trainable(path, model) -> dict:
+    """Load a checkpoint's trainable tensors (LoRA, trained norms, or all weights for bf16_full) into the
+    model (cast to its dtypes) and return them as stored; ``path`` may also be a PEFT adapter folder
+    that qerl exported (adapter_model.safetensors)."""
     from safetensors.torch import load_file
 
-    f = Path(path) / "trainable.safetensors"
-    if not f.exists():
-        raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N)")
-    state = load_file(str(f))
+    path = Path(path)
+    f = path / "trainable.safetensors"
+    if f.exists():
+        state = load_file(str(f))
+    elif (path / "adapter_model.safetensors").exists():
+        prefix = "base_model.model."
+        state = {k.removeprefix(prefix): v for k, v in load_file(str(path / "adapter_model.safetensors")).items()}
+    else:
+        raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N) "
+                                "or a PEFT adapter folder (adapter_model.safetensors)")
     params = dict(model.named_parameters())
     missing = set(state) - set(params)
     if missing:
         raise ValueError(f"checkpoint {path} has parameters the model lacks: {sorted(missing)[:5]}")
+    bad = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in state.items() if t.shape != params[n].shape]
+    if bad:
+        raise ValueError(f"checkpoint {path} does not fit the model (LoRA rank?): {bad[0][0]} is {bad[0][1]} "
+                         f"in the checkpoint, {bad[0][2]} in the model")
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t.to(params[n].device))
+    return state
 
 
 def load_checkpoint(path: Path, model, opt, sched) -> int:
-    load_trainable(path, model)
+    state = load_trainable(path, model)
+    master = getattr(opt, "qerl_master", None)
+    if master is not None:  # bf16_full: the fp32 masters resume from the stored fp32 values
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, t in state.items():
+                master.master_of(params[n]).copy_(t.to(params[n].device))
     st = torch.load(path / "state.pt", weights_only=False)
     opt.load_state_dict(st["optimizer"])
     sched.load_state_dict(st["scheduler"])
@@ -216,7 +359,7 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
     cmask = ro.completion_mask
     # ---- rewards (local); then every rank holds the whole batch's per-completion values
     texts = tokenizer.batch_decode(ro.completion_ids * cmask + engine.pad_id * (1 - cmask), skip_special_tokens=True)
-    res = qrewards.score_batch(texts, golds)
+    res = qrewards.score_batch(texts, golds, reward=cfg.reward)
     if cfg.mask_truncated_completions:
         cmask = cmask * (~ro.truncated).long()[:, None]
     per_seq = torch.tensor([res.rewards, res.format], dtype=torch.float64).T
@@ -247,31 +390,35 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
         metrics["dynamic_sampling/kept_groups"] = int(keep.sum()) // G
     idx = torch.nonzero(keep).squeeze(1)  # global indices
     adv = adv[first:first + len(texts)].to(device)
-    # ---- log-probs of the sampled sequences under the clean policy (old) and reference (beta)
+    # ---- log-probs of the sampled sequences under the clean policy (old) and reference (beta).
+    # One optimizer step on one pass over the rollout: the policy has not moved when each micro-batch
+    # is trained, so the old log-probs are the training forward's own, detached (TRL); no extra forward.
     t1 = time.perf_counter()
     mb = cfg.micro_batch_size
+    n = idx.numel()
+    reuse = reuse_training_logprobs(cfg, n)
     old_lp = torch.zeros_like(ro.logprobs)
     ref_lp = torch.zeros_like(ro.logprobs) if cfg.beta > 0 else None
-    with torch.no_grad():
-        for s in range(0, len(texts), mb):
-            sl = slice(s, s + mb)
-            lp, _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                      ro.completion_mask[sl], cfg.temperature)
-            old_lp[sl] = lp
-            if ref_lp is not None:
-                with adapters_disabled(model):
-                    ref_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                                      ro.completion_mask[sl], cfg.temperature)
-    m = ro.completion_mask.float()
-    gap = (old_lp - ro.logprobs).abs() * m
-    gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
-    gap_max = qdist.all_reduce(float(gap.max()) if gap.numel() else 0.0, "max")
-    metrics["sampling/logprob_gap"] = gap_sum / max(gap_n, 1.0)
-    metrics["sampling/logprob_gap_max"] = gap_max if gap_n > 0 else None
+    if not reuse or ref_lp is not None:
+        with torch.no_grad():
+            for s in range(0, len(texts), mb):
+                sl = slice(s, s + mb)
+                if not reuse:
+                    old_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl],
+                                                      ro.completion_ids[sl], ro.completion_mask[sl], cfg.temperature)
+                if ref_lp is not None:
+                    with adapters_disabled(model):
+                        ref_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl],
+                                                          ro.completion_ids[sl], ro.completion_mask[sl], cfg.temperature)
+    # rows whose old log-probs exist: all of them, or (reuse) the ones this rank trains
+    scored = torch.ones(len(texts), dtype=torch.bool)
+    if reuse:
+        scored = torch.zeros(len(texts), dtype=torch.bool)
+        own = idx[(idx >= first) & (idx < first + len(texts))] - first
+        scored[own] = True
     # ---- policy updates: the global mini/micro-batch plan is the same on every rank; each rank runs
     # the members of each micro-batch it generated, and the gradients are summed once per optimizer step
     model.train()
-    n = idx.numel()
     mini = cfg.mini_batch_size or n
     keys = _LOSS_METRICS if cfg.beta > 0 else tuple(k for k in _LOSS_METRICS if k != "kl")
     table = []  # per global micro-batch: [loss, sums of the token metrics over this rank's tokens]
@@ -316,7 +463,9 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
                     at += own.numel()
                     mi_d = own.to(device)
                     lp, ent, mask = lp_all[sl], ent_all[sl], cmask[mi_d]
-                    loss, lm = qloss.policy_loss(lp, old_lp[mi_d], adv[mi_d], mask, cfg.loss_type, epsilon=cfg.epsilon,
+                    if reuse:
+                        old_lp[mi_d] = lp.detach()
+                    loss, lm = qloss.policy_loss(lp, None if reuse else old_lp[mi_d], adv[mi_d], mask, cfg.loss_type, epsilon=cfg.epsilon,
                                                  epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                                  ref_logp=ref_lp[mi_d] if ref_lp is not None else None,
                                                  num_items_in_batch=n_tokens,
@@ -347,6 +496,12 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
             sched.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
+    m = ro.completion_mask.float() * scored.to(ro.completion_mask.device)[:, None]
+    gap = (old_lp - ro.logprobs).abs() * m
+    gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
+    gap_max = qdist.all_reduce(float(gap.max()) if gap.numel() else 0.0, "max")
+    metrics["sampling/logprob_gap"] = gap_sum / max(gap_n, 1.0)
+    metrics["sampling/logprob_gap_max"] = gap_max if gap_n > 0 else None
     metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
     if table:  # each micro-batch's loss and token means over all ranks, then their mean (as one process logs them)
         tab = torch.tensor(qdist.all_reduce([v for row in table for v in row], "sum"), dtype=torch.float64)
@@ -363,6 +518,12 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
     metrics["num_tokens_step"] = int(n_prompt + n_compl)
     metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")
     return metrics
+
+
+def reuse_training_logprobs(cfg: TrainConfig, n: int) -> bool:
+    """Whether the training forward's detached log-probs serve as the old log-probs: one iteration
+    and one optimizer step over the ``n`` trained completions (the ratio is then exactly 1)."""
+    return cfg.num_iterations == 1 and (cfg.mini_batch_size == 0 or cfg.mini_batch_size >= n)
 
 
 def _loss_share(loss_type: str, n_own: int, n_micro: int, tokens_own: float, tokens_micro: float) -> float:
@@ -407,6 +568,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     n_per_rollout = cfg.rollout_batch_size
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
+    trainable = optimizer_params(opt)  # bf16_full: the fp32 masters hold the gradients
     aqn = AQNConfig(enabled=cfg.aqn, sigma_start=cfg.sigma_start, sigma_end=cfg.sigma_end, num_stages=cfg.num_stages,
                     schedule=cfg.noise_schedule, seed=cfg.seed)
     start = 0
@@ -419,21 +581,21 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
             start = load_checkpoint(resume, model, opt, sched)
             qdist.print0(f"[qerl] resumed from {resume} at step {start}")
     qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
+    if opt.qerl_master is not None:
+        opt.qerl_master.copy_back()
     logger = (RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped, "world_size": world},
                         cfg.wandb_mode, cfg.wandb_project, cfg.wandb_group, resume=resume is not None)
               if main else _NullLogger())
-    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                   greedy=cfg.eval_greedy, max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
-                   batch_size=max(cfg.micro_batch_size, 8), limit=cfg.eval_limit, engine=cfg.engine, data_dir=cfg.data_dir, seed=cfg.seed,
-                   arith_levels=cfg.arith_levels, max_prompt_length=cfg.max_prompt_length)
+    eval_kw = {**eval_settings(cfg), "seed": cfg.seed}
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
     if main and start == 0 and cfg.eval_datasets:  # evaluation: rank 0 only, the others wait
-        ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-        logger.log({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()}, step=0)
-        summary.update({f"eval_before/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
+        ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+        logger.log(qeval.summary_entries("eval", ev), step=0)
+        summary.update(qeval.summary_entries("eval_before", ev))
     num_tokens = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    gap_run = 0  # consecutive steps whose rollout-vs-training log-prob gap is above max_logprob_gap
     end = cfg.max_steps if stop_after is None else min(cfg.max_steps, stop_after)
     bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps, disable=not main)
     for step in bar:
@@ -444,9 +606,18 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
         m["memory/peak_gib"] = qdist.all_reduce(
             torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else _rss_peak_gib(), "max")
         if main and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
-            ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-            m.update({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
+            ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+            m.update(qeval.summary_entries("eval", ev))
         logger.log(m, step=step + 1)
+        gap = m.get("sampling/logprob_gap")
+        gap_run = gap_run + 1 if (not cfg.aqn and gap is not None and gap > cfg.max_logprob_gap) else 0
+        if cfg.max_logprob_gap_steps and gap_run >= cfg.max_logprob_gap_steps:
+            msg = (f"broken rollout: mean |rollout - training| log-prob gap {gap:.3f} nats at step {step + 1}, "
+                   f"above max_logprob_gap={cfg.max_logprob_gap} for {gap_run} consecutive steps (a run without "
+                   "AQN should be near 0.01-0.05); check the rollout engine / 4-bit kernels, or raise "
+                   "max_logprob_gap / set max_logprob_gap_steps=0 to disable the check")
+            logger.finish({**summary, "status": "stopped", "error": msg, "steps": step + 1})
+            raise RolloutGapError(msg)
         bar.set_postfix(reward=f"{m['reward']:.3f}", ent=f"{m['entropy']:.3f}" if m.get("entropy") else "-")
         if main and cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(out / "checkpoints" / f"step-{step + 1}", step + 1, model, trainable_names, opt, sched, cfg)
@@ -454,10 +625,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     if done and main:
         save_checkpoint(out / "checkpoints" / f"step-{end}", end, model, trainable_names, opt, sched, cfg)
         if cfg.eval_datasets:
-            ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-            logger.log({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()}, step=end)
-            summary.update({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
-            summary.update({f"eval/{d}/format": r["format"] for d, r in ev.items()})
+            ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+            logger.log(qeval.summary_entries("eval", ev), step=end)
+            summary.update(qeval.summary_entries("eval", ev))
     if done:
         summary["status"] = "ok"
     summary["steps"] = end

@@ -5,23 +5,25 @@ Public API (see CONTRACTS.md):
     linear(x, fmt, tensors, out_features, in_features, backend="auto", cache=None)      -> y  = x W^T
     grad_input(dy, fmt, tensors, out_features, in_features, backend="auto", cache=None) -> dx = dy W
 
-``tensors`` holds the on-disk buffers of one quantized Linear, named as in qerl.formats
-(weight_packed, weight_scale, weight_global_scale for nvfp4; weight_packed, weight_scale for
-mxfp4; weight_packed, weight_absmax for nf4). The weight is never materialised densely on the
-Triton path; the reference path dequantizes it (CPU tests, and the definition of correct).
+``tensors`` holds the on-disk buffers of one quantized Linear, named as its format's spec in the
+registry says (qerl.formats.get(fmt).tensor_names, in the order the kernels take them). The
+weight is never materialised densely on the Triton path; the reference path dequantizes it (CPU
+tests, and the definition of correct).
 
 Backends:
   - "reference": qerl.formats.dequantize to fp32, matmul in fp32, result cast to x.dtype.
-  - "triton": fused dequantize-and-multiply kernels (qerl.kernels.fp4), nvfp4 and mxfp4 only.
+  - "triton": fused dequantize-and-multiply kernels (qerl.kernels.fp4), for the formats whose
+    spec lists "triton" (nvfp4 and mxfp4).
     Raises RuntimeError when it cannot run (tensors not on CUDA and TRITON_INTERPRET unset,
     triton missing, fmt without a kernel): asking for the fast path never silently gets the
     slow one.
-  - "bitsandbytes": nf4 only: bitsandbytes.matmul_4bit on a QuantState that views qerl's
-    buffers (qerl.kernels.bnb; qerl's NF4 bytes are bitsandbytes' bytes), any device bitsandbytes
-    runs on. RuntimeError for other formats or when bitsandbytes cannot be imported.
-  - "auto": "triton" for CUDA tensors and a format with a kernel; "bitsandbytes" for nf4 on CUDA
-    (the QLoRA baseline must be bitsandbytes' kernels; if bitsandbytes is missing this is an
-    error naming backend='reference', never a silent fallback); else "reference".
+  - "bitsandbytes": formats whose spec lists it (nf4): bitsandbytes.matmul_4bit on a QuantState
+    that views qerl's buffers (qerl.kernels.bnb; qerl's NF4 bytes are bitsandbytes' bytes), any
+    device bitsandbytes runs on. RuntimeError for other formats or when bitsandbytes cannot be imported.
+  - "auto": on CUDA, the first kernel the format's spec lists: "triton" (if it can run), or
+    "bitsandbytes" (nf4: the QLoRA baseline must be bitsandbytes' kernels; if bitsandbytes is
+    missing this is an error naming backend='reference', never a silent fallback); else
+    "reference".
 
 ``cache`` (optional, a dict owned by the caller, e.g. one per QuantLinear) keeps per-weight
 objects a backend builds from the buffers (the bitsandbytes QuantState) across calls.
@@ -37,39 +39,37 @@ import os
 
 import torch
 
+from qerl import formats
 from qerl.kernels import bnb
 
 BACKENDS = ("auto", "triton", "reference", "bitsandbytes")
-FORMATS = ("nvfp4", "mxfp4", "nf4")
-TRITON_FORMATS = ("nvfp4", "mxfp4")
-
-# The buffers each format needs, so that a missing one fails here with its name.
-REQUIRED_TENSORS = {
-    "nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
-    "mxfp4": ("weight_packed", "weight_scale"),
-    "nf4": ("weight_packed", "weight_absmax"),
-}
 
 
 def _check_args(fmt: str, tensors: dict, out_features: int, in_features: int, backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    missing = [k for k in REQUIRED_TENSORS[fmt] if k not in tensors]
+    if fmt not in formats.names():
+        raise ValueError(f"fmt must be one of {formats.names()}, got {fmt!r}")
+    required = formats.get(fmt).tensor_names
+    missing = [k for k in required if k not in tensors]
     if missing:
-        raise ValueError(f"fmt {fmt!r} needs tensors {REQUIRED_TENSORS[fmt]}; missing {missing}")
+        raise ValueError(f"fmt {fmt!r} needs tensors {required}; missing {missing}")
     packed = tensors["weight_packed"]
     if packed.numel() * 2 != out_features * in_features:
         raise ValueError(
             f"weight_packed has {packed.numel()} bytes, expected out_features*in_features/2 = "
             f"{out_features * in_features // 2} for a [{out_features}, {in_features}] weight"
         )
-    if fmt in TRITON_FORMATS and tuple(packed.shape) != (out_features, in_features // 2):
+    if _has_kernel(fmt, "triton") and tuple(packed.shape) != (out_features, in_features // 2):
         raise ValueError(
             f"{fmt} weight_packed must be [out, in/2] = [{out_features}, {in_features // 2}], "
             f"got {list(packed.shape)}"
         )
+
+
+def _has_kernel(fmt: str, kernel: str) -> bool:
+    """Whether format `fmt` declares `kernel` in its registry spec."""
+    return kernel in formats.get(fmt).kernels
 
 
 def triton_available(device: torch.device) -> tuple[bool, str]:
@@ -89,21 +89,24 @@ def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
     if backend == "reference":
         return "reference"
     if backend == "bitsandbytes":
-        if fmt != "nf4":
-            raise RuntimeError(f"backend='bitsandbytes' runs nf4 only, not {fmt!r}; use 'auto', 'triton' or 'reference'")
+        if not _has_kernel(fmt, "bitsandbytes"):
+            raise RuntimeError(f"backend='bitsandbytes' runs {formats.with_kernel('bitsandbytes')} only, not {fmt!r}; "
+                               "use 'auto', 'triton' or 'reference'")
         bnb.require()
         return "bitsandbytes"
     if backend == "auto":
-        if device.type == "cuda" and fmt == "nf4":
-            bnb.require()  # raises, naming backend='reference', when bitsandbytes is missing
-            return "bitsandbytes"
-        if device.type == "cuda" and fmt in TRITON_FORMATS and triton_available(device)[0]:
-            return "triton"
+        if device.type == "cuda":
+            for kernel in formats.get(fmt).kernels:  # the spec's preference order
+                if kernel == "bitsandbytes":
+                    bnb.require()  # raises, naming backend='reference', when bitsandbytes is missing
+                    return "bitsandbytes"
+                if kernel == "triton" and triton_available(device)[0]:
+                    return "triton"
         return "reference"
     # backend == "triton": never fall back silently.
-    if fmt not in TRITON_FORMATS:
+    if not _has_kernel(fmt, "triton"):
         raise RuntimeError(
-            f"backend='triton' has kernels for {TRITON_FORMATS} only, not {fmt!r}; "
+            f"backend='triton' has kernels for {formats.with_kernel('triton')} only, not {fmt!r}; "
             "use backend='reference' (or backend='bitsandbytes' for nf4)"
         )
     ok, why = triton_available(device)
@@ -121,8 +124,6 @@ def resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
 
 def dequantize_fp32(fmt: str, tensors: dict, out_features: int, in_features: int) -> torch.Tensor:
     """The dense fp32 weight [out, in] that the reference path multiplies with."""
-    from qerl import formats
-
     w = formats.dequantize(tensors, fmt, dtype=torch.float32)
     return w.reshape(out_features, in_features)
 
@@ -140,9 +141,7 @@ def grad_input_reference(dy: torch.Tensor, fmt: str, tensors: dict, out_features
 
 
 def _triton_args(fmt: str, tensors: dict) -> tuple:
-    if fmt == "nvfp4":
-        return (tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"])
-    return (tensors["weight_packed"], tensors["weight_scale"])
+    return tuple(tensors[name] for name in formats.get(fmt).tensor_names)
 
 
 def linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
@@ -180,4 +179,4 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
 
 
 __all__ = ["linear", "grad_input", "resolve_backend", "linear_reference", "grad_input_reference", "dequantize_fp32",
-           "triton_available", "BACKENDS", "FORMATS", "TRITON_FORMATS"]
+           "triton_available", "BACKENDS"]
