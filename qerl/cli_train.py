@@ -72,7 +72,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     """Evaluation flags; each defaults to the chosen profile's evaluation settings
-    (qerl.evaluate.eval_settings), so `eval --profile small` evaluates as `train --profile small` does."""
+    (qerl.config.eval_settings), so `eval --profile small` evaluates as `train --profile small` does."""
     p.add_argument("--profile", default="small", choices=tuple(PROFILES),
                    help="the profile whose evaluation settings (and model) are the defaults below")
     p.add_argument("--model", default=None, help="hub id, local folder, .gguf, or the embedded default "
@@ -101,7 +101,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def eval_flags(settings: dict) -> list[str]:
-    """`python -m qerl eval` flags for a qerl.evaluate.eval_settings dict (experiment scripts use this)."""
+    """`python -m qerl eval` flags for a qerl.config.eval_settings dict (experiment scripts use this)."""
     out = []
     for k, v in settings.items():
         if v is None or (k == "greedy" and not v):

@@ -1,8 +1,9 @@
 """Rewards for math RL: answer accuracy (checked with math-verify) and output format.
 
 The paper's prompt (Appendix E) asks for ``<think> ... </think> <answer> ... </answer>``; the
-official code scores the text inside the answer tags with math-verify. qerl does the same, with
-fallbacks for completions that forget the tags:
+official code's evaluation (eval/gsm8k.py) takes the answer inside the tags, exact match first, then
+math-verify. qerl scores that answer with math-verify (its GSM8K training reward, an exact match, is
+``reward="official_exact"`` below), with fallbacks for completions that forget the tags:
 
 1. the content of the last ``<answer>...</answer>`` (an ``<answer>`` that is never closed, e.g. a
    truncated completion, counts from the tag to the end of the text);
