@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from benchmarks.bench_kernels import n_copies, time_graph
 from qerl import formats, kernels
+from qerl.arch import LINEAR_NAMES as PROJECTIONS
+from qerl.arch import linear_shapes
 from qerl.kernels import fp4
-from qerl.kernels.shapes import PROJECTIONS, linear_shapes
 from qerl.qlinear import QuantLinear
 
 MB = 1 << 20
@@ -186,20 +187,36 @@ def eager_calls(res):
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     t = q.packed_tensors()
     plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
+    slow = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
+
+    def slow_call():
+        fp4.FAST_LAUNCH = False
+        try:
+            return slow.linear(x)
+        finally:
+            fp4.FAST_LAUNCH = True
+
     fns = {"bf16": lambda: F.linear(x, w), "nvfp4": lambda: q(x),
            "nvfp4_dispatch": lambda: kernels.linear(x, "nvfp4", t, n, k, backend="triton"),
-           "nvfp4_plan": lambda: plan.linear(x)}
+           "nvfp4_plan": lambda: plan.linear(x), "nvfp4_plan_no_fast_launch": slow_call}
+    ref = F.linear(x, q.dequantized_weight())
     out = {}
-    for rep in range(2):
+    for rep in range(3):
         for name, f in fns.items():
-            for _ in range(50):
-                f()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                f()
-            dt = (time.perf_counter() - t0) / calls * 1e6
-            torch.cuda.synchronize()
+            try:
+                for _ in range(50):
+                    f()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                dt = (time.perf_counter() - t0) / calls * 1e6
+                torch.cuda.synchronize()
+                if rep == 0 and name != "bf16":
+                    print(f"eager {name}: rel err {rel(f(), ref):.2e}")
+            except Exception as e:  # noqa: BLE001
+                print("eager", name, "FAILED", type(e).__name__, str(e)[:300])
+                dt = float("nan")
             out[name] = dt if rep == 0 else min(out[name], dt)
     for name, v in out.items():
         print(f"eager {name:16s} {v:7.2f} us/call")
@@ -215,8 +232,14 @@ def main():
     l2 = props.L2_cache_size
     res = dict(gpu=props.name)
     t0 = time.time()
-    steps = [("eager", eager_calls), ("check", check), ("decode", lambda r: decode_speed(r, l2)),
-             ("splitk", lambda r: splitk_cost(r, l2)), ("layer", lambda r: layer_times(r, l2))]
+    def mx(r):
+        sub = {}
+        layer_times(sub, l2, fmts=("mxfp4",), ms=(64, 128, 256), grad_ms=(16, 64), chunks=(None, 32 * MB))
+        r["layer_mxfp4"] = sub["layer"]
+
+    steps = [("eager", eager_calls), ("check", check), ("layer", lambda r: layer_times(r, l2)),
+             ("decode", lambda r: decode_speed(r, l2)), ("splitk", lambda r: splitk_cost(r, l2)),
+             ("layer_mxfp4", mx)]
     for name, fn in steps:
         if name in a.skip:
             continue

@@ -28,10 +28,12 @@ def _same_bits(a, b):
 
 
 def _special(t, fmt):
-    """Edge scales: a zero block, a negative-zero / NaN / E8M0-zero scale."""
+    """Edge scales: NaN, the smallest E4M3 subnormal, E8M0 2^-127. (Not the E4M3 -0 scale 0x80,
+    which the quantizer never writes: torch's CUDA cast of it gives +0.0, its CPU cast -0.0, so
+    dequantize itself differs by device in the sign of those zeros; the kernel gives -0.0.)"""
     s = t["weight_scale"].view(torch.uint8)
     if fmt == "nvfp4":
-        s[0, 0], s[1, 1], s[2, 0] = 0x80, 0x7F, 0x01  # -0, NaN, the smallest subnormal
+        s[1, 1], s[2, 0] = 0x7F, 0x01  # NaN, the smallest subnormal
     else:
         s[0, 0], s[1, 1] = 0, 255  # 2^-127, NaN
     return t
