@@ -32,13 +32,13 @@ CELLS = {
         "show('table1')",
     ],
     "rewards": [
-        "# Reward curves (Fig. 4) and the AQN ablation (Fig. 8)\nMean over seeds (thick), one "
-        "thin line per seed; rolling mean over 3 steps.",
+        "# Reward curves (Fig. 4) and the AQN ablation (Fig. 8)\nMean over seeds, band = +- one "
+        "standard deviation over seeds; rolling mean over 3 steps.",
         SETUP,
         "plots.plot_rewards()\nshow('rewards')",
         "plots.plot_aqn()\nshow('aqn')",
         "## The figure scripts' runs (experiments.fig4_reward_curves, experiments.fig8_aqn_ablation)\n"
-        "GRPO and DAPO across formats (one seed), and NVFP4 LoRA with / without AQN (three seeds).",
+        "GRPO and DAPO across formats, and NVFP4 LoRA with / without AQN (three seeds each).",
         "for name in ['fig4_reward_curves', 'fig8_aqn_ablation']:\n"
         "    if plots.experiment_figure(name) is not None:\n"
         "        show(name)",
@@ -49,7 +49,7 @@ CELLS = {
         SETUP,
         "plots.plot_entropy()\nshow('entropy')",
         "plots.entropy_early_late()",
-        "## Entropy in the Figure 4 runs (GRPO and DAPO across formats, one seed)",
+        "## Entropy in the Figure 4 runs (GRPO and DAPO across formats, three seeds)",
         "FIG4 = 'fig4_reward_curves/small'\n"
         "if plots.plot_curves(experiment=FIG4, panels='loss_type', keys=('entropy', 'sampling/entropy'),\n"
         "                     name='fig4_entropy', title='Token entropy across formats (fig4 runs, small)') is not None:\n"

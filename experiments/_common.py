@@ -309,9 +309,10 @@ def summarize(res_root: Path, rows: list[dict] | None = None) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- CLI
-# Rough wall seconds of one run, measured while 3-7 runs shared one GPU (small: the H200 runs of
-# 2026-11-22, 30 steps: ~200 s of steps + ~60 s of loading and evaluation; smoke: the CPU runs).
-RUN_S = {"smoke": {"train": 180, "eval": 60}, "small": {"train": 260, "eval": 35}}
+# Rough wall seconds of one run while 3-7 runs share one GPU. small: the H200 runs of 2026-11-22 took
+# ~200 s of steps + ~60 s of loading and 1-sample evaluation; evaluating 8 samples per problem before
+# and after training adds an estimated ~80 s per evaluation (not yet measured). smoke: the CPU runs.
+RUN_S = {"smoke": {"train": 180, "eval": 60}, "small": {"train": 420, "eval": 120}}
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
@@ -546,7 +547,7 @@ def estimate(jobs: list[Job], profile: str, parallel: int) -> str:
         return "no time estimate for this profile"
     serial = sum(per[j.run.kind] for j in jobs)
     return (f"~{serial / 60:.0f} min of runs (~{per['train']} s per training run, {per['eval']} s per evaluation, "
-            f"measured with 3-7 runs sharing a GPU): ~{serial / 60 / max(parallel, 1):.0f} min at --parallel {parallel}")
+            f"with 3-7 runs sharing a GPU): ~{serial / 60 / max(parallel, 1):.0f} min at --parallel {parallel}")
 
 
 def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label: str) -> int:

@@ -10,7 +10,7 @@ artefact's table.csv, summary.csv / summary.md (mean +- std over seeds) and figu
 Each invocation without --resume makes a new root runs/reproduce-<profile>-<UTC time>-<sha7>/
 (experiments/_common.py describes the layout, the drift checks and --publish); results/ changes only
 with --publish. The small profile (one GPU, the embedded SmolLM2-135M-Instruct): table1 fig4 fig5
-fig8 are 37 distinct runs, ~45 min on one H100 at --parallel 4 (each run ~17 GiB of GPU memory).
+fig8 are 37 distinct runs, ~1 h on one H100 at --parallel 4 (each run ~17 GiB of GPU memory).
 Experiments: table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 (or their module names).
 """
 

@@ -6,8 +6,8 @@ Each `plot_*` / `*_table` function reads committed result files with pandas, sav
 prints a note and returns None, so a partial results/ tree never crashes a notebook.
 
     table1(results)        Table 1 at this scale: accuracy before/after GRPO per method, mean and
-                           spread (max - min) over seeds                   -> table1.png (bars)
-    plot_rewards(results)  reward per step per method (mean over seeds, thin line per seed), Fig. 4
+                           spread (std) over seeds                         -> table1.png (bars)
+    plot_rewards(results)  reward per step per method (mean over seeds, band +- std), Fig. 4
     plot_entropy(results)  training-forward `entropy` and `sampling/entropy` per method, Fig. 5
     plot_aqn(results)      nvfp4_lora vs nvfp4_lora_aqn reward, `aqn/sigma` on a twin axis, Fig. 8
     plot_step_time(results) mean `time/rollout_s` and `time/train_s` per method, stacked bars
@@ -22,6 +22,7 @@ prints a note and returns None, so a partial results/ tree never crashes a noteb
 """
 
 import json
+import os
 from pathlib import Path
 
 import matplotlib
@@ -33,7 +34,8 @@ import pandas as pd  # noqa: E402
 from qerl import formats  # noqa: E402
 from qerl.config import METHODS, methods, table_bases  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+# QERL_RESULTS points every default at another results folder (the notebooks' tests use it).
+RESULTS = Path(os.environ.get("QERL_RESULTS") or Path(__file__).resolve().parent.parent / "results")
 TABLE1 = "table1/small"
 # Order the methods as the paper's Table 1 does: the untrained bases, full and LoRA bf16, then the
 # 4-bit LoRA variants (qerl.config's Table 1 rows, from the format registry), then the rest.
@@ -105,7 +107,7 @@ def load_metrics(results=RESULTS, experiment=TABLE1, fields=()):
 # ---------------------------------------------------------------- Table 1
 
 def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
-    """Accuracy before/after training per method: mean and spread (max - min) over seeds.
+    """Accuracy before/after training per method: mean and sample standard deviation over seeds.
 
     Untrained baselines (run base-*) have only `accuracy`, reported as `after` with no `before`.
     Saves table1.png (bar chart: before vs after) and returns the DataFrame indexed by method.
@@ -115,12 +117,12 @@ def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
         return None
     df = df[df["metric"].isin(["accuracy", "accuracy_before"])]
     g = df.groupby(["method", "metric"])["value"]
-    stats = pd.DataFrame({"mean": g.mean(), "spread": g.max() - g.min(), "n": g.count()}).unstack("metric")
+    stats = pd.DataFrame({"mean": g.mean(), "std": g.std(), "n": g.count()}).unstack("metric")
     tab = pd.DataFrame({
         "before_mean": stats[("mean", "accuracy_before")] if ("mean", "accuracy_before") in stats else None,
-        "before_spread": stats[("spread", "accuracy_before")] if ("spread", "accuracy_before") in stats else None,
+        "before_std": stats[("std", "accuracy_before")] if ("std", "accuracy_before") in stats else None,
         "after_mean": stats[("mean", "accuracy")],
-        "after_spread": stats[("spread", "accuracy")],
+        "after_std": stats[("std", "accuracy")],
         "seeds": stats[("n", "accuracy")].astype(int),
     })
     tab = tab.loc[_order(tab.index)]
@@ -128,14 +130,14 @@ def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
 
     fig, ax = plt.subplots(figsize=(9, 4))
     x = range(len(tab))
-    half = [(s / 2) for s in tab["before_spread"].fillna(0)]
+    half = tab["before_std"].fillna(0)
     ax.bar([i - 0.2 for i in x], tab["before_mean"].fillna(0), 0.4, yerr=half, label="before RL",
            color="0.7", capsize=3)
-    ax.bar([i + 0.2 for i in x], tab["after_mean"], 0.4, yerr=tab["after_spread"] / 2,
+    ax.bar([i + 0.2 for i in x], tab["after_mean"], 0.4, yerr=tab["after_std"].fillna(0),
            label="after RL (untrained: eval only)", color="C0", capsize=3)
     ax.set_xticks(list(x), tab.index, rotation=30, ha="right")
     ax.set_ylabel("accuracy")
-    ax.set_title(f"Table 1 at small scale ({experiment}); bars = mean, whiskers = range over seeds")
+    ax.set_title(f"Table 1 at small scale ({experiment}); bars = mean, whiskers = +- std over seeds")
     ax.legend()
     _save(fig, out_dir, results, name)
     return tab
@@ -143,23 +145,24 @@ def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
 
 # ---------------------------------------------------------------- curves
 
-def _curves(ax, m, key, methods, smooth=1, per_seed=True):
+def _curves(ax, m, key, methods, smooth=1, band=True):
+    """One line per method: the mean over its runs (seeds) per step, smoothed, with a band of +- one
+    standard deviation over the runs where there are several (the label says n)."""
     for i, method in enumerate(methods):
         sub = m[m["method"] == method]
         if key not in sub or sub[key].isna().all():
             continue
         color = f"C{i % 10}"
-        if per_seed:
-            for _, run in sub.groupby("run"):
-                ax.plot(run["step"], run[key].rolling(smooth, min_periods=1).mean(), color=color,
-                        alpha=0.25, lw=0.8)
-        mean = sub.groupby("step")[key].mean().rolling(smooth, min_periods=1).mean()
-        ax.plot(mean.index, mean.values, color=color, lw=2, label=method)
+        per_run = sub.pivot_table(index="step", columns="run", values=key).rolling(smooth, min_periods=1).mean()
+        mean, std, n = per_run.mean(axis=1), per_run.std(axis=1), per_run.shape[1]
+        ax.plot(mean.index, mean.values, color=color, lw=2, label=f"{method} (n={n})" if n > 1 else method)
+        if band and n > 1:
+            ax.fill_between(mean.index, mean - std, mean + std, color=color, alpha=0.2, lw=0)
     ax.set_xlabel("step")
 
 
 def plot_rewards(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3):
-    """Mean reward per step per method (thick), one thin line per seed; Fig. 4 at this scale.
+    """Mean reward per step per method (line), +- std over seeds (band); Fig. 4 at this scale.
 
     `smooth` is a trailing rolling mean over steps (3 by default: the batches are small and noisy).
     """
@@ -274,7 +277,7 @@ def _sort_col(col):
 def plot_curves(results=RESULTS, experiment=None, by=("method",), panels=None, keys=("reward",), name=None,
                 title="", smooth=3, out_dir=None, panel_names=None):
     """Step curves of an experiment's runs (experiments/fig*.py): one line per value of the config
-    fields `by` (thick = mean over seeds, thin = one seed), one column of panels per value of the
+    fields `by` (mean over seeds, band = +- std), one column of panels per value of the
     config field `panels` (e.g. "model", "loss_type"), one row per metric in `keys`.
 
     Saves <name>.png (default: the experiment with "/" -> "-") and returns the Figure, or None.
