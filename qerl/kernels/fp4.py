@@ -756,14 +756,22 @@ def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
 # decode into a transient scratch, then cuBLAS (large M and grad-input)
 
 # Smallest M that takes the decode + cuBLAS path instead of the fused kernels, per (op, format).
-# A rule in M alone: the decode costs ~N*K*2.6 bytes of traffic, the GEMM ~2*M*N*K flops, the fused
-# kernels lose a roughly constant fraction of the GEMM, so the crossover barely moves with N and K.
+# A rule in M alone: the decode costs ~N*K*2.6 bytes of traffic, the GEMM ~2*M*N*K flops, and the
+# fused kernels lose a roughly constant fraction of the GEMM, so the crossover barely moves with N
+# and K. Measured on the H100 (Qwen2.5-7B layer, results/kernels/NOTES.md): forward, fused vs
+# scratch, M = 64: 327 vs 544 us (nvfp4), 305 vs 510 (mxfp4); M = 128: 682 vs 554, 657 vs 519.
+# Grad-input: the scratch path wins at every M measured (M = 16: 522 vs 1040 us nvfp4, 488 vs 846
+# mxfp4), and the fused kernel's 16-row tiles cost the same below M = 16.
 SCRATCH_MIN_M = {("linear", "nvfp4"): 128, ("linear", "mxfp4"): 128,
-                 ("grad_input", "nvfp4"): 16, ("grad_input", "mxfp4"): 16}
+                 ("grad_input", "nvfp4"): 1, ("grad_input", "mxfp4"): 1}
 # The scratch holds one chunk of the decoded weight: rows of W (forward) or columns (grad-input).
-# None: the whole weight in one chunk. Chunks are sized to whole multiples of 128.
+# None (default): the whole weight, so the scratch is the largest linear's size (one per device and
+# dtype). Chunks are sized to whole multiples of 128. On the H100 chunks of 16 / 32 / 64 MiB were
+# 2-20% slower than one chunk at every M (smaller GEMMs; the decode did not speed up from L2).
 SCRATCH_CHUNK_BYTES: int | None = None
-DECODE_CONFIG = dict(BLOCK_N=16, NBK=8, num_warps=4)
+# Decode tiles (BLOCK_N rows x NBK scale blocks), the H100 sweep's best on the 7B MLP matrices:
+# nvfp4 16 x 16 (1.95 TB/s read + write), mxfp4 8 x 16 (2.09-2.12 TB/s).
+DECODE_CONFIG = {True: dict(BLOCK_N=16, NBK=16, num_warps=4), False: dict(BLOCK_N=8, NBK=16, num_warps=4)}
 
 _SCRATCH: dict = {}
 _SCRATCH_CAPTURED: set = set()
@@ -823,7 +831,7 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, i
         raise ValueError(f"decode: out must be [{r1 - r0}, {c1 - c0}] with unit column stride, got "
                          f"{list(out.shape)} strides {out.stride()}")
     _decode_into(out, packed, _scale_bytes(scale), gs if gs is not None else packed, is_nv, r0, c0, r1 - r0,
-                 c1 - c0, config or DECODE_CONFIG)
+                 c1 - c0, config or DECODE_CONFIG[is_nv])
     return out
 
 
@@ -856,7 +864,7 @@ def scratch_linear(x2: torch.Tensor, packed, scale_u8, gs_arg, is_nv: bool, out:
     for r0 in range(0, N, rows):
         n = min(rows, N - r0)
         w = buf[: n * K].view(n, K)
-        _decode_into(w, packed, scale_u8, gs_arg, is_nv, r0, 0, n, K, DECODE_CONFIG)
+        _decode_into(w, packed, scale_u8, gs_arg, is_nv, r0, 0, n, K, DECODE_CONFIG[is_nv])
         torch.mm(x2, w.t(), out=out[:, r0:r0 + n] if n < N else out)
     return out
 
@@ -870,7 +878,7 @@ def scratch_grad_input(dy2: torch.Tensor, packed, scale_u8, gs_arg, is_nv: bool,
     for c0 in range(0, K, cols):
         c = min(cols, K - c0)
         w = buf[: N * c].view(N, c)
-        _decode_into(w, packed, scale_u8, gs_arg, is_nv, 0, c0, N, c, DECODE_CONFIG)
+        _decode_into(w, packed, scale_u8, gs_arg, is_nv, 0, c0, N, c, DECODE_CONFIG[is_nv])
         torch.mm(dy2, w, out=dx[:, c0:c0 + c] if c < K else dx)
     return dx
 
