@@ -31,7 +31,9 @@ A script lists its runs for a profile as `Run`s (a folder name + TrainConfig ove
 In table.csv, `method` is the Table 1 method name, followed by the run's variant in parentheses
 where a script varies a knob (e.g. "nvfp4_lora_aqn (lora_rank=16)"). Metrics: `accuracy` (after
 training), `accuracy_before`, `format`, and for curve experiments `<key>_first5` / `<key>_last5`
-(mean of the first / last 5 logged steps of reward and entropy, dataset = the training set).
+(mean of the first / last 5 logged steps of reward and entropy, dataset = the training set), and
+`logprob_gap_mean` for every training run (mean `sampling/logprob_gap` over its steps: near 0 unless
+AQN perturbs the rollout or the rollout is broken).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ FULL_FT_LR = 1e-5  # full fine-tuning moves every weight: a LoRA learning rate w
 DEFAULT_SEEDS = {"smoke": [0], "small": [0, 1, 2], "paper": [0]}
 CURVE_KEYS = ("reward", "entropy")
 CURVE_WINDOW = 5
+GAP_KEY = "sampling/logprob_gap"  # rollout vs training-forward log-prob gap (nats); table.csv: logprob_gap_mean
 POLL_S = 2.0  # seconds between polls of the running processes
 
 # The two policy losses the paper names, spelled out in full so that no config default decides which
@@ -245,6 +248,14 @@ def _window_means(metrics_path: Path, keys=CURVE_KEYS, n=CURVE_WINDOW) -> dict:
     return out
 
 
+def _mean_of(metrics_path: Path, key: str) -> float | None:
+    if not metrics_path.exists():
+        return None
+    vals = [r[key] for r in map(json.loads, filter(str.strip, metrics_path.read_text().splitlines()))
+            if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def collect(res_root: Path, curves: bool = False) -> list[dict]:
     """Rebuild res_root/table.csv from res_root/runs/*/ (long form, one row per cell)."""
     rows, sha = [], git_info()["git_sha"]
@@ -271,6 +282,9 @@ def collect(res_root: Path, curves: bool = False) -> list[dict]:
             if curves and (d / "metrics.jsonl").exists():
                 for metric, v in _window_means(d / "metrics.jsonl").items():
                     rows.append(dict(base, dataset=cfg["dataset"], metric=metric, value=v))
+            gap = _mean_of(d / "metrics.jsonl", GAP_KEY)
+            if gap is not None:  # a broken rollout shows here first (results/INVALIDATED.md)
+                rows.append(dict(base, dataset=cfg["dataset"], metric="logprob_gap_mean", value=gap))
     res_root.mkdir(parents=True, exist_ok=True)
     with (res_root / "table.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -553,6 +567,9 @@ def estimate(jobs: list[Job], profile: str, parallel: int) -> str:
 def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label: str) -> int:
     """Plan, check, run, collect and (with --publish) publish `targets` in one run root."""
     git = git_info()
+    if shared.collect_only and shared.publish:
+        raise SystemExit("--publish with --collect-only: use --resume ROOT --publish (it runs nothing when the root "
+                         "is finished)")
     if shared.collect_only:
         base = Path(shared.resume) / "results" if shared.resume else Path(shared.results)
         for exp, args in targets:
@@ -567,6 +584,9 @@ def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label:
     root = Path(shared.resume or shared.root or new_root(shared, label, git))
     if shared.resume and not (root / "plan.json").exists():
         raise SystemExit(f"{root} is not a run root (no plan.json)")
+    if shared.resume and json.loads((root / "plan.json").read_text()).get("profile") != shared.profile:
+        raise SystemExit(f"{root} was planned at profile {json.loads((root / 'plan.json').read_text()).get('profile')}"
+                         f", not {shared.profile}")
     if not shared.resume and root.exists() and any(root.iterdir()):
         raise SystemExit(f"{root} exists and is not empty: continue it with --resume {root}, or pick another --root")
     jobs = plan_jobs(targets, root)
@@ -597,14 +617,17 @@ def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label:
         print(f"  WARNING: git sha {git['git_sha']}, dirty {git['git_dirty']}: these runs cannot be tied to a commit "
               "(on a tree without .git set QERL_GIT_SHA)", flush=True)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    entries = [{"work": str(j.work), "spec": j.spec, "command": shlex.join(j.command),
+                "uses": [f"{e.name}/{r.name}" for e, _, r in j.uses]} for j in jobs]
     if shared.resume:
         plan = json.loads((root / "plan.json").read_text())
         plan.setdefault("resumes", []).append({"date": now, **git, "argv": sys.argv, "drift_allowed": drift})
+        known = {r["work"] for r in plan["runs"]}
+        plan["runs"] += [e for e in entries if e["work"] not in known]  # runs this invocation adds
+        plan["experiments"] = list(dict.fromkeys(plan["experiments"] + [e.name for e, _ in targets]))
     else:
         plan = {"created": now, **git, "profile": shared.profile, "argv": sys.argv,
-                "experiments": [e.name for e, _ in targets],
-                "runs": [{"work": str(j.work), "spec": j.spec, "command": shlex.join(j.command),
-                          "uses": [f"{e.name}/{r.name}" for e, _, r in j.uses]} for j in jobs]}
+                "experiments": [e.name for e, _ in targets], "runs": entries}
     root.mkdir(parents=True, exist_ok=True)
     (root / "plan.json").write_text(json.dumps(plan, indent=2))
     codes = launch(todo, shared, git) if todo else {}

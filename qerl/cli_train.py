@@ -14,7 +14,16 @@ import json
 import sys
 import typing
 
-from qerl.config import PROFILES, TrainConfig, eval_settings, make_config, method_name, methods, table_bases
+from qerl.config import (
+    PROFILES,
+    TrainConfig,
+    eval_settings,
+    make_config,
+    method_name,
+    methods,
+    parse_method,
+    table_bases,
+)
 from qerl.rewards import REWARDS
 
 
@@ -33,6 +42,8 @@ def _bool(s: str) -> bool:
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="small", choices=tuple(PROFILES), help="base settings; flags override")
+    p.add_argument("--method", default=None, choices=methods(),
+                   help="shorthand for --fmt, --lora and --aqn (nvfp4_lora_aqn = nvfp4 base, LoRA, AQN)")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         if f.name == "profile":
@@ -46,7 +57,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             inner = typing.get_args(t)[0]
             p.add_argument(flag, type=inner, nargs="+", default=None)
         elif t in (int, float, str):
-            kw = {"choices": methods()} if f.name == "method" else {"choices": REWARDS} if f.name == "reward" else {}
+            kw = {"choices": table_bases()} if f.name == "fmt" else {"choices": REWARDS} if f.name == "reward" else {}
             p.add_argument(flag, type=t, default=None, **kw)
         else:  # Optional[str], Optional[float]: the inner type
             inner = next((a for a in typing.get_args(t) if a is not type(None)), str)
@@ -55,7 +66,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"profile"}
-    return make_config(args.profile, **{k: getattr(args, k) for k in fields if getattr(args, k, None) is not None})
+    return make_config(args.profile, method=getattr(args, "method", None),
+                       **{k: getattr(args, k) for k in fields if getattr(args, k, None) is not None})
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -134,8 +146,7 @@ def run_eval(args: argparse.Namespace) -> int:
     for k in settings:
         if getattr(args, k, None) is not None:
             settings[k] = getattr(args, k)
-    cfg = TrainConfig(model=model, method=method_name(method) if bare else method,
-                      **policy)
+    cfg = TrainConfig(model=model, **parse_method(method_name(method) if bare else method), **policy)
     model, tok, _, info = build_policy(cfg, lora=not bare)
     if args.adapter:
         load_trainable(args.adapter, model)

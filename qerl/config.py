@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from qerl import formats
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
 # The paper's format: QeRL is LoRA on an NVFP4 base with AQN.
 QERL_FORMAT = "nvfp4"
@@ -40,7 +39,8 @@ def methods() -> tuple[str, ...]:
 
 
 def parse_method(method: str) -> dict:
-    """{"fmt", "lora", "aqn"} of a method shorthand (nvfp4_lora_aqn -> nvfp4, LoRA, AQN)."""
+    """The TrainConfig fields {"fmt", "lora", "aqn"} a method shorthand stands for
+    (nvfp4_lora_aqn -> nvfp4, LoRA, AQN; bf16_full -> bf16, full fine-tuning, no AQN)."""
     if method not in methods():
         raise ValueError(f"unknown method {method!r}; expected one of {methods()}")
     fmt, kind, *aqn = method.split("_")
@@ -51,16 +51,14 @@ def parse_method(method: str) -> dict:
 METHODS = ("bf16_full",) + tuple(method_name(b) for b in table_bases()) + (method_name(QERL_FORMAT, aqn=True),)
 
 
-def method_format(method: str) -> str:
-    """The base-weight format of a method (bf16 for the BF16 rows)."""
-    return parse_method(method)["fmt"]
-
-
 @dataclass
 class TrainConfig:
     # ---- model
     model: str = "smollm2-135m-instruct"  # hub id, local HF folder, .gguf file, or the embedded default
-    method: str = "nvfp4_lora_aqn"  # a row of the paper's Table 1: see METHODS
+    # The method (shorthand `method`, e.g. nvfp4_lora_aqn; see METHODS and parse_method):
+    fmt: str = "nvfp4"  # base weight format: bf16 or a registered 4-bit format (qerl.formats.names())
+    lora: bool = True  # LoRA adapters on a frozen base; False = full fine-tuning (bf16 base only)
+    aqn: bool = True  # adaptive quantization noise on the norms (paper section 3.3; LoRA only)
     lora_rank: int = 32  # r (paper Table 4: 32; official scripts: 16)
     lora_alpha: float = 64.0  # LoRA scaling numerator
     lora_dropout: float = 0.0
@@ -132,7 +130,14 @@ class TrainConfig:
     profile: str = "custom"
 
     def __post_init__(self):
-        method_format(self.method)
+        if self.fmt not in table_bases():
+            raise ValueError(f"fmt must be one of {table_bases()}, got {self.fmt!r}")
+        if not self.lora and self.fmt != "bf16":
+            raise ValueError(f"full fine-tuning (lora=False) needs the bf16 base, got fmt={self.fmt!r}")
+        if self.aqn and not self.lora:
+            raise ValueError("AQN (aqn=True) is for the LoRA methods; full fine-tuning has no frozen base")
+        from qerl.loss import LOSS_TYPES  # the loss table lives with the losses
+
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.scale_rewards not in ("group", "batch", "none"):
@@ -161,9 +166,9 @@ class TrainConfig:
                      "eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.method != "bf16_full" and self.lora_rank < 1:
+        if self.lora and self.lora_rank < 1:
             raise ValueError(f"method {self.method} needs lora_rank >= 1")
-        if self.method == "bf16_full" and self.beta > 0:
+        if not self.lora and self.beta > 0:
             raise ValueError("beta > 0 needs a reference policy; bf16_full has no adapters to disable "
                              "and qerl keeps no second model copy. Use beta=0 (the paper's setting).")
         if not self.max_logprob_gap > 0:
@@ -176,7 +181,7 @@ class TrainConfig:
             raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
         if self.format_reward_weight is None:
             self.format_reward_weight = OFFICIAL_FORMAT_REWARD if self.reward == "official_exact" else 0.0
-        if self.train_norms and self.method == "bf16_full":
+        if self.train_norms and not self.lora:
             raise ValueError("train_norms is for the LoRA methods: bf16_full already trains every weight")
         if not 0 < self.adam_beta2 < 1:
             raise ValueError(f"adam_beta2 must be in (0, 1), got {self.adam_beta2}")
@@ -188,19 +193,31 @@ class TrainConfig:
         self.eval_datasets = tuple(self.eval_datasets)
 
     @property
-    def fmt(self) -> str:
-        return method_format(self.method)
+    def method(self) -> str:
+        """The method's shorthand (nvfp4_lora_aqn, bf16_full, ...): names runs, logs and result rows."""
+        return method_name(self.fmt, self.lora, self.aqn)
 
-    @property
-    def aqn(self) -> bool:
-        return parse_method(self.method)["aqn"]
+    def quantize_config(self, lora: bool = True):
+        """The QuantizeConfig of this run's policy (lora=False: the base alone, no adapter)."""
+        from qerl.quantize import QuantizeConfig
+
+        return QuantizeConfig(fmt=self.fmt, lora_rank=self.lora_rank if lora else 0, lora_alpha=self.lora_alpha,
+                              lora_dropout=self.lora_dropout, backend=self.backend)
+
+    def aqn_config(self):
+        """The AQNConfig of this run (disabled unless aqn; the noise generator seeded by seed)."""
+        from qerl.noise import AQNConfig
+
+        return AQNConfig(enabled=self.aqn, sigma_start=self.sigma_start, sigma_end=self.sigma_end,
+                         num_stages=self.num_stages, schedule=self.noise_schedule, seed=self.seed)
 
     @property
     def rollout_batch_size(self) -> int:
         return self.prompts_per_step * self.num_generations
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, plus the method shorthand (result tables and `eval` read it from config.json)."""
+        return {**dataclasses.asdict(self), "method": self.method}
 
 
 # Profiles: the base a run starts from; CLI flags override single fields.
@@ -275,8 +292,12 @@ def eval_settings(cfg) -> dict:
                 arith_levels=tuple(cfg.arith_levels), max_prompt_length=cfg.max_prompt_length)
 
 
-def make_config(profile: str = "small", **overrides) -> TrainConfig:
-    """A profile's config with field overrides (None values are ignored)."""
+def make_config(profile: str = "small", method: str | None = None, **overrides) -> TrainConfig:
+    """A profile's config with field overrides (None values are ignored).
+
+    `method` is the shorthand for the fields fmt, lora and aqn (parse_method); an explicit field
+    override that contradicts it is an error.
+    """
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; expected one of {tuple(PROFILES)}")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -284,7 +305,14 @@ def make_config(profile: str = "small", **overrides) -> TrainConfig:
     if unknown:
         raise ValueError(f"unknown config fields {sorted(unknown)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    method = overrides.get("method", PROFILES[profile].get("method", TrainConfig.method))
-    per_method = PROFILE_METHOD_OVERRIDES.get(profile, {}).get(method, {})
+    if method is not None:
+        shorthand = parse_method(method)
+        clash = {k: (overrides[k], v) for k, v in shorthand.items() if k in overrides and overrides[k] != v}
+        if clash:
+            raise ValueError(f"method {method!r} contradicts {clash} (flag, method)")
+        overrides = {**shorthand, **overrides}
+    merged = {**PROFILES[profile], **overrides}
+    chosen = method_name(*(merged.get(k, getattr(TrainConfig, k)) for k in ("fmt", "lora", "aqn")))
+    per_method = PROFILE_METHOD_OVERRIDES.get(profile, {}).get(chosen, {})
     kw = {**PROFILES[profile], **per_method, **overrides, "profile": profile}
     return TrainConfig(**kw)

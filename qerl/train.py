@@ -1,12 +1,16 @@
-"""The RL loop, top to bottom: rollout -> rewards -> advantages -> policy updates -> AQN.
+"""The RL loop, top to bottom: rollout -> rewards -> advantages -> policy updates -> AQN
+(one step's phases are in qerl.step).
 
 One model object serves both paths. The rollout samples from it with no grad (AQN noise added to
 its RMSNorm weights for the duration of the rollout only, then restored bitwise); the policy
 update runs the training forward through the frozen packed base and the LoRA adapters. There is
 no second copy and no weight sync. Departures from textbook GRPO, all settings:
 - ``old_logp`` comes from a clean (noise-free) forward right after the rollout, as TRL does when
-  num_iterations > 1; the gap between it and the sampling log-probs (noise and kernel differences)
-  is logged as ``sampling/logprob_gap``.
+  num_iterations > 1; with one optimizer step per rollout it is the training forward's own,
+  detached (TRL). The gap between it and the sampling log-probs (noise and kernel differences)
+  is logged as ``sampling/logprob_gap``; a run without AQN whose gap stays above
+  ``max_logprob_gap`` stops (RolloutGapError).
+- bf16_full steps fp32 master weights (``MasterWeights``) and computes in bf16.
 - the KL reference (beta > 0) is the same model with adapters disabled.
 - DAPO dynamic sampling drops zero-signal groups and counts them; it does not resample.
 
@@ -28,20 +32,16 @@ from tqdm.auto import tqdm
 from qerl import data as qdata
 from qerl import distributed as qdist
 from qerl import evaluate as qeval
-from qerl import loss as qloss
-from qerl import rewards as qrewards
+from qerl import formats
+from qerl import step as qstep
 from qerl.config import TrainConfig, eval_settings
 from qerl.logging import RunLogger
-from qerl.noise import AQNConfig, find_norms, keep_norms_fp32, noisy_norms
-from qerl.qlinear import QuantLinear
-from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
-from qerl.rollout import make_engine, sequence_logprobs
+from qerl.noise import AQNConfig, find_norms, keep_norms_fp32
+from qerl.quantize import lora_parameters, model_size_bytes, quantize_
+from qerl.rollout import make_engine
+from qerl.step import NonFiniteError, adapters_disabled  # noqa: F401 - re-exported
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class NonFiniteError(RuntimeError):
-    """A NaN/inf loss or gradient: training stops instead of corrupting the adapters."""
 
 
 class RolloutGapError(RuntimeError):
@@ -65,17 +65,16 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
     if model is None:
         model, tokenizer = models.load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
     info = {"method": cfg.method, "fmt": cfg.fmt}
-    if cfg.method == "bf16_full" or (cfg.fmt == "bf16" and not lora):
+    if not cfg.lora or (cfg.fmt == "bf16" and not lora):
         for p in model.parameters():
             p.requires_grad_(True)
         trainable = [p for p in model.parameters()]
     else:
         fmt = cfg.fmt
-        if fmt == "nf4" and device.type == "cpu":
-            print("[qerl] nf4 on CPU: using qerl's pure-torch NF4 (bitsandbytes-compatible codes) instead of "
+        if fmt != "bf16" and "bitsandbytes" in formats.get(fmt).kernels and device.type == "cpu":
+            print(f"[qerl] {fmt} on CPU: using qerl's pure-torch {fmt} (bitsandbytes-compatible codes) instead of "
                   "bitsandbytes kernels; same quantized weights, slower")
-        rep = quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=cfg.lora_rank if lora else 0, lora_alpha=cfg.lora_alpha,
-                                              lora_dropout=cfg.lora_dropout, backend=cfg.backend))
+        rep = quantize_(model, cfg.quantize_config(lora=lora))
         info.update(rep)
         trainable = lora_parameters(model)
     info["norms_fp32"] = keep_norms_fp32(model)  # so small AQN sigmas are not rounded away (see noise.py)
@@ -92,32 +91,6 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = True
     return model, tokenizer, trainable, info
-
-
-class adapters_disabled:
-    """Context: every QuantLinear's LoRA off and trained norms back at their initial weights (the KL
-    reference policy, no second copy; PEFT's disable_adapter does the same to modules_to_save)."""
-
-    def __init__(self, model):
-        self.mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        initial = getattr(model, "qerl_initial_norms", {})
-        self.norms = [(m.weight, initial[n]) for n, m in find_norms(model) if n in initial]
-        self.trained = []
-
-    def __enter__(self):
-        for m in self.mods:
-            m._adapters_enabled = False
-        with torch.no_grad():
-            self.trained = [w.detach().clone() for w, _ in self.norms]
-            for w, w0 in self.norms:
-                w.copy_(w0)
-
-    def __exit__(self, *exc):
-        for m in self.mods:
-            m._adapters_enabled = True
-        with torch.no_grad():
-            for (w, _), t in zip(self.norms, self.trained):
-                w.copy_(t)
 
 
 class MasterWeights:
@@ -173,7 +146,7 @@ def make_optimizer(cfg: TrainConfig, params, total_updates: int):
 
     params = list(params)
     master = None
-    if cfg.method == "bf16_full" and any(p.dtype != torch.float32 for p in params):
+    if not cfg.lora and any(p.dtype != torch.float32 for p in params):
         master = MasterWeights(params)
         params = master.masters
     # No weight decay on 1-D parameters (norm weights, biases), as the HF Trainer (and so TRL) does.
@@ -224,7 +197,7 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         "python": random.getstate()}}, path / "state.pt")
-    if cfg.method != "bf16_full":
+    if cfg.lora:
         try:
             from qerl.export import export_peft_adapter
 
@@ -324,16 +297,14 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- one step
-_LOSS_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
-
-
 def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step, aqn: AQNConfig, device):
-    """One rollout and its policy updates; returns the step's metrics (reduced over ranks).
+    """One rollout and its policy updates (the phases of qerl.step); returns the step's metrics
+    (reduced over ranks).
 
     ``prompts`` are the step's global prompts. Under torchrun each rank rolls out a contiguous share
     of whole groups (qerl.distributed.shard) and trains on those completions; the loss of each
     micro-batch is normalised by the counts of the GLOBAL micro/mini-batch, so the summed gradient is
-    the single-process one (see ``_loss_share``). In a single process the share is everything.
+    the single-process one (``qerl.loss.loss_share``). In a single process the share is everything.
     """
     G = cfg.num_generations
     rank, world = qdist.world()
@@ -341,204 +312,35 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
     counts = [(hi - lo) * G for lo, hi in shares]
     first = shares[rank][0] * G  # global index of this rank's first completion
     mine = prompts[shares[rank][0]:shares[rank][1]]
-    metrics: dict = {}
     t0 = time.perf_counter()
-    # ---- rollout (AQN noise only while sampling; restored bitwise afterwards)
     stage, sigma = aqn.sigma_at(step, cfg.max_steps)
-    prompt_ids = [p["prompt_ids"] for p in mine for _ in range(G)]
-    golds = [p["answer"] for p in mine for _ in range(G)]
-    model.eval()
-    with noisy_norms(model, sigma, seed=cfg.seed * 104729 + step) as n_noisy:
-        # sequence i samples from the keys (seed, global id): the same tokens on any rank or batch
-        ro = engine.generate(prompt_ids, cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k, seed=cfg.seed * 7919 + step,
-                             seq_ids=list(range(first, first + len(prompt_ids))))
+    ro, n_noisy = qstep.rollout(cfg, engine, model, [p["prompt_ids"] for p in mine for _ in range(G)], step, sigma,
+                                first)
     if device.type == "cuda":
         torch.cuda.synchronize()
     t_roll = time.perf_counter() - t0
-    cmask = ro.completion_mask
-    # ---- rewards (local); then every rank holds the whole batch's per-completion values
-    texts = tokenizer.batch_decode(ro.completion_ids * cmask + engine.pad_id * (1 - cmask), skip_special_tokens=True)
-    res = qrewards.score_batch(texts, golds, reward=cfg.reward)
-    if cfg.mask_truncated_completions:
-        cmask = cmask * (~ro.truncated).long()[:, None]
-    per_seq = torch.tensor([res.rewards, res.format], dtype=torch.float64).T
-    per_seq = torch.cat([per_seq, torch.stack([ro.completion_mask.sum(1), cmask.sum(1), ro.truncated.long()], 1)
-                         .to(torch.float64).cpu()], 1)
-    per_seq = qdist.gather_shards(per_seq, counts)  # [all completions, 5]
-    acc, fmt_r = per_seq[:, 0].float(), per_seq[:, 1].float()
-    lengths, n_loss_tokens, trunc = per_seq[:, 2].float(), per_seq[:, 3], per_seq[:, 4].bool()
-    ent_sum, ent_n, unparsed, n_compl, n_prompt = qdist.all_reduce(
-        [float((ro.entropy * ro.completion_mask).sum()), float(ro.completion_mask.sum()), float(res.unparsed),
+    batch, scored = qstep.score(cfg, tokenizer, engine.pad_id, ro, [p["answer"] for p in mine for _ in range(G)],
+                                counts, first, device)
+    ent_sum, ent_n, n_compl, n_prompt = qdist.all_reduce(
+        [float((ro.entropy * ro.completion_mask).sum()), float(ro.completion_mask.sum()),
          float(ro.num_completion_tokens), float(ro.prompt_mask.sum())], "sum")
     t_roll_max = qdist.all_reduce(t_roll, "max")
-    metrics.update({"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll_max,
-                    "throughput/rollout_tokens_per_s": n_compl / max(t_roll_max, 1e-9),
-                    "sampling/entropy": ent_sum / max(ent_n, 1.0)})
-    rewards = acc + cfg.format_reward_weight * fmt_r
-    adv, stats = qloss.compute_advantages(rewards, G, cfg.scale_rewards)  # global: the same on every rank
-    metrics.update(stats)
-    metrics.update({"rewards/accuracy/mean": float(acc.mean()), "rewards/format/mean": float(fmt_r.mean()),
-                    "rewards/unparsed": int(unparsed)})
-    term = lengths[~trunc]
-    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(trunc.float().mean()),
-                    "completions/mean_terminated_length": float(term.mean()) if term.numel() else None})
-    keep = torch.ones(len(rewards), dtype=torch.bool)
-    if cfg.dynamic_sampling:
-        keep = qloss.dynamic_sampling_filter(rewards, G).repeat_interleave(G)
-        metrics["dynamic_sampling/kept_groups"] = int(keep.sum()) // G
-    idx = torch.nonzero(keep).squeeze(1)  # global indices
-    adv = adv[first:first + len(texts)].to(device)
-    # ---- log-probs of the sampled sequences under the clean policy (old) and reference (beta).
-    # One optimizer step on one pass over the rollout: the policy has not moved when each micro-batch
-    # is trained, so the old log-probs are the training forward's own, detached (TRL); no extra forward.
+    metrics: dict = {"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll_max,
+                     "throughput/rollout_tokens_per_s": n_compl / max(t_roll_max, 1e-9),
+                     "sampling/entropy": ent_sum / max(ent_n, 1.0)}
+    metrics.update(scored)
     t1 = time.perf_counter()
-    mb = cfg.micro_batch_size
-    n = idx.numel()
-    reuse = reuse_training_logprobs(cfg, n)
-    old_lp = torch.zeros_like(ro.logprobs)
-    ref_lp = torch.zeros_like(ro.logprobs) if cfg.beta > 0 else None
-    if not reuse or ref_lp is not None:
-        with torch.no_grad():
-            for s in range(0, len(texts), mb):
-                sl = slice(s, s + mb)
-                if not reuse:
-                    old_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl],
-                                                      ro.completion_ids[sl], ro.completion_mask[sl], cfg.temperature)
-                if ref_lp is not None:
-                    with adapters_disabled(model):
-                        ref_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl],
-                                                          ro.completion_ids[sl], ro.completion_mask[sl], cfg.temperature)
-    # rows whose old log-probs exist: all of them, or (reuse) the ones this rank trains
-    scored = torch.ones(len(texts), dtype=torch.bool)
-    if reuse:
-        scored = torch.zeros(len(texts), dtype=torch.bool)
-        own = idx[(idx >= first) & (idx < first + len(texts))] - first
-        scored[own] = True
-    # ---- policy updates: the global mini/micro-batch plan is the same on every rank; each rank runs
-    # the members of each micro-batch it generated, and the gradients are summed once per optimizer step
-    model.train()
-    mini = cfg.mini_batch_size or n
-    keys = _LOSS_METRICS if cfg.beta > 0 else tuple(k for k in _LOSS_METRICS if k != "kl")
-    table = []  # per global micro-batch: [loss, sums of the token metrics over this rank's tokens]
-    micro_tokens = []  # per global micro-batch: its completion tokens over all ranks
-    grad_norms = []
-    for it in range(cfg.num_iterations):
-        order = idx[torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 31 * step + it))] if n else idx
-        for ms in range(0, n, mini):
-            mini_idx = order[ms:ms + mini]
-            micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
-            n_tokens = int(n_loss_tokens[mini_idx].sum())
-            opt.zero_grad(set_to_none=True)
-            bad = None
-            # This rank's members of each global micro-batch, packed into forwards of up to mb rows:
-            # under data parallelism a rank owns ~mb/world rows of each micro-batch, and packing several
-            # micro-batches into one forward keeps forwards full (half as many on 2 GPUs) while each
-            # micro-batch keeps its own normaliser. In a single process each pack is one micro-batch.
-            packs, pack = [], []
-            for mi in micro:
-                row = [0.0] * (1 + len(keys))
-                micro_tokens.append(float(n_loss_tokens[mi].sum()))
-                table.append(row)
-                own = mi[(mi >= first) & (mi < first + len(texts))] - first
-                if own.numel() == 0:
-                    continue
-                if pack and sum(m[0].numel() for m in pack) + own.numel() > mb:
-                    packs.append(pack)
-                    pack = []
-                pack.append((own, mi.numel(), micro_tokens[-1], row))
-            if pack:
-                packs.append(pack)
-            for pack in packs:
-                if bad is not None:
-                    break
-                rows = torch.cat([m[0] for m in pack]).to(device)
-                lp_all, ent_all = sequence_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                                    ro.completion_ids[rows], ro.completion_mask[rows],
-                                                    cfg.temperature, with_entropy=True)
-                total, at = 0.0, 0
-                for own, n_micro, tokens_micro, row in pack:
-                    sl = slice(at, at + own.numel())
-                    at += own.numel()
-                    mi_d = own.to(device)
-                    lp, ent, mask = lp_all[sl], ent_all[sl], cmask[mi_d]
-                    if reuse:
-                        old_lp[mi_d] = lp.detach()
-                    loss, lm = qloss.policy_loss(lp, None if reuse else old_lp[mi_d], adv[mi_d], mask, cfg.loss_type, epsilon=cfg.epsilon,
-                                                 epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                                 ref_logp=ref_lp[mi_d] if ref_lp is not None else None,
-                                                 num_items_in_batch=n_tokens,
-                                                 max_completion_length=cfg.max_completion_length,
-                                                 gradient_accumulation_steps=len(micro))
-                    loss = loss * _loss_share(cfg.loss_type, own.numel(), n_micro,
-                                              float(n_loss_tokens[own + first].sum()), tokens_micro)
-                    if not torch.isfinite(loss):
-                        bad = float(loss.item())
-                        break
-                    total = total + loss
-                    fm = mask.float()
-                    n_own = float(fm.sum())
-                    lm["entropy"] = float((ent.detach() * fm).sum() / fm.sum().clamp(min=1))
-                    row[0] = loss.item() * len(micro)
-                    row[1:] = [lm[k] * n_own for k in keys]  # token means -> token sums
-                if bad is None:
-                    total.backward()
-            if qdist.any_true(bad is not None):
-                raise NonFiniteError(f"non-finite loss ({bad}) at step {step}, iteration {it}: stopping. "
-                                     "Lower the learning rate, check the data, or resume from the last checkpoint.")
-            qdist.all_reduce_grads(trainable)
-            gn = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-            if not torch.isfinite(gn):
-                raise NonFiniteError(f"non-finite gradient norm at step {step}: stopping before the update")
-            grad_norms.append(float(gn))
-            opt.step()
-            sched.step()
+    reuse = qstep.reuse_training_logprobs(cfg, batch.idx.numel())
+    old_lp, ref_lp = qstep.logprobs(cfg, model, ro, reuse)
+    updated = qstep.update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, trainable, step, reuse)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    m = ro.completion_mask.float() * scored.to(ro.completion_mask.device)[:, None]
-    gap = (old_lp - ro.logprobs).abs() * m
-    gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
-    gap_max = qdist.all_reduce(float(gap.max()) if gap.numel() else 0.0, "max")
-    metrics["sampling/logprob_gap"] = gap_sum / max(gap_n, 1.0)
-    metrics["sampling/logprob_gap_max"] = gap_max if gap_n > 0 else None
+    metrics.update(qstep.logprob_gap(ro, old_lp, batch, reuse))
     metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
-    if table:  # each micro-batch's loss and token means over all ranks, then their mean (as one process logs them)
-        tab = torch.tensor(qdist.all_reduce([v for row in table for v in row], "sum"), dtype=torch.float64)
-        tab = tab.view(len(table), -1)
-        tok = torch.tensor(micro_tokens, dtype=torch.float64).clamp(min=1)[:, None]
-        metrics["loss"] = float(tab[:, 0].mean())
-        metrics.update({k: float((tab[:, 1 + j:2 + j] / tok).mean()) for j, k in enumerate(keys)})
-    else:
-        metrics["loss"] = None
-        metrics.update({k: None for k in keys})
-    metrics.setdefault("kl", None)
-    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else None
-    metrics["learning_rate"] = sched.get_last_lr()[0]
+    metrics.update(updated)
     metrics["num_tokens_step"] = int(n_prompt + n_compl)
     metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")
     return metrics
-
-
-def reuse_training_logprobs(cfg: TrainConfig, n: int) -> bool:
-    """Whether the training forward's detached log-probs serve as the old log-probs: one iteration
-    and one optimizer step over the ``n`` trained completions (the ratio is then exactly 1)."""
-    return cfg.num_iterations == 1 and (cfg.mini_batch_size == 0 or cfg.mini_batch_size >= n)
-
-
-def _loss_share(loss_type: str, n_own: int, n_micro: int, tokens_own: float, tokens_micro: float) -> float:
-    """Rescale a loss that ``policy_loss`` normalised by this rank's share of a micro-batch to the
-    normaliser of the whole (global) micro-batch, so that the ranks' losses SUM to the single-process one.
-
-    grpo / dr_grpo divide by the number of sequences, bnpo by the number of completion tokens (clamped
-    at 1, as policy_loss does), dapo by ``num_items_in_batch``, which is already the global token count
-    of the mini-batch. In a single process the share is the whole micro-batch and the factor is 1.
-    """
-    if loss_type in ("grpo", "dr_grpo"):
-        return n_own / n_micro
-    if loss_type == "bnpo":
-        return max(tokens_own, 1.0) / max(tokens_micro, 1.0)
-    return 1.0
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -569,8 +371,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
     trainable = optimizer_params(opt)  # bf16_full: the fp32 masters hold the gradients
-    aqn = AQNConfig(enabled=cfg.aqn, sigma_start=cfg.sigma_start, sigma_end=cfg.sigma_end, num_stages=cfg.num_stages,
-                    schedule=cfg.noise_schedule, seed=cfg.seed)
+    aqn = cfg.aqn_config()
     start = 0
     resume = None
     if cfg.resume_from:

@@ -177,7 +177,8 @@ def _fake_train_run(d: Path, method="nvfp4_lora", seed=0, status="ok", rewards=(
     (d / "summary.json").write_text(json.dumps({"status": status, "eval_before/arith/accuracy": 0.1,
                                                 "eval/arith/accuracy": 0.5, "eval/arith/format": 0.0, "steps": 3}))
     lines = [{"step": 0, "eval/arith/accuracy": 0.1}] + [
-        {"step": i + 1, "reward": r, "entropy": 2.0 - 0.1 * i, "aqn/sigma": 0.01} for i, r in enumerate(rewards)]
+        {"step": i + 1, "reward": r, "entropy": 2.0 - 0.1 * i, "aqn/sigma": 0.01, "sampling/logprob_gap": 0.01 * (i + 1)}
+        for i, r in enumerate(rewards)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
@@ -200,6 +201,7 @@ def test_collect_builds_long_form_table(tmp_path):
     assert r.loc["accuracy", "value"] == 0.5 and r.loc["accuracy_before", "value"] == 0.1
     assert r.loc["reward_last5", "value"] == pytest.approx(0.2) and r.loc["reward_first5", "dataset"] == "arith"
     assert r.loc["entropy_first5", "value"] == pytest.approx(1.9)
+    assert r.loc["logprob_gap_mean", "value"] == pytest.approx(0.02)
 
 
 def test_collect_reproduces_committed_table1(tmp_path):
@@ -317,6 +319,8 @@ def test_resume_stops_on_drift_unless_allowed(fake_runs, monkeypatch, capsys):
     with pytest.raises(SystemExit, match="differ from the plan"):
         C.main(exp, base + ["--resume", str(root), "--max-steps", "2"])
     assert "max_steps=30 (planned 2)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="planned at profile small"):
+        C.main(exp, [*base, "--resume", str(root), "--profile", "smoke"])
     with pytest.raises(SystemExit, match="not a run root"):
         C.main(exp, base + ["--resume", str(tmp_path / "nothing")])
 

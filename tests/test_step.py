@@ -72,6 +72,7 @@ def test_chunked_logprobs_keep_no_full_logits(monkeypatch):
 import zlib  # noqa: E402
 
 from qerl import rewards as qrewards  # noqa: E402
+from qerl import step as qstep  # noqa: E402
 from qerl import train as qtrain  # noqa: E402
 from qerl.config import make_config  # noqa: E402
 from qerl.logging import read_metrics  # noqa: E402
@@ -159,13 +160,13 @@ def test_bf16_full_resume_restores_masters(tmp_path, text_rewards):
 
 def _count_forwards(monkeypatch):
     calls = {"no_grad": 0, "grad": 0}
-    real = qtrain.sequence_logprobs
+    real = qstep.sequence_logprobs
 
     def counting(*a, **k):
         calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(qtrain, "sequence_logprobs", counting)
+    monkeypatch.setattr(qstep, "sequence_logprobs", counting)
     return calls
 
 
@@ -176,14 +177,14 @@ def test_old_logprobs_forward_skipped_only_for_one_update(tmp_path, text_rewards
     calls = _count_forwards(monkeypatch)
     run_tiny(tiny_cfg(tmp_path / "c", **kw))
     assert (calls["no_grad"] == 0) is reused and calls["grad"] > 0
-    assert qtrain.reuse_training_logprobs(tiny_cfg(tmp_path, **kw), 8) is reused
+    assert qstep.reuse_training_logprobs(tiny_cfg(tmp_path, **kw), 8) is reused
 
 
 def test_reused_old_logprobs_give_the_separate_forwards_loss(tmp_path, text_rewards, monkeypatch):
     calls = _count_forwards(monkeypatch)
     a = run_tiny(tiny_cfg(tmp_path / "reuse", max_steps=2))
     assert calls["no_grad"] == 0
-    monkeypatch.setattr(qtrain, "reuse_training_logprobs", lambda cfg, n: False)
+    monkeypatch.setattr(qstep, "reuse_training_logprobs", lambda cfg, n: False)
     b = run_tiny(tiny_cfg(tmp_path / "separate", max_steps=2))
     assert calls["no_grad"] > 0
     for x, y in zip(a, b):
