@@ -7,14 +7,18 @@ sizes; the rollout share of the step. Also the paper's headline: the 32B model o
 larger GPU), NVFP4 at batch 2 and 8, and bf16 LoRA under the same cap (an OOM is caught, reported
 with the phase it happened in, and the run goes on).
 
-One step, from qerl's public pieces (what qerl.train.rl_step does, minus rewards: random weights
-give meaningless text, so the advantages are random normal; the timing is what matters):
-  rollout  engine.generate(B random prompts, C tokens, T=1.0, ignore_eos=True): the fast engine
+One step is the trainer's own phases (qerl.step) with the trainer's optimizer
+(qerl.train.make_optimizer: AdamW-8bit on CUDA, the paper's Table 4), minus rewards: random weights
+give meaningless text, so the advantages are random normal; the timing is what matters. The row's
+TrainConfig (``bench_config``): GRPO, one pass, one optimizer step over the batch.
+  rollout  qerl.step.rollout(B random prompts, C tokens, T=1.0, ignore_eos=True): the fast engine
            (static KV cache, CUDA graphs) on the training model's own weights
-  logprob  old log-probs: qerl.rollout.sequence_logprobs under no_grad, in micro-batches
-  update   one optimizer step: per micro-batch sequence_logprobs (with entropy, as rl_step) ->
-           qerl.loss.policy_loss (grpo, epsilon 0.2) -> backward; clip_grad_norm_ 1.0; AdamW-8bit
-           (bitsandbytes, the paper's Table 4) when importable, else torch AdamW
+  logprob  qerl.step.logprobs: old log-probs from a no-grad forward in micro-batches
+           (``--old-logprobs reuse``: none, the update's forward gives them, as the trainer does
+           with one optimizer step per rollout)
+  update   qerl.step.update: per micro-batch the training forward (chunked fp32 log-probs),
+           policy_loss, backward; clip_grad_norm_; one optimizer step
+``train_s`` = logprob + update (the summary's train_nvfp4_over_bf16 keys).
 The GPU is synchronized between phases. Before the timed step, a warm-up captures the engine's CUDA
 graphs with short calls and runs one micro-batch of each training phase at full length (Triton
 autotuning keys on the GEMM shapes), so the timed step measures steady state.
@@ -24,13 +28,18 @@ gradient checkpointing; oom/oom_phase/error when it failed), the paper's values 
 reference, and `summary` with exactly the keys of issue #6; prints a table; the last stdout line
 is the summary as one JSON object. notebooks/table3.ipynb plots where the step time goes.
 
-Run (GPU; expected minutes on an H200 in brackets; must-have rows first):
-  python -m benchmarks.table3_speed_memory --models qwen2.5-7b qwen2.5-14b --batch 8          [~8]
+Run (GPU; expected minutes on an H100 in brackets; must-have rows first):
+  python -m benchmarks.table3_speed_memory --models qwen2.5-7b qwen2.5-14b --batch 8 \\
+      --methods nvfp4 bf16 nf4                                                                 [~10]
+  python -m benchmarks.table3_speed_memory --row qwen2.5-7b/bs64/c512/mb8 --methods nvfp4 bf16 \\
+      --out results/table3/bs64                                                                 [~4]
   python -m benchmarks.table3_speed_memory --models qwen2.5-32b --methods nvfp4 bf16 \\
-      --batch 2 8 --memory-cap-gib 80                                                          [~5]
+      --batch 2 8 --memory-cap-gib 80 --out results/table3/32b                                  [~6]
   python -m benchmarks.table3_speed_memory --models qwen2.5-7b --batch 2 4 8 --grad-ckpt on off \\
       --completion 512                                                                         (optional)
-  python -m benchmarks.table3_speed_memory --merge a/h200.json b/h200.json --out results/table3   (CPU)
+  python -m benchmarks.table3_speed_memory --merge a/h100.json b/h100.json --out results/table3   (CPU)
+A row can also be given as ``--row MODEL/bsB[/cC][/mbM][/gcon|gcoff]`` (repeatable), e.g. the RL
+batch row above: 64 completions of 512 tokens, micro-batch 8 (the paper's Table 4).
 """
 
 from __future__ import annotations
@@ -39,14 +48,17 @@ import argparse
 import json
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks import speed_common as sc  # noqa: E402
-from qerl import loss as qloss  # noqa: E402
-from qerl.quantize import lora_parameters  # noqa: E402
-from qerl.rollout import RolloutOutput, sequence_logprobs  # noqa: E402
+from benchmarks import speed_common as sc
+from qerl import step as qstep
+from qerl.config import TrainConfig, method_name
+from qerl.quantize import lora_parameters
+from qerl.rollout import RolloutOutput
+from qerl.train import make_optimizer, optimizer_params
 
 METHODS = ("bf16", "nf4", "mxfp4", "nvfp4")
 SUMMARY_KEYS = (
@@ -59,6 +71,9 @@ SUMMARY_KEYS = (
     "qwen2.5-32b/bs8/s_per_step",
     "qwen2.5-32b/memory_cap_gib",
     "qwen2.5-32b/bf16_lora_oom",
+    "qwen2.5-7b/bs8/train_nvfp4_over_bf16",
+    "qwen2.5-14b/bs8/train_nvfp4_over_bf16",
+    "qwen2.5-7b/bs64/e2e_nvfp4_over_bf16",
 )
 TARGETS = {
     "qwen2.5-14b/bs8/e2e_nvfp4_over_bf16": ">= 1.7",
@@ -70,6 +85,9 @@ TARGETS = {
     "qwen2.5-32b/bs8/s_per_step": "measured (completion length in summary_notes)",
     "qwen2.5-32b/memory_cap_gib": "80",
     "qwen2.5-32b/bf16_lora_oom": "true",
+    "qwen2.5-7b/bs8/train_nvfp4_over_bf16": ">= 0.9 (issue #18: old log-probs + update)",
+    "qwen2.5-14b/bs8/train_nvfp4_over_bf16": ">= 0.9 (issue #18: old log-probs + update)",
+    "qwen2.5-7b/bs64/e2e_nvfp4_over_bf16": "measured (an RL batch: 64 x 512 tokens, micro-batch 8)",
 }
 # The paper's values (one H100 80GB, vLLM rollouts, its own training stack), as transcribed in
 # ../shared/DESIGN.md: a labelled reference only.
@@ -83,19 +101,19 @@ PAPER = {
 
 
 # ----------------------------------------------------------------------------------------------
-# one GRPO step
+# one GRPO step: the trainer's own phases (qerl.step) and optimizer (qerl.train.make_optimizer)
 
 
-def make_optimizer(params, lr: float = 1e-5):
-    """AdamW-8bit (bitsandbytes, the paper's Table 4) on CUDA when importable, else torch AdamW."""
-    if params and params[0].is_cuda:
-        try:
-            import bitsandbytes as bnb
-
-            return bnb.optim.AdamW8bit(params, lr=lr), "adamw_8bit"
-        except Exception:  # noqa: BLE001 - fall back, and say so in the row
-            pass
-    return torch.optim.AdamW(params, lr=lr), "adamw"
+def bench_config(method: str, args, batch: int, micro_batch: int, completion: int, device) -> TrainConfig:
+    """The TrainConfig of a row: one rollout of ``batch`` completions, one pass, one optimizer step
+    (AdamW-8bit on CUDA as the paper's Table 4, torch AdamW on the CPU), GRPO, no KL."""
+    return TrainConfig(method=method_name(method), lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank,
+                       num_generations=batch, prompts_per_step=1, max_completion_length=completion,
+                       max_prompt_length=args.prompt, micro_batch_size=micro_batch, num_iterations=1,
+                       mini_batch_size=0, learning_rate=args.learning_rate, warmup_ratio=0.0, lr_scheduler="constant",
+                       optim="adamw_8bit" if torch.device(device).type == "cuda" else "adamw", loss_type="grpo",
+                       epsilon=0.2, epsilon_high=0.28, beta=0.0, temperature=1.0, top_p=1.0, top_k=0,
+                       seed=args.seed, wandb_mode="disabled")
 
 
 def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: int, device, seed: int = 0) -> RolloutOutput:
@@ -107,72 +125,40 @@ def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: i
                          torch.ones(batch, dtype=torch.bool, device=device))
 
 
-def rollout_phase(engine, batch: int, prompt_len: int, completion_len: int, vocab: int, seed: int) -> RolloutOutput:
-    ro = engine.generate(sc.random_prompts(batch, prompt_len, vocab, seed), completion_len, seed=seed, **sc.SAMPLING)
-    if ro.completion_ids.shape[1] != completion_len:
-        raise RuntimeError(f"rollout returned {ro.completion_ids.shape[1]} tokens, expected {completion_len}")
-    return ro
-
-
-def logprob_phase(model, ro: RolloutOutput, micro_batch: int) -> torch.Tensor:
-    """Old log-probs of the sampled completions (no grad), micro-batched as rl_step does."""
-    old = torch.zeros_like(ro.logprobs)
-    with torch.no_grad():
-        for s in range(0, ro.completion_ids.size(0), micro_batch):
-            sl = slice(s, s + micro_batch)
-            old[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                           ro.completion_mask[sl], 1.0)
-    return old
-
-
-def update_phase(model, ro: RolloutOutput, old_lp: torch.Tensor, adv: torch.Tensor, opt, trainable, micro_batch: int,
-                 completion_len: int, loss_type: str = "grpo", max_micro: int | None = None) -> float:
-    """One optimizer step over the batch in micro-batches (rl_step's update, one iteration)."""
-    model.train()
-    B = ro.completion_ids.size(0)
-    micro = [slice(s, s + micro_batch) for s in range(0, B, micro_batch)][:max_micro]
-    n_tokens = int(ro.completion_mask.sum())
-    opt.zero_grad(set_to_none=True)
-    total = 0.0
-    for sl in micro:
-        lp, _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                  ro.completion_mask[sl], 1.0, with_entropy=True)
-        loss, _ = qloss.policy_loss(lp, old_lp[sl], adv[sl], ro.completion_mask[sl], loss_type, epsilon=0.2,
-                                    num_items_in_batch=n_tokens, max_completion_length=completion_len,
-                                    gradient_accumulation_steps=len(micro))
-        loss.backward()
-        total += loss.detach()
-        del lp, loss
-    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.eval()
-    return float(total)
-
-
-def grpo_step(model, engine, opt, trainable, batch: int, prompt_len: int, completion_len: int, vocab: int,
-              micro_batch: int, seed: int, phases: sc.Phases) -> dict:
-    """One timed GRPO step; phases.seconds gets rollout / logprob / update."""
-    device = model.get_input_embeddings().weight.device
-    model.eval()
-    with phases("rollout"):
-        ro = rollout_phase(engine, batch, prompt_len, completion_len, vocab, seed)
+def train_phases(cfg, model, ro: RolloutOutput, adv, opt, sched, phases: sc.Phases, reuse: bool) -> dict:
+    """The trainer's old-log-prob and update phases on a rollout with given advantages."""
+    batch = qstep.Batch.whole(ro, adv)
     with phases("logprob"):
-        old = logprob_phase(model, ro, micro_batch)
-    adv = torch.randn(batch, generator=torch.Generator().manual_seed(seed)).to(device)
+        old, ref = qstep.logprobs(cfg, model, ro, reuse)
     with phases("update"):
-        loss = update_phase(model, ro, old, adv, opt, trainable, micro_batch, completion_len)
-    return {"loss": loss, "completion_tokens": int(ro.completion_mask.sum())}
+        m = qstep.update(cfg, model, ro, batch, old, ref, opt, sched, optimizer_params(opt), step=0, reuse=reuse)
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    return m
 
 
-def warm_up(model, engine, opt, trainable, batch, prompt_len, completion_len, vocab, micro_batch) -> float:
+def grpo_step(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, phases: sc.Phases, reuse: bool) -> dict:
+    """One timed GRPO step of the trainer's phases: rollout (random prompts, fixed length), old
+    log-probs, update (random normal advantages: random weights give meaningless text to score)."""
+    batch = cfg.num_generations
+    with phases("rollout"):
+        ro, _ = qstep.rollout(cfg, engine, model, sc.random_prompts(batch, prompt_len, vocab, cfg.seed), step=0,
+                              sigma=0.0, ignore_eos=True)
+        if ro.completion_ids.shape[1] != cfg.max_completion_length:
+            raise RuntimeError(f"rollout returned {ro.completion_ids.shape[1]} tokens, expected {cfg.max_completion_length}")
+    adv = torch.randn(batch, generator=torch.Generator().manual_seed(cfg.seed))
+    m = train_phases(cfg, model, ro, adv, opt, sched, phases, reuse)
+    return {"loss": m["loss"], "completion_tokens": int(ro.completion_mask.sum())}
+
+
+def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool) -> float:
     """Engine graphs (short calls) + one full-length micro-batch of each training phase."""
     t0 = time.perf_counter()
-    sc.warm_up_engine(engine, batch, prompt_len, completion_len, vocab)
+    sc.warm_up_engine(engine, cfg.num_generations, prompt_len, cfg.max_completion_length, vocab)
     device = model.get_input_embeddings().weight.device
-    ro = synthetic_rollout(micro_batch, prompt_len, completion_len, vocab, device, seed=1)
-    old = logprob_phase(model, ro, micro_batch)
-    update_phase(model, ro, old, torch.randn(micro_batch, device=device), opt, trainable, micro_batch, completion_len)
+    mb = cfg.micro_batch_size
+    ro = synthetic_rollout(mb, prompt_len, cfg.max_completion_length, vocab, device, seed=1)
+    train_phases(cfg, model, ro, torch.randn(mb), opt, sched, sc.Phases(), reuse)
     sc.sync()
     return time.perf_counter() - t0
 
@@ -184,29 +170,69 @@ def set_grad_ckpt(model, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def measure(model, model_key, method, batch, grad_ckpt, args, vocab, opt, opt_name, trainable, extra) -> dict:
+@dataclass(frozen=True)
+class RowSpec:
+    """One measured configuration of a model (each method runs it): ``--row MODEL/bsB[/cC][/mbM][/gc(on|off)]``."""
+
+    model: str
+    batch: int
+    completion: int
+    micro_batch: int
+    grad_ckpt: bool = True
+
+    @classmethod
+    def parse(cls, text: str, args) -> RowSpec:
+        model, *parts = text.split("/")
+        if model not in sc.MODELS:
+            raise ValueError(f"--row {text!r}: unknown model {model!r}; expected one of {list(sc.MODELS)}")
+        kw = dict(batch=None, completion=args.completion, micro_batch=args.micro_batch, grad_ckpt=True)
+        for part in parts:
+            key = next((k for k in ("bs", "mb", "c", "gc") if part.startswith(k)), None)
+            val = part[len(key):] if key else ""
+            if key == "gc" and val in ("on", "off"):
+                kw["grad_ckpt"] = val == "on"
+            elif key in ("bs", "mb", "c") and val.isdigit() and int(val) > 0:
+                kw[{"bs": "batch", "mb": "micro_batch", "c": "completion"}[key]] = int(val)
+            else:
+                raise ValueError(f"--row {text!r}: bad part {part!r} (expected bsN, cN, mbN, gcon or gcoff)")
+        if kw["batch"] is None:
+            raise ValueError(f"--row {text!r}: the batch (bsN) is required")
+        return cls(model, **kw)
+
+
+def row_specs(args) -> list[RowSpec]:
+    """--row specs, else every model x --batch x --grad-ckpt at --completion / --micro-batch."""
+    if args.row:
+        return [RowSpec.parse(r, args) for r in args.row]
+    return [RowSpec(m, b, args.completion, args.micro_batch, g == "on") for m in args.models for b in args.batch
+            for g in args.grad_ckpt]
+
+
+def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, extra: dict) -> dict:
     """One row: warm-up and a timed step; an OOM (or other failure) is recorded with its phase."""
-    row = dict(model=model_key, method=method, batch=batch, grad_ckpt=grad_ckpt, micro_batch=args.micro_batch,
-               prompt_len=args.prompt, completion_len=args.completion, optimizer=opt_name, oom=False, **extra)
+    reuse = args.old_logprobs == "reuse"
+    row = dict(model=spec.model, method=method, batch=spec.batch, grad_ckpt=spec.grad_ckpt, micro_batch=spec.micro_batch,
+               prompt_len=args.prompt, completion_len=spec.completion, old_logprobs=args.old_logprobs,
+               optimizer=type(opt).__name__, oom=False, **extra)
     ph = sc.Phases()
     engine = None
     try:
-        set_grad_ckpt(model, grad_ckpt)
+        cfg = bench_config(method, args, spec.batch, spec.micro_batch, spec.completion, args.device)
+        set_grad_ckpt(model, spec.grad_ckpt)
         with ph("engine"):
-            engine = sc.make_fast_engine(model, batch, args.prompt + args.completion)
+            engine = sc.make_fast_engine(model, spec.batch, args.prompt + spec.completion)
         with ph("warmup"):
-            warm_up(model, engine, opt, trainable, batch, args.prompt, args.completion, vocab, args.micro_batch)
+            warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse)
         sc.reset_peak()
         timed = sc.Phases()
         ph = timed  # so that an OOM in the timed step reports its phase
         t0 = time.perf_counter()
-        info = grpo_step(model, engine, opt, trainable, batch, args.prompt, args.completion, vocab,
-                         args.micro_batch, args.seed, timed)
+        info = grpo_step(cfg, model, engine, opt, sched, args.prompt, vocab, timed, reuse)
         step = time.perf_counter() - t0
         s = timed.seconds
-        row.update(rollout_s=s["rollout"], logprob_s=s["logprob"], update_s=s["update"], step_s=step,
-                   rollout_share=s["rollout"] / step, peak_gib=sc.peak_gib(),
-                   rollout_tokens_per_s=batch * args.completion / s["rollout"], **info)
+        row.update(rollout_s=s["rollout"], logprob_s=s["logprob"], update_s=s["update"],
+                   train_s=s["logprob"] + s["update"], step_s=step, rollout_share=s["rollout"] / step,
+                   peak_gib=sc.peak_gib(), rollout_tokens_per_s=spec.batch * spec.completion / s["rollout"], **info)
     except Exception as e:  # noqa: BLE001 - a row must never take the run down
         row["oom"] = sc.is_oom(e)
         row["oom_phase" if row["oom"] else "failed_phase"] = ph.current
@@ -232,20 +258,36 @@ def _row(rows, model, method, batch, grad_ckpt=True):
     return max(hits, key=lambda r: r["completion_len"]) if hits else None
 
 
+def _train_s(r: dict) -> float:
+    """Old log-probs + update (rows written before train_s existed have the two phases)."""
+    return r.get("train_s") or r["logprob_s"] + r["update_s"]
+
+
+def _same_setup(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("completion_len", "micro_batch", "prompt_len")) and \
+        a.get("old_logprobs", "forward") == b.get("old_logprobs", "forward")
+
+
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """(summary with exactly SUMMARY_KEYS, notes on which rows each value came from)."""
     s, notes = {}, {}
 
-    def ratio(key, model, num, den):
-        a, b = _row(rows, model, num, 8), _row(rows, model, den, 8)
-        if a and b and a["completion_len"] != b["completion_len"]:
+    def ratio(key, model, num, den, batch=8, what="step_s"):
+        a, b = _row(rows, model, num, batch), _row(rows, model, den, batch)
+        if a and b and not _same_setup(a, b):
             a = b = None
-        s[key] = b["step_s"] / a["step_s"] if a and b else None
-        notes[key] = (f"{den} step_s / {num} step_s, bs8, grad ckpt on, C={a['completion_len']}" if a and b else None)
+        time_of = _train_s if what == "train_s" else (lambda r: r["step_s"])
+        s[key] = time_of(b) / time_of(a) if a and b else None
+        notes[key] = (f"{den} {what} / {num} {what}, bs{batch}, grad ckpt on, C={a['completion_len']}, "
+                      f"micro-batch {a['micro_batch']}, old log-probs {a.get('old_logprobs', 'forward')}"
+                      if a and b else None)
 
     ratio("qwen2.5-14b/bs8/e2e_nvfp4_over_bf16", "qwen2.5-14b", "nvfp4", "bf16")
     ratio("qwen2.5-7b/bs8/e2e_nvfp4_over_bf16", "qwen2.5-7b", "nvfp4", "bf16")
     ratio("qwen2.5-14b/bs8/e2e_nvfp4_over_nf4", "qwen2.5-14b", "nvfp4", "nf4")
+    ratio("qwen2.5-7b/bs8/train_nvfp4_over_bf16", "qwen2.5-7b", "nvfp4", "bf16", what="train_s")
+    ratio("qwen2.5-14b/bs8/train_nvfp4_over_bf16", "qwen2.5-14b", "nvfp4", "bf16", what="train_s")
+    ratio("qwen2.5-7b/bs64/e2e_nvfp4_over_bf16", "qwen2.5-7b", "nvfp4", "bf16", batch=64)
     for b in (2, 8):
         r = _row(rows, "qwen2.5-32b", "nvfp4", b)
         s[f"qwen2.5-32b/bs{b}/peak_gib"] = r["peak_gib"] if r else None
@@ -284,7 +326,7 @@ def merge(paths, out):
     for f in files:
         for r in f["rows"]:
             keyed[(r.get("model"), r.get("method"), r.get("batch"), r.get("grad_ckpt"), r.get("completion_len"),
-                   r.get("memory_cap_gib"))] = r
+                   r.get("memory_cap_gib"), r.get("micro_batch"), r.get("old_logprobs", "forward"))] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
     prov["runs"] = [{"file": str(p), "git_sha": f.get("git_sha"), "date": f.get("date"), "settings": f.get("settings")}
                     for p, f in zip(paths, files)]
@@ -328,11 +370,11 @@ def run(args) -> dict:
         result["complete"] = complete
         return result, sc.write_json(result, args.out, prov["gpu"])
 
-    for mk in args.models:
+    specs = row_specs(args)
+    for mk in dict.fromkeys(sp.model for sp in specs):  # models in order of first mention
+        mine = [sp for sp in specs if sp.model == mk]
         vocab = sc.vocab_size(mk)
         for method in args.methods:
-            base = dict(model=mk, method=method, micro_batch=args.micro_batch, prompt_len=args.prompt,
-                        completion_len=args.completion, memory_cap_gib=cap)
             t0 = time.time()
             try:
                 model = sc.build(mk, method, args.lora_rank, device, seed=args.seed)
@@ -341,26 +383,27 @@ def run(args) -> dict:
                 oom = sc.is_oom(e)
                 err = f"{type(e).__name__}: {str(e)[:500]}"
                 print(f"{mk} {method}: build {'OOM' if oom else 'FAILED'}: {err[:200]}")
-                for b in args.batch:
-                    for gc_on in args.grad_ckpt:
-                        rows.append({**base, "batch": b, "grad_ckpt": gc_on == "on", "oom": oom,
-                                     ("oom_phase" if oom else "failed_phase"): "build", "error": err})
+                for sp in mine:
+                    rows.append(dict(model=mk, method=method, batch=sp.batch, grad_ckpt=sp.grad_ckpt,
+                                     micro_batch=sp.micro_batch, prompt_len=args.prompt, completion_len=sp.completion,
+                                     memory_cap_gib=cap, oom=oom, error=err,
+                                     **{("oom_phase" if oom else "failed_phase"): "build"}))
                 sc.free()
                 save()
                 continue
             sizes = sc.model_bytes(model)
-            trainable = lora_parameters(model)
-            opt, opt_name = make_optimizer(trainable, args.learning_rate)
+            # the trainer's optimizer over the trainable weights (the schedule is constant: one step per row)
+            opt, sched = make_optimizer(bench_config(method, args, 2, 1, args.completion, args.device),
+                                        lora_parameters(model), total_updates=1)
             extra = dict(memory_cap_gib=cap, build_s=time.time() - t0, model_size_gb=sizes["model_size_bytes"] / 1e9,
                          lora_gb=sizes["lora_bytes"] / 1e9, lora_rank=args.lora_rank,
                          weights_gib=torch.cuda.memory_allocated() / 2**30)
             print(f"{mk} {method}: built in {extra['build_s']:.0f} s, size {extra['model_size_gb']:.2f} GB")
-            for b in args.batch:
-                for gc_on in args.grad_ckpt:
-                    rows.append(measure(model, mk, method, b, gc_on == "on", args, vocab, opt, opt_name, trainable, extra))
-                    print_table(rows[-1:])
-                    save()
-            del model, opt, trainable
+            for sp in mine:
+                rows.append(measure(model, sp, method, args, vocab, opt, sched, extra))
+                print_table(rows[-1:])
+                save()
+            del model, opt, sched
             sc.free()
             print(f"  ({time.time() - t_start:.0f} s so far)")
     result, path = save(complete=True)
@@ -384,6 +427,12 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per training forward/backward")
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r (alpha = 2 r); paper Table 4: 32")
     ap.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-5)")
+    ap.add_argument("--row", action="append", default=None, metavar="MODEL/bsB[/cC][/mbM][/gcon|gcoff]",
+                    help="a row to measure instead of --models x --batch x --grad-ckpt (repeatable); unset parts "
+                         "take --completion / --micro-batch / gc on: qwen2.5-7b/bs64/c512/mb8")
+    ap.add_argument("--old-logprobs", default="forward", choices=["forward", "reuse"],
+                    help="forward: a separate no-grad forward (the trainer with num_iterations > 1 or several "
+                         "optimizer steps per rollout); reuse: the training forward's (one update per rollout)")
     ap.add_argument("--memory-cap-gib", type=float, default=None,
                     help="cap this process's GPU memory (80: the paper's one H100 80GB)")
     sc.add_run_args(ap, out="results/table3")
