@@ -134,6 +134,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from qerl.train import build_policy, load_trainable, read_checkpoint_config
 
     ck = read_checkpoint_config(args.adapter) if args.adapter else {}
+    if args.adapter and not (args.method or ck.get("method")):
+        raise ValueError(f"{args.adapter} does not record its method (a PEFT adapter folder): pass --method, "
+                         f"e.g. --method nvfp4_lora")
     method = args.method or ck.get("method") or "bf16"
     bare = method in table_bases()
     if bare and args.adapter:

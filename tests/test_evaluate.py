@@ -134,6 +134,15 @@ def test_eval_cli_reads_the_rank_of_a_rank8_checkpoint(tmp_path, text_rewards, t
 
 
 def test_eval_cli_errors_are_one_line(tmp_path, capsys):
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}))
+    assert cli.main(["eval", "--adapter", str(peft)]) == 2
+    assert "pass --method" in capsys.readouterr().err
+    (peft / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    assert cli.main(["eval", "--adapter", str(peft), "--method", "nvfp4_lora"]) == 2
+    assert "qerl rebuilds only" in capsys.readouterr().err
     assert cli.main(["eval", "--adapter", str(tmp_path / "nope")]) == 2
     assert "no such checkpoint" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
