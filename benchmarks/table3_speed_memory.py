@@ -55,7 +55,7 @@ import torch
 
 from benchmarks import speed_common as sc
 from qerl import step as qstep
-from qerl.config import TrainConfig, method_name
+from qerl.config import TrainConfig, method_name, parse_method
 from qerl.quantize import lora_parameters
 from qerl.rollout import RolloutOutput
 from qerl.train import make_optimizer, optimizer_params
@@ -107,7 +107,7 @@ PAPER = {
 def bench_config(method: str, args, batch: int, micro_batch: int, completion: int, device) -> TrainConfig:
     """The TrainConfig of a row: one rollout of ``batch`` completions, one pass, one optimizer step
     (AdamW-8bit on CUDA as the paper's Table 4, torch AdamW on the CPU), GRPO, no KL."""
-    return TrainConfig(method=method_name(method), lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank,
+    return TrainConfig(**parse_method(method_name(method)), lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank,
                        num_generations=batch, prompts_per_step=1, max_completion_length=completion,
                        max_prompt_length=args.prompt, micro_batch_size=micro_batch, num_iterations=1,
                        mini_batch_size=0, learning_rate=args.learning_rate, warmup_ratio=0.0, lr_scheduler="constant",
