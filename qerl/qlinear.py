@@ -128,6 +128,22 @@ class QuantLinear(nn.Module):
             cache = self.__dict__["_kernel_cache"] = {}
         return cache
 
+    def _plan(self, x: torch.Tensor):
+        """The Triton launch plan of this weight on x's device (qerl.kernels.fp4.Plan), built once
+        and kept while the buffers are the same tensors; None when the backend is not Triton."""
+        packed = self._buffers["weight_packed"]
+        st = self.__dict__.get("_plan_state")
+        if st is not None and st[0] is packed and st[1] == x.device:
+            return st[2]
+        plan = None
+        if kernels.resolve_backend(self.backend, self.fmt, x.device) == "triton":
+            from qerl.kernels import fp4
+
+            t = self.packed_tensors()
+            plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), self.fmt == "nvfp4")
+        self.__dict__["_plan_state"] = (packed, x.device, plan)
+        return plan
+
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """The packed base tensors by their on-disk names (empty for the bf16 base)."""
         if self.fmt == "bf16":
@@ -161,7 +177,13 @@ class QuantLinear(nn.Module):
         if self.fmt == "bf16":  # bias inside F.linear: bit-exact with nn.Linear (one rounding)
             y = F.linear(x, self.weight, self.bias)
         else:
-            y = _PackedMatmul.apply(x, self)
+            plan = None if torch.compiler.is_compiling() else self._plan(x)
+            if plan is None:  # reference / bitsandbytes, or tracing: the dispatch point and its custom ops
+                y = _PackedMatmul.apply(x, self)
+            elif x.requires_grad and torch.is_grad_enabled():
+                y = plan.autograd_fn.apply(x, plan)
+            else:
+                y = plan.linear(x)
             if self.bias is not None:
                 y = y + self.bias
         if self.r and self._adapters_enabled:

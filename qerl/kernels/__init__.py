@@ -115,6 +115,23 @@ def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
     return "triton"
 
 
+def resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
+    """The backend ``linear`` / ``grad_input`` run for these arguments (raises as they do)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return _resolve_backend(backend, fmt, device)
+
+
+def scratch_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes of the transient bf16/fp32 decode scratch the Triton path keeps (one buffer per device
+    and dtype, the size of the largest 4-bit linear decoded so far; 0 before any large-M or
+    grad-input call). For the memory columns of Table 3."""
+    import sys
+
+    fp4 = sys.modules.get("qerl.kernels.fp4")
+    return 0 if fp4 is None else fp4.scratch_bytes(device)
+
+
 def dequantize_fp32(fmt: str, tensors: dict, out_features: int, in_features: int) -> torch.Tensor:
     """The dense fp32 weight [out, in] that the reference path multiplies with."""
     w = formats.dequantize(tensors, fmt, dtype=torch.float32)
@@ -171,5 +188,5 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     return fp4.grad_input(dy, fmt, *_triton_args(fmt, tensors))
 
 
-__all__ = ["linear", "grad_input", "linear_reference", "grad_input_reference", "dequantize_fp32",
+__all__ = ["linear", "grad_input", "resolve_backend", "scratch_bytes", "linear_reference", "grad_input_reference", "dequantize_fp32",
            "triton_available", "BACKENDS"]
