@@ -187,18 +187,9 @@ def eager_calls(res):
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     t = q.packed_tensors()
     plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
-    slow = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
-
-    def slow_call():
-        fp4.FAST_LAUNCH = False
-        try:
-            return slow.linear(x)
-        finally:
-            fp4.FAST_LAUNCH = True
-
     fns = {"bf16": lambda: F.linear(x, w), "nvfp4": lambda: q(x),
            "nvfp4_dispatch": lambda: kernels.linear(x, "nvfp4", t, n, k, backend="triton"),
-           "nvfp4_plan": lambda: plan.linear(x), "nvfp4_plan_no_fast_launch": slow_call}
+           "nvfp4_plan": lambda: plan.linear(x)}
     ref = F.linear(x, q.dequantized_weight())
     out = {}
     for rep in range(3):

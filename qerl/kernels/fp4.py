@@ -955,55 +955,6 @@ def _run_linear(x2, packed, w32, scale_u8, gs_arg, is_nv, out, launch) -> None:
     fn[grid](*args, **kwargs)
 
 
-# Relaunch the compiled kernel directly (Plan, eager calls): skips Triton's per-call argument
-# binding, specialisation and cache lookup. Off: every launch goes through kernel[grid](...).
-FAST_LAUNCH = os.environ.get("QERL_FAST_LAUNCH", "1") == "1"
-
-
-class _Launcher:
-    """One kernel launch repeated with the same integer arguments and 16-byte aligned pointers:
-    the first call compiles / looks up through Triton and keeps the CompiledKernel, later calls
-    hand the arguments straight to its launcher. Anything that could change Triton's
-    specialisation (an integer argument, a pointer's alignment) falls back to kernel[grid]()."""
-
-    __slots__ = ("fn", "grid", "kwargs", "compiled", "ints", "tail")
-
-    def __init__(self, fn, grid, kwargs):
-        self.fn, self.grid, self.kwargs = fn, grid, kwargs
-        self.compiled = None
-
-    @staticmethod
-    def _key(args):
-        ints = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                if a.data_ptr() % 16:
-                    return None
-            else:
-                ints.append(a)
-        return tuple(ints)
-
-    def __call__(self, args) -> None:
-        key = self._key(args)
-        c = self.compiled
-        if c is not None and key == self.ints:
-            stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-            g = self.grid
-            c.run(g[0], g[1], 1, stream, c.function, c.packed_metadata, None, None, None, *args, *self.tail)
-            return
-        compiled = self.fn[self.grid](*args, **self.kwargs)
-        if key is None or self.compiled is not None or INTERPRETED or not FAST_LAUNCH:
-            return
-        from triton import knobs
-
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-            return
-        names = self.fn.arg_names
-        params = self.fn.signature.parameters
-        self.tail = tuple(self.kwargs[n] if n in self.kwargs else params[n].default for n in names[len(args):])
-        self.ints, self.compiled = key, compiled
-
-
 def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
                   is_nv: bool, kind: str | None = None, config: dict | None = None,
                   split_k: int | None = None) -> torch.Tensor:
@@ -1112,18 +1063,14 @@ class Plan:
         elif _use_scratch("linear", self.is_nv, M):
             scratch_linear(x2, self.packed, self.scale_u8, self.gs_arg, self.is_nv, out)
         else:
-            key = (M, SPLITK_ATOMIC, x.dtype)
-            entry = self._launch.get(key)
-            if entry is None:
+            key = (M, SPLITK_ATOMIC)
+            launch = self._launch.get(key)
+            if launch is None:
                 launch = _linear_launch(M, N, K, self.is_nv, x.device, None, None, None, self.w32 is not None)
-                fn, grid, args, kwargs = _linear_call(x2, self.packed, self.w32, self.scale_u8, self.gs_arg, out,
-                                                      launch)
-                entry = (launch, _Launcher(fn, grid, kwargs))
                 if M <= 256:
-                    self._launch[key] = entry
-            else:
-                args = _linear_call(x2, self.packed, self.w32, self.scale_u8, self.gs_arg, out, entry[0])[2]
-            entry[1](args)
+                    self._launch[key] = launch
+            fn, grid, args, kwargs = _linear_call(x2, self.packed, self.w32, self.scale_u8, self.gs_arg, out, launch)
+            fn[grid](*args, **kwargs)
         return out.view(*x.shape[:-1], N)
 
     def grad_input(self, dy: torch.Tensor) -> torch.Tensor:
