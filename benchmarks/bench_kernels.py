@@ -44,7 +44,10 @@ from qerl.kernels import fp4  # noqa: E402
 
 M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 1024, 2048)
 GRAD_M_VALUES = (256, 1024, 2048)
-BYTES_PER_WEIGHT = {"nvfp4": 0.5625, "mxfp4": 0.53125, "bf16": 2.0, "nf4": 0.5 + 4 / 64}
+# Bytes per weight moved: the registry's storage bits (scales included) / 8; bf16 2.
+BYTES_PER_WEIGHT = {**{f: formats.bits_per_weight(f) / 8 for f in formats.names()}, "bf16": 2.0}
+TRITON = formats.with_kernel("triton")  # the formats the Triton kernels run (nvfp4, mxfp4)
+COLUMNS = TRITON + ("bf16",) + tuple(f for f in formats.names() if f not in TRITON)  # printed table order
 # (direction, value): issue 14 (M <= 256, nf4) and issue 18 (M >= 1024, grad-input, eager host time)
 TARGETS = {
     "qwen2.5-7b/layer/M1/nvfp4_over_bf16": (">=", 2.6),
@@ -138,7 +141,7 @@ def make_bnb(w, copies):
 
 def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    q = {fmt: formats.quantize(w.float(), fmt) for fmt in ("nvfp4", "mxfp4")}
+    q = {fmt: formats.quantize(w.float(), fmt) for fmt in TRITON}
     c = {m: n_copies(n * k * BYTES_PER_WEIGHT[m], l2) for m in BYTES_PER_WEIGHT}
     qc = {fmt: [{kk: v.clone() for kk, v in q[fmt].items()} for _ in range(c[fmt])] for fmt in q}
     wc = [w.clone() for _ in range(c["bf16"])]
@@ -146,7 +149,7 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         res = {}
-        for fmt in ("nvfp4", "mxfp4"):
+        for fmt in TRITON:
             res[fmt] = time_graph([lambda t=t, x=x, fmt=fmt: kernels.linear(x, fmt, t, n, k, backend="triton") for t in qc[fmt]])
         res["bf16"] = time_graph([lambda wi=wi, x=x: F.linear(x, wi) for wi in wc])
         if nf4 is not None:
@@ -160,11 +163,11 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
             rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="linear",
                              method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
                              tflops=2 * m * n * k / sec / 1e12, timing=mode,
-                             kernel=kind if meth in ("nvfp4", "mxfp4") else None))
+                             kernel=kind if meth in TRITON else None))
     for m in grad_ms:
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         res = {}
-        for fmt in ("nvfp4", "mxfp4"):
+        for fmt in TRITON:
             res[fmt] = time_graph([lambda t=t, dy=dy, fmt=fmt: kernels.grad_input(dy, fmt, t, n, k, backend="triton") for t in qc[fmt]])
         res["bf16"] = time_graph([lambda wi=wi, dy=dy: torch.matmul(dy, wi) for wi in wc])
         for meth, (sec, mode) in res.items():
@@ -173,7 +176,7 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
                              method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
                              tflops=2 * m * n * k / sec / 1e12, timing=mode,
                              kernel=("scratch" if fp4._use_scratch("grad_input", True, m) else "bwd-dot")
-                             if meth in ("nvfp4", "mxfp4") else None))
+                             if meth in TRITON else None))
     del qc, wc, nf4
     torch.cuda.empty_cache()
 
@@ -273,7 +276,7 @@ def decode_speed(l2, model="qwen2.5-7b"):
     """TB/s (packed bytes read + bf16 bytes written, over time) of decoding the layer's seven
     weights into a bf16 buffer, per format: the first half of the decode + cuBLAS path."""
     out = {}
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt in TRITON:
         moved, sec = 0.0, 0.0
         for n, k in linear_shapes(model).values():
             t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
@@ -463,13 +466,13 @@ def main():
         json.dump(result, f, indent=1)
 
     print(f"\n{'model':13s} {'proj':18s} {'N':>6s} {'K':>6s} {'M':>5s} {'op':10s} "
-          + " ".join(f"{m:>17s}" for m in ("nvfp4 ms TB/s", "mxfp4 ms TB/s", "bf16 ms TB/s", "nf4 ms TB/s")))
+          + " ".join(f"{m + ' ms TB/s':>17s}" for m in COLUMNS))
     keyed = {}
     for r in rows:
         keyed.setdefault((r["model"], r["proj"], r["N"], r["K"], r["M"], r["op"]), {})[r["method"]] = r
     for (model, proj, n, k, m, op), d in keyed.items():
         cells = []
-        for meth in ("nvfp4", "mxfp4", "bf16", "nf4"):
+        for meth in COLUMNS:
             r = d.get(meth)
             cells.append(f"{r['ms']:9.4f} {r['tbps']:6.2f}" if r else f"{'-':>16s}")
         print(f"{model:13s} {proj:18s} {n:6d} {k:6d} {m:5d} {op:10s} " + " ".join(cells))

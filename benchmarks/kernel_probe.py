@@ -37,7 +37,7 @@ def rel(a, b):
 def check(res):
     torch.backends.cuda.matmul.allow_tf32 = False
     bad = []
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt in formats.with_kernel("triton"):
         for n, k in [(18944, 3584), (3584, 18944), (512, 3584), (200, 352), (1000, 4128)]:
             w = torch.randn(n, k, device="cuda") * 0.02
             t = formats.quantize(w, fmt)
@@ -78,8 +78,8 @@ def decode_speed(res, l2):
             dict(BLOCK_N=32, NBK=16, num_warps=8), dict(BLOCK_N=64, NBK=8, num_warps=8),
             dict(BLOCK_N=8, NBK=16, num_warps=4), dict(BLOCK_N=16, NBK=16, num_warps=4),
             dict(BLOCK_N=4, NBK=32, num_warps=4)]
-    for fmt in ("nvfp4", "mxfp4"):
-        bpw = 0.5625 if fmt == "nvfp4" else 0.53125
+    for fmt in formats.with_kernel("triton"):
+        bpw = formats.bits_per_weight(fmt) / 8
         for n, k in [(18944, 3584), (3584, 18944), (3584, 3584)]:
             t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
             copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * bpw, l2))]
@@ -110,7 +110,7 @@ def layer_times(res, l2, fmts=("nvfp4",), ms=(64, 128, 256, 512, 1024, 2048), gr
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wc = [w.clone() for _ in range(n_copies(n * k * 2, l2))]
         for fmt in fmts:
-            bpw = 0.5625 if fmt == "nvfp4" else 0.53125
+            bpw = formats.bits_per_weight(fmt) / 8
             t = formats.quantize(w.float(), fmt)
             qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * bpw, l2))]
             A = lambda tt: (tt["weight_packed"], tt["weight_scale"], tt.get("weight_global_scale"), fmt == "nvfp4")  # noqa: E731
