@@ -847,25 +847,74 @@ def _decode_into(out, packed, scale_u8, gs_arg, is_nv, r0, c0, n_rows, n_cols, c
                          IS_NV=is_nv, BLOCK_N=bn, NBK=nbk, EVEN=even, num_warps=cfg["num_warps"])
 
 
-def _chunk(total: int, other: int, elem: int, align: int) -> int:
+# Opt-in, not measured yet (QERL_SCRATCH_OVERLAP=1): decode chunk i + 1 on a side stream while
+# cuBLAS multiplies chunk i, in two scratch slots (OVERLAP_CHUNKS chunks when SCRATCH_CHUNK_BYTES
+# is None). Run `python -m benchmarks.kernel_probe` to compare it with one chunk.
+SCRATCH_OVERLAP = os.environ.get("QERL_SCRATCH_OVERLAP", "0") == "1"
+OVERLAP_CHUNKS = 4
+_SIDE_STREAMS: dict = {}
+
+
+def _chunk(total: int, other: int, elem: int, align: int, overlap: bool) -> int:
     """Chunk length along a dim of ``total`` (the other dim ``other``) under SCRATCH_CHUNK_BYTES."""
     if SCRATCH_CHUNK_BYTES is None:
-        return total
+        if not overlap:
+            return total
+        return min(total, -(-triton.cdiv(total, OVERLAP_CHUNKS) // align) * align)
     c = max(align, SCRATCH_CHUNK_BYTES // (other * elem) // align * align)
     return min(total, c)
+
+
+def _chunked(total: int, chunk: int, slot: int, buf: torch.Tensor, decode, gemm, overlap: bool) -> None:
+    """For each chunk [c0, c0 + c): decode(slot buffer, c0, c) -> w, then gemm(w, c0, c). With
+    ``overlap`` (CUDA, more than one chunk) the decodes run on a side stream into two alternating
+    slots, each waiting for the GEMM that last read its slot; the side stream forks from and joins
+    the current stream, so this also works under CUDA-graph capture."""
+    if not overlap or total <= chunk:
+        for c0 in range(0, total, chunk):
+            c = min(chunk, total - c0)
+            gemm(decode(buf, c0, c), c0, c)
+        return
+    main = torch.cuda.current_stream(buf.device)
+    side = _SIDE_STREAMS.get(buf.device.index)
+    if side is None:
+        side = _SIDE_STREAMS[buf.device.index] = torch.cuda.Stream(buf.device)
+    side.wait_stream(main)
+    freed = [None, None]
+    for i, c0 in enumerate(range(0, total, chunk)):
+        c = min(chunk, total - c0)
+        j = i % 2
+        with torch.cuda.stream(side):
+            if freed[j] is not None:
+                side.wait_event(freed[j])
+            w = decode(buf[j * slot:(j + 1) * slot], c0, c)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        main.wait_event(ready)
+        gemm(w, c0, c)
+        freed[j] = torch.cuda.Event()
+        freed[j].record(main)
+    main.wait_stream(side)
 
 
 def scratch_linear(x2: torch.Tensor, packed, scale_u8, gs_arg, is_nv: bool, out: torch.Tensor) -> torch.Tensor:
     """out [M, N] = x2 [M, K] @ W^T: W decoded chunk by chunk of rows into the scratch, cuBLAS per chunk."""
     N, KH = packed.shape
     K = 2 * KH
-    rows = _chunk(N, K, x2.element_size(), 128)
-    buf = _scratch(x2.device, x2.dtype, rows * K)
-    for r0 in range(0, N, rows):
-        n = min(rows, N - r0)
-        w = buf[: n * K].view(n, K)
+    overlap = SCRATCH_OVERLAP and x2.device.type == "cuda"
+    rows = _chunk(N, K, x2.element_size(), 128, overlap)
+    slots = 2 if overlap and rows < N else 1
+    buf = _scratch(x2.device, x2.dtype, slots * rows * K)
+
+    def decode(b, r0, n):
+        w = b[: n * K].view(n, K)
         _decode_into(w, packed, scale_u8, gs_arg, is_nv, r0, 0, n, K, DECODE_CONFIG[is_nv])
+        return w
+
+    def gemm(w, r0, n):
         torch.mm(x2, w.t(), out=out[:, r0:r0 + n] if n < N else out)
+
+    _chunked(N, rows, rows * K, buf, decode, gemm, overlap)
     return out
 
 
@@ -873,13 +922,20 @@ def scratch_grad_input(dy2: torch.Tensor, packed, scale_u8, gs_arg, is_nv: bool,
     """dx [M, K] = dy2 [M, N] @ W: W decoded chunk by chunk of columns into the scratch."""
     N, KH = packed.shape
     K = 2 * KH
-    cols = _chunk(K, N, dy2.element_size(), 128)
-    buf = _scratch(dy2.device, dy2.dtype, cols * N)
-    for c0 in range(0, K, cols):
-        c = min(cols, K - c0)
-        w = buf[: N * c].view(N, c)
+    overlap = SCRATCH_OVERLAP and dy2.device.type == "cuda"
+    cols = _chunk(K, N, dy2.element_size(), 128, overlap)
+    slots = 2 if overlap and cols < K else 1
+    buf = _scratch(dy2.device, dy2.dtype, slots * cols * N)
+
+    def decode(b, c0, c):
+        w = b[: N * c].view(N, c)
         _decode_into(w, packed, scale_u8, gs_arg, is_nv, 0, c0, N, c, DECODE_CONFIG[is_nv])
+        return w
+
+    def gemm(w, c0, c):
         torch.mm(dy2, w, out=dx[:, c0:c0 + c] if c < K else dx)
+
+    _chunked(K, cols, cols * N, buf, decode, gemm, overlap)
     return dx
 
 
