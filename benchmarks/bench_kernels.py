@@ -3,9 +3,15 @@
 
 Per model linear shape and M: milliseconds, achieved TB/s (bytes of weights + activations in +
 out, over time) and TFLOP/s; grad-input (dx = dy W) against bf16 at the larger M. Writes
-results/kernels/<gpu>.json with gpu, git_sha, date, rows, summary (the six ratios of issue 4, each
-over the sum of the seven linears of one Qwen2.5-7B decoder layer) and prints a table; the last
-stdout line is the summary as one JSON object.
+results/kernels/<gpu>.json with gpu, git_sha, date, rows, summary and prints a table; the last
+stdout line is the summary as one JSON object. Summary (Qwen2.5-7B decoder layer, sum of its seven
+linears, bf16 time / nvfp4 time): `qwen2.5-7b/layer/M<m>/nvfp4_over_bf16` for every forward M,
+`.../grad_input_nvfp4_over_bf16` for every grad-input M, M1 hbm_fraction and nvfp4_over_nf4;
+`qwen2.5-7b/decode_tbps/<fmt>` (the decode kernel of the decode + cuBLAS path, bytes read + written);
+`eager_call_us/nvfp4`, `eager_call_us/bf16`, `eager_call/nvfp4_over_bf16` (host time of one eager
+QuantLinear / F.linear call at M = 1 on a [1024, 4096] layer: mean over 1000 back-to-back calls,
+no synchronisation, median of 5 alternating rounds); split-K deterministic vs atomic layer time at
+M = 1 / 8 / 16.
 
 Timing: each measurement captures a CUDA graph of R calls rotating over C copies of the weights
 (C * bytes > 3 x L2, so the weights come from HBM, not L2), replays it after warm-up, and takes
@@ -36,16 +42,31 @@ from qerl import formats, kernels  # noqa: E402
 from qerl.arch import LAYER_CONFIGS, LINEAR_NAMES, linear_shapes  # noqa: E402
 from qerl.kernels import fp4  # noqa: E402
 
-M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 2048)
-BYTES_PER_WEIGHT = {"nvfp4": 0.5625, "mxfp4": 0.53125, "bf16": 2.0, "nf4": 0.5 + 4 / 64}
+M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 1024, 2048)
+GRAD_M_VALUES = (256, 1024, 2048)
+# Bytes per weight moved: the registry's storage bits (scales included) / 8; bf16 2.
+BYTES_PER_WEIGHT = {**{f: formats.bits_per_weight(f) / 8 for f in formats.names()}, "bf16": 2.0}
+TRITON = formats.with_kernel("triton")  # the formats the Triton kernels run (nvfp4, mxfp4)
+COLUMNS = TRITON + ("bf16",) + tuple(f for f in formats.names() if f not in TRITON)  # printed table order
+# (direction, value): issue 14 (M <= 256, nf4) and issue 18 (M >= 1024, grad-input, eager host time)
 TARGETS = {
-    "qwen2.5-7b/layer/M1/nvfp4_over_bf16": 3.0,
-    "qwen2.5-7b/layer/M1/hbm_fraction": 0.75,
-    "qwen2.5-7b/layer/M8/nvfp4_over_bf16": 2.5,
-    "qwen2.5-7b/layer/M2048/nvfp4_over_bf16": 0.8,
-    "qwen2.5-7b/layer/M2048/grad_input_nvfp4_over_bf16": 0.7,
-    "qwen2.5-7b/layer/M1/nvfp4_over_nf4": 3.0,
+    "qwen2.5-7b/layer/M1/nvfp4_over_bf16": (">=", 2.6),
+    "qwen2.5-7b/layer/M1/hbm_fraction": (">=", 0.6),
+    "qwen2.5-7b/layer/M8/nvfp4_over_bf16": (">=", 2.5),
+    "qwen2.5-7b/layer/M16/nvfp4_over_bf16": (">=", 2.4),
+    "qwen2.5-7b/layer/M64/nvfp4_over_bf16": (">=", 2.0),
+    "qwen2.5-7b/layer/M256/nvfp4_over_bf16": (">=", 1.0),
+    "qwen2.5-7b/layer/M1024/nvfp4_over_bf16": (">=", 0.85),
+    "qwen2.5-7b/layer/M2048/nvfp4_over_bf16": (">=", 0.85),
+    "qwen2.5-7b/layer/M256/grad_input_nvfp4_over_bf16": (">=", 0.7),
+    "qwen2.5-7b/layer/M2048/grad_input_nvfp4_over_bf16": (">=", 0.85),
+    "qwen2.5-7b/layer/M1/nvfp4_over_nf4": (">=", 1.8),
+    "qwen2.5-7b/decode_tbps/nvfp4": (">=", 2.5),
+    "qwen2.5-7b/decode_tbps/mxfp4": (">=", 2.5),
+    "eager_call/nvfp4_over_bf16": ("<=", 1.5),
 }
+EAGER_SHAPE = (1024, 4096)  # [out, in] of the layer whose eager host time is measured
+EAGER_CALLS = 1000
 
 # ----------------------------------------------------------------------------------------------
 # timing
@@ -120,7 +141,7 @@ def make_bnb(w, copies):
 
 def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    q = {fmt: formats.quantize(w.float(), fmt) for fmt in ("nvfp4", "mxfp4")}
+    q = {fmt: formats.quantize(w.float(), fmt) for fmt in TRITON}
     c = {m: n_copies(n * k * BYTES_PER_WEIGHT[m], l2) for m in BYTES_PER_WEIGHT}
     qc = {fmt: [{kk: v.clone() for kk, v in q[fmt].items()} for _ in range(c[fmt])] for fmt in q}
     wc = [w.clone() for _ in range(c["bf16"])]
@@ -128,30 +149,34 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         res = {}
-        for fmt in ("nvfp4", "mxfp4"):
+        for fmt in TRITON:
             res[fmt] = time_graph([lambda t=t, x=x, fmt=fmt: kernels.linear(x, fmt, t, n, k, backend="triton") for t in qc[fmt]])
         res["bf16"] = time_graph([lambda wi=wi, x=x: F.linear(x, wi) for wi in wc])
         if nf4 is not None:
             f, packs = nf4
             res["nf4"] = time_graph([lambda p=p, f=f, x=x: f(x, p) for p in packs])
         kind = "gemv" if m <= fp4.GEMV_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
+        if fp4._use_scratch("linear", True, m):
+            kind = "scratch"  # decode into the bf16 scratch + cuBLAS
         for meth, (sec, mode) in res.items():
             moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
             rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="linear",
                              method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
                              tflops=2 * m * n * k / sec / 1e12, timing=mode,
-                             kernel=kind if meth in ("nvfp4", "mxfp4") else None))
+                             kernel=kind if meth in TRITON else None))
     for m in grad_ms:
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         res = {}
-        for fmt in ("nvfp4", "mxfp4"):
+        for fmt in TRITON:
             res[fmt] = time_graph([lambda t=t, dy=dy, fmt=fmt: kernels.grad_input(dy, fmt, t, n, k, backend="triton") for t in qc[fmt]])
         res["bf16"] = time_graph([lambda wi=wi, dy=dy: torch.matmul(dy, wi) for wi in wc])
         for meth, (sec, mode) in res.items():
             moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
             rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="grad_input",
                              method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
-                             tflops=2 * m * n * k / sec / 1e12, timing=mode, kernel="bwd-dot"))
+                             tflops=2 * m * n * k / sec / 1e12, timing=mode,
+                             kernel=("scratch" if fp4._use_scratch("grad_input", True, m) else "bwd-dot")
+                             if meth in TRITON else None))
     del qc, wc, nf4
     torch.cuda.empty_cache()
 
@@ -247,7 +272,78 @@ def git_sha():
     return git_info()["git_sha"]
 
 
-def summarize(rows, copy_tbps):
+def decode_speed(l2, model="qwen2.5-7b"):
+    """TB/s (packed bytes read + bf16 bytes written, over time) of decoding the layer's seven
+    weights into a bf16 buffer, per format: the first half of the decode + cuBLAS path."""
+    out = {}
+    for fmt in TRITON:
+        moved, sec = 0.0, 0.0
+        for n, k in linear_shapes(model).values():
+            t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+            copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * BYTES_PER_WEIGHT[fmt], l2))]
+            buf = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+            args = lambda tt, nv=(fmt == "nvfp4"): (tt["weight_packed"], tt["weight_scale"], tt.get("weight_global_scale"), nv)  # noqa: E731
+            fns = [lambda tt=tt, buf=buf, args=args: fp4.decode(*args(tt), out=buf) for tt in copies]
+            sec += time_graph(fns)[0]
+            moved += n * k * (BYTES_PER_WEIGHT[fmt] + 2)
+        out[fmt] = moved / sec / 1e12
+        print(f"decode {fmt}: {out[fmt]:.2f} TB/s over the {model} layer ({sec * 1e6:.1f} us)", flush=True)
+    return out
+
+
+def eager_calls(rounds=5):
+    """Host time per eager call at M = 1 on an EAGER_SHAPE layer: mean wall time of EAGER_CALLS
+    back-to-back calls with no synchronisation between them (the GPU work is far shorter), for a
+    QuantLinear (nvfp4, no adapter) and F.linear (bf16), alternating; the median over rounds."""
+    from qerl.qlinear import QuantLinear
+
+    n, k = EAGER_SHAPE
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    q = QuantLinear.from_linear(lin, "nvfp4")
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    fns = {"nvfp4": lambda: q(x), "bf16": lambda: F.linear(x, w)}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            for _ in range(20):
+                f()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(EAGER_CALLS):
+                f()
+            times[name].append((time.perf_counter() - t0) / EAGER_CALLS * 1e6)
+            torch.cuda.synchronize()
+    res = {name: statistics.median(v) for name, v in times.items()}
+    print(f"eager call at M = 1 on [{n}, {k}]: nvfp4 {res['nvfp4']:.1f} us, bf16 {res['bf16']:.1f} us", flush=True)
+    return res
+
+
+def splitk_cost(l2, ms=(1, 8, 16), model="qwen2.5-7b"):
+    """Layer time (us) at small M with the deterministic split-K reduction (default) and with the
+    opt-in atomic one (QERL_SPLITK_ATOMIC=1), nvfp4."""
+    res = {}
+    shapes = linear_shapes(model)
+    for m in ms:
+        tot = {False: 0.0, True: 0.0}
+        for p in LINEAR_NAMES:
+            n, k = shapes[p]
+            t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+            qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for atomic in (False, True):
+                prev, fp4.SPLITK_ATOMIC = fp4.SPLITK_ATOMIC, atomic
+                try:
+                    fns = [lambda tt=tt, x=x, n=n, k=k: kernels.linear(x, "nvfp4", tt, n, k, backend="triton") for tt in qc]
+                    tot[atomic] += time_graph(fns, target_s=0.05)[0]
+                finally:
+                    fp4.SPLITK_ATOMIC = prev
+        res[m] = (tot[False] * 1e6, tot[True] * 1e6)
+        print(f"split-K M = {m}: deterministic {res[m][0]:.1f} us, atomic {res[m][1]:.1f} us ({model} layer)", flush=True)
+    return res
+
+
+def summarize(rows, copy_tbps, extra=None):
     def layer(op, meth, m):
         shapes = linear_shapes("qwen2.5-7b")
         total = 0.0
@@ -263,16 +359,30 @@ def summarize(rows, copy_tbps):
     def ratio(a, b):
         return None if a is None or b is None else a / b
 
+    extra = extra or {}
     s = {}
-    s["qwen2.5-7b/layer/M1/nvfp4_over_bf16"] = ratio(layer("linear", "bf16", 1), layer("linear", "nvfp4", 1))
+    ms = sorted({r["M"] for r in rows if r["model"] == "qwen2.5-7b" and r["op"] == "linear"})
+    for m in ms:
+        s[f"qwen2.5-7b/layer/M{m}/nvfp4_over_bf16"] = ratio(layer("linear", "bf16", m), layer("linear", "nvfp4", m))
     t1 = layer("linear", "nvfp4", 1)
     nbytes = sum(n * k * 0.5625 for n, k in linear_shapes("qwen2.5-7b").values())
     s["qwen2.5-7b/layer/M1/hbm_fraction"] = None if t1 is None else nbytes / (t1 / 1e3) / 1e12 / copy_tbps
-    s["qwen2.5-7b/layer/M8/nvfp4_over_bf16"] = ratio(layer("linear", "bf16", 8), layer("linear", "nvfp4", 8))
-    s["qwen2.5-7b/layer/M2048/nvfp4_over_bf16"] = ratio(layer("linear", "bf16", 2048), layer("linear", "nvfp4", 2048))
-    s["qwen2.5-7b/layer/M2048/grad_input_nvfp4_over_bf16"] = ratio(
-        layer("grad_input", "bf16", 2048), layer("grad_input", "nvfp4", 2048))
+    gms = sorted({r["M"] for r in rows if r["model"] == "qwen2.5-7b" and r["op"] == "grad_input"})
+    for m in gms:
+        s[f"qwen2.5-7b/layer/M{m}/grad_input_nvfp4_over_bf16"] = ratio(
+            layer("grad_input", "bf16", m), layer("grad_input", "nvfp4", m))
     s["qwen2.5-7b/layer/M1/nvfp4_over_nf4"] = ratio(layer("linear", "nf4", 1), layer("linear", "nvfp4", 1))
+    for fmt, tb in extra.get("decode", {}).items():
+        s[f"qwen2.5-7b/decode_tbps/{fmt}"] = tb
+    eager = extra.get("eager")
+    if eager:
+        s["eager_call_us/nvfp4"] = eager["nvfp4"]
+        s["eager_call_us/bf16"] = eager["bf16"]
+        s["eager_call/nvfp4_over_bf16"] = eager["nvfp4"] / eager["bf16"]
+    for m, (det, atomic) in extra.get("splitk", {}).items():
+        s[f"qwen2.5-7b/layer/M{m}/splitk_deterministic_us"] = det
+        s[f"qwen2.5-7b/layer/M{m}/splitk_atomic_us"] = atomic
+        s[f"qwen2.5-7b/layer/M{m}/splitk_deterministic_over_atomic"] = det / atomic
     return s
 
 
@@ -281,7 +391,7 @@ def main():
     ap.add_argument("--models", nargs="+", default=list(LAYER_CONFIGS), choices=list(LAYER_CONFIGS),
                     help="models whose linear shapes to time")
     ap.add_argument("--m", nargs="+", type=int, default=list(M_VALUES), help="rows M of the forward")
-    ap.add_argument("--grad-m", nargs="+", type=int, default=[256, 2048], help="rows M of grad-input")
+    ap.add_argument("--grad-m", nargs="+", type=int, default=list(GRAD_M_VALUES), help="rows M of grad-input")
     ap.add_argument("--out", default="results/kernels", help="folder for <gpu>.json")
     ap.add_argument("--git-sha", default=None, help="commit benchmarked (when the machine has no git)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configs on the 7B shapes")
@@ -340,7 +450,10 @@ def main():
             bench_shape(model, names, n, k, args.m, args.grad_m, l2, bnb_version is not None, rows)
             print(f"  {model} {'/'.join(names)} [{n}x{k}] done ({time.time() - t_start:.0f} s)")
 
-    summary = summarize(rows, copy_tbps)
+    extra = {}
+    if "qwen2.5-7b" in args.models:
+        extra = dict(decode=decode_speed(l2), eager=eager_calls(), splitk=splitk_cost(l2))
+    summary = summarize(rows, copy_tbps, extra)
     result = dict(gpu=gpu, git_sha=args.git_sha or git_sha(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   env=env, copy_bandwidth_tbps=copy_tbps, nf4_not_measured=bnb_why,
@@ -353,21 +466,25 @@ def main():
         json.dump(result, f, indent=1)
 
     print(f"\n{'model':13s} {'proj':18s} {'N':>6s} {'K':>6s} {'M':>5s} {'op':10s} "
-          + " ".join(f"{m:>17s}" for m in ("nvfp4 ms TB/s", "mxfp4 ms TB/s", "bf16 ms TB/s", "nf4 ms TB/s")))
+          + " ".join(f"{m + ' ms TB/s':>17s}" for m in COLUMNS))
     keyed = {}
     for r in rows:
         keyed.setdefault((r["model"], r["proj"], r["N"], r["K"], r["M"], r["op"]), {})[r["method"]] = r
     for (model, proj, n, k, m, op), d in keyed.items():
         cells = []
-        for meth in ("nvfp4", "mxfp4", "bf16", "nf4"):
+        for meth in COLUMNS:
             r = d.get(meth)
             cells.append(f"{r['ms']:9.4f} {r['tbps']:6.2f}" if r else f"{'-':>16s}")
         print(f"{model:13s} {proj:18s} {n:6d} {k:6d} {m:5d} {op:10s} " + " ".join(cells))
     print(f"\nwrote {path}")
     for key, val in summary.items():
-        tgt = TARGETS[key]
-        status = "n/a" if val is None else ("ok" if val >= tgt else "MISSED")
-        print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}  target >= {tgt}  {status}")
+        if key not in TARGETS:
+            print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}")
+            continue
+        op, tgt = TARGETS[key]
+        met = val >= tgt if op == ">=" else val <= tgt
+        status = "n/a" if val is None else ("ok" if met else "MISSED")
+        print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}  target {op} {tgt}  {status}")
     print(json.dumps(summary))
 
 

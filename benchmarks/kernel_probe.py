@@ -5,7 +5,7 @@ Checks: decode bit-exact against qerl.formats.dequantize (7B shapes and odd ones
 bf16 and fp32), the scratch path and the plan path against the reference, deterministic split-K
 (20 repeats bitwise equal). Times: decode TB/s per 7B shape and config; the 7B layer (sum of the
 seven linears) forward and grad-input per M for the fused kernels, decode + cuBLAS with several
-scratch chunk sizes, and bf16 cuBLAS; deterministic vs atomic split-K at small M; host time of
+scratch chunk sizes with and without the side-stream overlap, and bf16 cuBLAS; deterministic vs atomic split-K at small M; host time of
 eager calls. Prints a table; writes <out>/probe.json.
 
 Run: python -m benchmarks.kernel_probe --out $OUT      (about 3 min on an H100)
@@ -37,7 +37,7 @@ def rel(a, b):
 def check(res):
     torch.backends.cuda.matmul.allow_tf32 = False
     bad = []
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt in formats.with_kernel("triton"):
         for n, k in [(18944, 3584), (3584, 18944), (512, 3584), (200, 352), (1000, 4128)]:
             w = torch.randn(n, k, device="cuda") * 0.02
             t = formats.quantize(w, fmt)
@@ -52,13 +52,13 @@ def check(res):
             for m in (1, 8, 64, 300):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-                for chunk in (None, 4 * MB):
-                    fp4.SCRATCH_CHUNK_BYTES = chunk
+                for chunk, ov in ((None, False), (4 * MB, False), (None, True), (4 * MB, True)):
+                    fp4.SCRATCH_CHUNK_BYTES, fp4.SCRATCH_OVERLAP = chunk, ov
                     e1 = rel(fp4.launch_linear(x, *args, kind="scratch"), x.float() @ wd.T)
                     e2 = rel(fp4.launch_grad_input(dy, *args, kind="scratch"), dy.float() @ wd)
                     if not (e1 < 1e-2 and e2 < 1e-2):
-                        bad.append(("scratch", fmt, n, k, m, chunk, e1, e2))
-                fp4.SCRATCH_CHUNK_BYTES = None
+                        bad.append(("scratch", fmt, n, k, m, chunk, ov, e1, e2))
+                fp4.SCRATCH_CHUNK_BYTES, fp4.SCRATCH_OVERLAP = None, False
                 plan = fp4.Plan(*args)
                 y1 = plan.linear(x)
                 e3 = rel(y1, x.float() @ wd.T)
@@ -78,8 +78,8 @@ def decode_speed(res, l2):
             dict(BLOCK_N=32, NBK=16, num_warps=8), dict(BLOCK_N=64, NBK=8, num_warps=8),
             dict(BLOCK_N=8, NBK=16, num_warps=4), dict(BLOCK_N=16, NBK=16, num_warps=4),
             dict(BLOCK_N=4, NBK=32, num_warps=4)]
-    for fmt in ("nvfp4", "mxfp4"):
-        bpw = 0.5625 if fmt == "nvfp4" else 0.53125
+    for fmt in formats.with_kernel("triton"):
+        bpw = formats.bits_per_weight(fmt) / 8
         for n, k in [(18944, 3584), (3584, 18944), (3584, 3584)]:
             t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
             copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * bpw, l2))]
@@ -100,7 +100,7 @@ def decode_speed(res, l2):
 
 
 def layer_times(res, l2, fmts=("nvfp4",), ms=(64, 128, 256, 512, 1024, 2048), grad_ms=(16, 64, 256, 1024, 2048),
-                chunks=(None, 16 * MB, 32 * MB, 64 * MB)):
+                chunks=(None, 32 * MB), overlap=(False, True)):
     shapes = linear_shapes("qwen2.5-7b")
     uniq = {}
     for p in PROJECTIONS:
@@ -110,7 +110,7 @@ def layer_times(res, l2, fmts=("nvfp4",), ms=(64, 128, 256, 512, 1024, 2048), gr
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wc = [w.clone() for _ in range(n_copies(n * k * 2, l2))]
         for fmt in fmts:
-            bpw = 0.5625 if fmt == "nvfp4" else 0.53125
+            bpw = formats.bits_per_weight(fmt) / 8
             t = formats.quantize(w.float(), fmt)
             qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * bpw, l2))]
             A = lambda tt: (tt["weight_packed"], tt["weight_scale"], tt.get("weight_global_scale"), fmt == "nvfp4")  # noqa: E731
@@ -127,22 +127,24 @@ def layer_times(res, l2, fmts=("nvfp4",), ms=(64, 128, 256, 512, 1024, 2048), gr
                         if fmt == fmts[0]:
                             variants["bf16"] = [lambda wi=wi, x=x: torch.matmul(x, wi) for wi in wc]
                     for ch in chunks:
-                        if op == "linear":
-                            f = [lambda tt=tt, x=x: fp4.launch_linear(x, *A(tt), kind="scratch") for tt in qc]
-                        else:
-                            f = [lambda tt=tt, x=x: fp4.launch_grad_input(x, *A(tt), kind="scratch") for tt in qc]
-                        variants[f"scratch{'' if ch is None else ch // MB}"] = (ch, f)
+                        for ov in overlap:
+                            if op == "linear":
+                                f = [lambda tt=tt, x=x: fp4.launch_linear(x, *A(tt), kind="scratch") for tt in qc]
+                            else:
+                                f = [lambda tt=tt, x=x: fp4.launch_grad_input(x, *A(tt), kind="scratch") for tt in qc]
+                            name = f"scratch{'' if ch is None else ch // MB}{'_overlap' if ov else ''}"
+                            variants[name] = (ch, ov, f)
                     for name, fns in variants.items():
-                        ch = None
+                        ch, ov = None, False
                         if isinstance(fns, tuple):
-                            ch, fns = fns
-                        fp4.SCRATCH_CHUNK_BYTES = ch
+                            ch, ov, fns = fns
+                        fp4.SCRATCH_CHUNK_BYTES, fp4.SCRATCH_OVERLAP = ch, ov
                         try:
                             sec, _ = time_graph(fns, target_s=0.08)
                         except Exception as e:  # noqa: BLE001
                             print("FAILED", op, fmt, m, name, type(e).__name__, str(e)[:200], flush=True)
                             sec = float("nan")
-                        fp4.SCRATCH_CHUNK_BYTES = None
+                        fp4.SCRATCH_CHUNK_BYTES, fp4.SCRATCH_OVERLAP = None, False
                         meth = name if name == "bf16" else f"{fmt}/{name}"
                         key = (op, meth, m)
                         tot[key] = tot.get(key, 0.0) + sec * len(names)
@@ -187,18 +189,9 @@ def eager_calls(res):
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     t = q.packed_tensors()
     plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
-    slow = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
-
-    def slow_call():
-        fp4.FAST_LAUNCH = False
-        try:
-            return slow.linear(x)
-        finally:
-            fp4.FAST_LAUNCH = True
-
     fns = {"bf16": lambda: F.linear(x, w), "nvfp4": lambda: q(x),
            "nvfp4_dispatch": lambda: kernels.linear(x, "nvfp4", t, n, k, backend="triton"),
-           "nvfp4_plan": lambda: plan.linear(x), "nvfp4_plan_no_fast_launch": slow_call}
+           "nvfp4_plan": lambda: plan.linear(x)}
     ref = F.linear(x, q.dequantized_weight())
     out = {}
     for rep in range(3):
@@ -234,7 +227,7 @@ def main():
     t0 = time.time()
     def mx(r):
         sub = {}
-        layer_times(sub, l2, fmts=("mxfp4",), ms=(64, 128, 256), grad_ms=(16, 64), chunks=(None, 32 * MB))
+        layer_times(sub, l2, fmts=("mxfp4",), ms=(64, 128, 256), grad_ms=(16, 64), chunks=(None,), overlap=(False,))
         r["layer_mxfp4"] = sub["layer"]
 
     steps = [("eager", eager_calls), ("check", check), ("layer", lambda r: layer_times(r, l2)),

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from qerl import formats
 from qerl.arch import QWEN25_CONFIGS
 from qerl.logging import environment
 from qerl.models import build_model_from_config
@@ -28,7 +29,7 @@ def main():
     rows = []
     for name in QWEN25_CONFIGS:
         row = {"model": name, "bf16_gb": model_size_bytes(build_model_from_config(name, device="meta")) / 1e9}
-        for fmt in ("nvfp4", "mxfp4", "nf4"):
+        for fmt in formats.names():
             m = build_model_from_config(name, device="meta")
             quantize_(m, QuantizeConfig(fmt=fmt, lora_rank=0))
             row[f"{fmt}_gb"] = model_size_bytes(m) / 1e9

@@ -50,8 +50,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import speed_common as sc  # noqa: E402
+from qerl.config import QERL_FORMAT, QLORA_FORMAT, table_bases  # noqa: E402
 
-METHODS = ("bf16", "nf4", "mxfp4", "nvfp4", "hf_generate_bf16")
+METHODS = table_bases() + ("hf_generate_bf16",)  # bf16, every registered format, HF generate
 SUMMARY_MODELS = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")
 SUMMARY_RANK = 32
 TARGETS = {}
@@ -209,10 +210,10 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """(summary with exactly SUMMARY_KEYS, notes saying which rows each value came from)."""
     summary, notes = {}, {}
     for m in SUMMARY_MODELS:
-        for key, (batch, num, den) in {"bs1/nvfp4_over_bf16": (1, "nvfp4", "bf16"),
-                                       "bs8/nvfp4_over_bf16": (8, "nvfp4", "bf16"),
-                                       "bs1/nvfp4_over_nf4": (1, "nvfp4", "nf4"),
-                                       "bs1/nvfp4_over_hf_generate_bf16": (1, "nvfp4", "hf_generate_bf16")}.items():
+        for key, (batch, num, den) in {"bs1/nvfp4_over_bf16": (1, QERL_FORMAT, "bf16"),
+                                       "bs8/nvfp4_over_bf16": (8, QERL_FORMAT, "bf16"),
+                                       "bs1/nvfp4_over_nf4": (1, QERL_FORMAT, QLORA_FORMAT),
+                                       "bs1/nvfp4_over_hf_generate_bf16": (1, QERL_FORMAT, "hf_generate_bf16")}.items():
             summary[f"{m}/{key}"], notes[f"{m}/{key}"] = _ratio(rows, m, batch, num, den)
         r = _pick(rows, m, "nvfp4", 1)
         summary[f"{m}/bs1/roofline_fraction"] = r.get("roofline_fraction") if r else None
@@ -298,9 +299,10 @@ def run(args) -> dict:
 
     for mk in args.models:
         vocab = sc.vocab_size(mk)
-        # nvfp4 first, nf4 (the slowest) last: a run cut off by the time limit keeps the rows that matter most
-        fmts = [f for f in ("nvfp4", "bf16", "mxfp4", "nf4")
-                if f in args.methods or (f == "bf16" and "hf_generate_bf16" in args.methods)]
+        # QeRL's format first, QLoRA's (the slowest) last: a run cut off by the time limit keeps the rows
+        # that matter most
+        order = sorted(table_bases(), key=lambda f: (f != QERL_FORMAT, f == QLORA_FORMAT))
+        fmts = [f for f in order if f in args.methods or (f == "bf16" and "hf_generate_bf16" in args.methods)]
         for fmt in fmts:
             t0 = time.time()
             base = dict(model=mk, method=fmt, batch=None, lora_rank=args.ranks[0], prompt_len=args.prompt,
@@ -356,7 +358,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(SUMMARY_MODELS), choices=list(sc.MODELS),
                     help="architectures (random weights)")
-    ap.add_argument("--methods", nargs="+", default=["bf16", "nf4", "nvfp4", "hf_generate_bf16"], choices=METHODS,
+    ap.add_argument("--methods", nargs="+", default=["bf16", QLORA_FORMAT, QERL_FORMAT, "hf_generate_bf16"], choices=METHODS,
                     help="base formats timed with the fast engine, and hf_generate_bf16 (HF generate, bf16 LoRA model)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8], help="batch sizes (sequences per rollout)")
     ap.add_argument("--ranks", nargs="+", type=int, default=[SUMMARY_RANK], help="LoRA ranks (alpha = 2 r)")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from qerl.arch import PAPER_MODELS
+from qerl.config import table_bases
 from qerl.logging import environment
 from qerl.qlinear import QuantLinear
 from qerl.quantize import QuantizeConfig, model_size_bytes
@@ -33,7 +34,7 @@ MODELS = {
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
                        eos_token_id=2, bos_token_id=1, max_position_embeddings=4096),
 }
-FORMATS = ("bf16", "nf4", "mxfp4", "nvfp4")  # base weight formats; LoRA on top of each
+FORMATS = table_bases()  # base weight formats (bf16 and the format registry); LoRA on top of each
 FIRST_SPECIAL_TOKEN = 151643  # Qwen2.5's <|endoftext|>; prompts use ordinary token ids below it
 
 

@@ -37,9 +37,10 @@ from qerl.arch import FUSED_GROUPS, LINEAR_NAMES
 PROJS = LINEAR_NAMES
 FUSED = {p: group[0] for _, group in FUSED_GROUPS for p in group}  # projection -> its fused group's key
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-# Columns: (name, format, fuse nvfp4 global scales)
-COLUMNS = (("nvfp4", "nvfp4", True), ("nvfp4_per_tensor_gs", "nvfp4", False),
-           ("mxfp4", "mxfp4", False), ("nf4", "nf4", False))
+# (column, format, fused global scale): every registered format; a format with a fused global scale
+# (nvfp4) also gets a column with each matrix's own global scale ("<fmt>_per_tensor_gs").
+COLUMNS = tuple(col for f in formats.names() for col in (
+    ((f, f, True), (f"{f}_per_tensor_gs", f, False)) if formats.get(f).fused_global_scale else ((f, f, False),)))
 
 
 def parse_args(argv=None):
@@ -119,22 +120,23 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def fused_scales(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """NVFP4 global scale per module with (q,k,v) and (gate,up) of each block sharing one."""
+def fused_scales(weights: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """The global scale of `fmt` (its spec's fused_global_scale) per module, (q,k,v) and (gate,up) of
+    each block sharing one."""
     groups = defaultdict(list)
     for name in weights:
         parent, proj = name.rsplit(".", 1)
         groups[(parent, FUSED.get(proj, proj))].append(name)
     scales = {}
     for names in groups.values():
-        gs = formats.fused_global_scale([weights[n] for n in names])
+        gs = formats.get(fmt).fused_global_scale([weights[n] for n in names])
         scales.update({n: gs for n in names})
     return scales
 
 
 def measure(weights: dict[str, torch.Tensor], device: str) -> list[dict]:
     """Per-matrix signal and noise energies (fp64) for every column."""
-    gs_fused = fused_scales(weights)
+    gs_fused = {fmt: fused_scales(weights, fmt) for _, fmt, fuse in COLUMNS if fuse}
     rows = []
     for name, w in weights.items():
         w = w.to(device)
@@ -142,7 +144,7 @@ def measure(weights: dict[str, torch.Tensor], device: str) -> list[dict]:
         row = {"module": name, "proj": name.rsplit(".", 1)[-1], "shape": list(w.shape),
                "signal": float(w64.pow(2).sum())}
         for col, fmt, fuse in COLUMNS:
-            gs = gs_fused[name].to(device) if fuse else None
+            gs = gs_fused[fmt][name].to(device) if fuse else None
             w_hat = formats.dequantize(formats.quantize(w, fmt, global_scale=gs), fmt, dtype=torch.float32)
             row[f"noise_{col}"] = float((w64 - w_hat.double()).pow(2).sum())
         rows.append(row)

@@ -55,12 +55,12 @@ import torch
 
 from benchmarks import speed_common as sc
 from qerl import step as qstep
-from qerl.config import TrainConfig, method_name, parse_method
+from qerl.config import QERL_FORMAT, QLORA_FORMAT, TrainConfig, method_name, parse_method, table_bases
 from qerl.quantize import lora_parameters
 from qerl.rollout import RolloutOutput
 from qerl.train import make_optimizer, optimizer_params
 
-METHODS = ("bf16", "nf4", "mxfp4", "nvfp4")
+METHODS = table_bases()  # bf16 and every registered format
 SUMMARY_KEYS = (
     "qwen2.5-14b/bs8/e2e_nvfp4_over_bf16",
     "qwen2.5-7b/bs8/e2e_nvfp4_over_bf16",
@@ -95,7 +95,7 @@ PAPER = {
     "model_size_gb": {"qwen2.5-7b/bf16": 15.2, "qwen2.5-7b/nvfp4": 5.9, "qwen2.5-14b/bf16": 29.6,
                       "qwen2.5-14b/nvfp4": 10.6, "qwen2.5-32b/bf16": 62.3, "qwen2.5-32b/nvfp4": 20.7},
     "s_per_step": {"qwen2.5-32b/nvfp4/bs2": 10.6, "qwen2.5-32b/nvfp4/bs8": 12.2},
-    "e2e_speedup_over_bf16": {"nvfp4": "x1.2 to x1.5", "nf4": "x0.7 to x0.8"},
+    "e2e_speedup_over_bf16": {QERL_FORMAT: "x1.2 to x1.5", QLORA_FORMAT: "x0.7 to x0.8"},
     "source": "QeRL paper Table 3 (H100 80GB, gradient checkpointing), via ../shared/DESIGN.md; reference only",
 }
 
@@ -418,7 +418,7 @@ def run(args) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-14b"], choices=list(sc.MODELS))
-    ap.add_argument("--methods", nargs="+", default=["nvfp4", "bf16", "nf4"], choices=METHODS,
+    ap.add_argument("--methods", nargs="+", default=[QERL_FORMAT, "bf16", QLORA_FORMAT], choices=METHODS,
                     help="base formats (LoRA on top of each), run in this order; nf4 runs bitsandbytes' kernels")
     ap.add_argument("--batch", nargs="+", type=int, default=[8], help="completions per step (paper: 2, 4, 8)")
     ap.add_argument("--grad-ckpt", nargs="+", default=["on"], choices=["on", "off"], help="gradient checkpointing")

@@ -19,9 +19,10 @@ Seeds: smoke 0; small 0 1 2; paper 0. Writes <run root>/results/fig4_reward_curv
 from __future__ import annotations
 
 from experiments import _common as C
+from qerl.config import method_name, table_bases
 
 NAME = "fig4_reward_curves"
-METHODS = ("bf16_full", "bf16_lora", "nf4_lora", "mxfp4_lora", "nvfp4_lora")
+METHODS = ("bf16_full",) + tuple(method_name(b) for b in table_bases())  # full, then LoRA on every base
 LOSSES = {"grpo": C.GRPO, "dapo": C.DAPO}
 PAPER_STEPS = 200  # the x-range of the paper's figure
 

@@ -18,9 +18,10 @@ Seeds: smoke 0; small 0 1 2; paper 0. Writes <run root>/results/fig5_entropy/<pr
 from __future__ import annotations
 
 from experiments import _common as C
+from qerl.config import method_name, table_bases
 
 NAME = "fig5_entropy"
-METHODS = ("bf16_lora", "nf4_lora", "mxfp4_lora", "nvfp4_lora")
+METHODS = tuple(method_name(b) for b in table_bases())  # LoRA on every base
 PAPER_STEPS = 200  # the x-range of the paper's figure
 
 

@@ -24,10 +24,10 @@ Seeds: smoke 0; small 0 1 2; paper 0.
 from __future__ import annotations
 
 from experiments import _common as C
-from qerl.config import METHODS
+from qerl.config import METHODS, table_bases
 
 NAME = "table1"
-BASE_ROWS = ("bf16", "nf4", "mxfp4", "nvfp4")  # untrained rows
+BASE_ROWS = table_bases()  # untrained rows: bf16 and every registered format
 PAPER_MODELS = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-3B-Instruct")
 # Reference only (../shared/DESIGN.md): GSM8K accuracy (%), paper Table 1.
 PAPER_TABLE1 = {"bf16": 76.3, "bf16_full": 91.2, "bf16_lora": 88.1, "nf4_lora": 85.0, "nvfp4_lora": 88.5,

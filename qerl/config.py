@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from qerl import formats
 
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
-# The paper's format: QeRL is LoRA on an NVFP4 base with AQN.
+# The formats of the paper's two 4-bit roles: QeRL is LoRA on an NVFP4 base with AQN; its baseline
+# QLoRA is LoRA on an NF4 base (bitsandbytes).
 QERL_FORMAT = "nvfp4"
+QLORA_FORMAT = "nf4"
 
 
 def table_bases() -> tuple[str, ...]:
@@ -158,8 +160,10 @@ class TrainConfig:
             raise ValueError(f"bigmath_config must be one of {BIGMATH_CONFIGS}, got {self.bigmath_config!r}")
         if self.engine not in ("auto", "fast", "hf"):
             raise ValueError(f"engine must be auto|fast|hf, got {self.engine!r}")
-        if self.backend not in ("auto", "triton", "reference", "bitsandbytes"):
-            raise ValueError(f"backend must be auto|triton|reference|bitsandbytes, got {self.backend!r}")
+        from qerl.kernels import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2 (group-relative advantages need a group)")
         for name in ("prompts_per_step", "max_completion_length", "max_steps", "num_iterations", "micro_batch_size",

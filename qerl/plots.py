@@ -460,7 +460,7 @@ def plot_rollout_throughput(rows, results=RESULTS, out_dir=None, name="rollout_t
         return None
     batches = sorted(rows["batch"].unique())
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.8), squeeze=False)
-    methods = [m for m in ["bf16", "nf4", "mxfp4", "nvfp4", "hf_generate_bf16"] if m in set(rows["method"])]
+    methods = [m for m in table_bases() + ("hf_generate_bf16",) if m in set(rows["method"])]
     for ax, bs in zip(axes[0], batches):
         sub = rows[rows["batch"] == bs]
         models = sorted(sub["model"].unique())

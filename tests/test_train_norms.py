@@ -153,3 +153,18 @@ def test_kl_reference_uses_the_initial_norms(tiny_llama_dir):
     with adapters_disabled(model):
         assert all(torch.equal(a, b) for a, b in zip(_norms(model), initial))
     assert all(torch.equal(a, b) for a, b in zip(_norms(model), trained))
+
+
+def test_resume_with_trained_norms_matches_uninterrupted(tmp_path, tiny_llama_dir, text_rewards):
+    full = tmp_path / "full"
+    cut = tmp_path / "cut"
+    train(_cfg(tmp_path, tiny_llama_dir, output_dir=str(full)))
+    train(_cfg(tmp_path, tiny_llama_dir, output_dir=str(cut)), stop_after=2)
+    train(_cfg(tmp_path, tiny_llama_dir, output_dir=str(cut), resume_from="auto"))
+    from safetensors.torch import load_file
+
+    a = load_file(str(full / "checkpoints" / "step-3" / "trainable.safetensors"))
+    b = load_file(str(cut / "checkpoints" / "step-3" / "trainable.safetensors"))
+    assert sum("layernorm" in n for n in a) == 4 and a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n

@@ -847,25 +847,74 @@ def _decode_into(out, packed, scale_u8, gs_arg, is_nv, r0, c0, n_rows, n_cols, c
                          IS_NV=is_nv, BLOCK_N=bn, NBK=nbk, EVEN=even, num_warps=cfg["num_warps"])
 
 
-def _chunk(total: int, other: int, elem: int, align: int) -> int:
+# Opt-in, not measured yet (QERL_SCRATCH_OVERLAP=1): decode chunk i + 1 on a side stream while
+# cuBLAS multiplies chunk i, in two scratch slots (OVERLAP_CHUNKS chunks when SCRATCH_CHUNK_BYTES
+# is None). Run `python -m benchmarks.kernel_probe` to compare it with one chunk.
+SCRATCH_OVERLAP = os.environ.get("QERL_SCRATCH_OVERLAP", "0") == "1"
+OVERLAP_CHUNKS = 4
+_SIDE_STREAMS: dict = {}
+
+
+def _chunk(total: int, other: int, elem: int, align: int, overlap: bool) -> int:
     """Chunk length along a dim of ``total`` (the other dim ``other``) under SCRATCH_CHUNK_BYTES."""
     if SCRATCH_CHUNK_BYTES is None:
-        return total
+        if not overlap:
+            return total
+        return min(total, -(-triton.cdiv(total, OVERLAP_CHUNKS) // align) * align)
     c = max(align, SCRATCH_CHUNK_BYTES // (other * elem) // align * align)
     return min(total, c)
+
+
+def _chunked(total: int, chunk: int, slot: int, buf: torch.Tensor, decode, gemm, overlap: bool) -> None:
+    """For each chunk [c0, c0 + c): decode(slot buffer, c0, c) -> w, then gemm(w, c0, c). With
+    ``overlap`` (CUDA, more than one chunk) the decodes run on a side stream into two alternating
+    slots, each waiting for the GEMM that last read its slot; the side stream forks from and joins
+    the current stream, so this also works under CUDA-graph capture."""
+    if not overlap or total <= chunk:
+        for c0 in range(0, total, chunk):
+            c = min(chunk, total - c0)
+            gemm(decode(buf, c0, c), c0, c)
+        return
+    main = torch.cuda.current_stream(buf.device)
+    side = _SIDE_STREAMS.get(buf.device.index)
+    if side is None:
+        side = _SIDE_STREAMS[buf.device.index] = torch.cuda.Stream(buf.device)
+    side.wait_stream(main)
+    freed = [None, None]
+    for i, c0 in enumerate(range(0, total, chunk)):
+        c = min(chunk, total - c0)
+        j = i % 2
+        with torch.cuda.stream(side):
+            if freed[j] is not None:
+                side.wait_event(freed[j])
+            w = decode(buf[j * slot:(j + 1) * slot], c0, c)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        main.wait_event(ready)
+        gemm(w, c0, c)
+        freed[j] = torch.cuda.Event()
+        freed[j].record(main)
+    main.wait_stream(side)
 
 
 def scratch_linear(x2: torch.Tensor, packed, scale_u8, gs_arg, is_nv: bool, out: torch.Tensor) -> torch.Tensor:
     """out [M, N] = x2 [M, K] @ W^T: W decoded chunk by chunk of rows into the scratch, cuBLAS per chunk."""
     N, KH = packed.shape
     K = 2 * KH
-    rows = _chunk(N, K, x2.element_size(), 128)
-    buf = _scratch(x2.device, x2.dtype, rows * K)
-    for r0 in range(0, N, rows):
-        n = min(rows, N - r0)
-        w = buf[: n * K].view(n, K)
+    overlap = SCRATCH_OVERLAP and x2.device.type == "cuda"
+    rows = _chunk(N, K, x2.element_size(), 128, overlap)
+    slots = 2 if overlap and rows < N else 1
+    buf = _scratch(x2.device, x2.dtype, slots * rows * K)
+
+    def decode(b, r0, n):
+        w = b[: n * K].view(n, K)
         _decode_into(w, packed, scale_u8, gs_arg, is_nv, r0, 0, n, K, DECODE_CONFIG[is_nv])
+        return w
+
+    def gemm(w, r0, n):
         torch.mm(x2, w.t(), out=out[:, r0:r0 + n] if n < N else out)
+
+    _chunked(N, rows, rows * K, buf, decode, gemm, overlap)
     return out
 
 
@@ -873,13 +922,20 @@ def scratch_grad_input(dy2: torch.Tensor, packed, scale_u8, gs_arg, is_nv: bool,
     """dx [M, K] = dy2 [M, N] @ W: W decoded chunk by chunk of columns into the scratch."""
     N, KH = packed.shape
     K = 2 * KH
-    cols = _chunk(K, N, dy2.element_size(), 128)
-    buf = _scratch(dy2.device, dy2.dtype, cols * N)
-    for c0 in range(0, K, cols):
-        c = min(cols, K - c0)
-        w = buf[: N * c].view(N, c)
+    overlap = SCRATCH_OVERLAP and dy2.device.type == "cuda"
+    cols = _chunk(K, N, dy2.element_size(), 128, overlap)
+    slots = 2 if overlap and cols < K else 1
+    buf = _scratch(dy2.device, dy2.dtype, slots * cols * N)
+
+    def decode(b, c0, c):
+        w = b[: N * c].view(N, c)
         _decode_into(w, packed, scale_u8, gs_arg, is_nv, 0, c0, N, c, DECODE_CONFIG[is_nv])
+        return w
+
+    def gemm(w, c0, c):
         torch.mm(dy2, w, out=dx[:, c0:c0 + c] if c < K else dx)
+
+    _chunked(K, cols, cols * N, buf, decode, gemm, overlap)
     return dx
 
 
@@ -953,55 +1009,6 @@ def _linear_call(x2, packed, w32, scale_u8, gs_arg, out, launch) -> tuple:
 def _run_linear(x2, packed, w32, scale_u8, gs_arg, is_nv, out, launch) -> None:
     fn, grid, args, kwargs = _linear_call(x2, packed, w32, scale_u8, gs_arg, out, launch)
     fn[grid](*args, **kwargs)
-
-
-# Relaunch the compiled kernel directly (Plan, eager calls): skips Triton's per-call argument
-# binding, specialisation and cache lookup. Off: every launch goes through kernel[grid](...).
-FAST_LAUNCH = os.environ.get("QERL_FAST_LAUNCH", "1") == "1"
-
-
-class _Launcher:
-    """One kernel launch repeated with the same integer arguments and 16-byte aligned pointers:
-    the first call compiles / looks up through Triton and keeps the CompiledKernel, later calls
-    hand the arguments straight to its launcher. Anything that could change Triton's
-    specialisation (an integer argument, a pointer's alignment) falls back to kernel[grid]()."""
-
-    __slots__ = ("fn", "grid", "kwargs", "compiled", "ints", "tail")
-
-    def __init__(self, fn, grid, kwargs):
-        self.fn, self.grid, self.kwargs = fn, grid, kwargs
-        self.compiled = None
-
-    @staticmethod
-    def _key(args):
-        ints = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                if a.data_ptr() % 16:
-                    return None
-            else:
-                ints.append(a)
-        return tuple(ints)
-
-    def __call__(self, args) -> None:
-        key = self._key(args)
-        c = self.compiled
-        if c is not None and key == self.ints:
-            stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-            g = self.grid
-            c.run(g[0], g[1], 1, stream, c.function, c.packed_metadata, None, None, None, *args, *self.tail)
-            return
-        compiled = self.fn[self.grid](*args, **self.kwargs)
-        if key is None or self.compiled is not None or INTERPRETED or not FAST_LAUNCH:
-            return
-        from triton import knobs
-
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-            return
-        names = self.fn.arg_names
-        params = self.fn.signature.parameters
-        self.tail = tuple(self.kwargs[n] if n in self.kwargs else params[n].default for n in names[len(args):])
-        self.ints, self.compiled = key, compiled
 
 
 def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
@@ -1112,18 +1119,14 @@ class Plan:
         elif _use_scratch("linear", self.is_nv, M):
             scratch_linear(x2, self.packed, self.scale_u8, self.gs_arg, self.is_nv, out)
         else:
-            key = (M, SPLITK_ATOMIC, x.dtype)
-            entry = self._launch.get(key)
-            if entry is None:
+            key = (M, SPLITK_ATOMIC)
+            launch = self._launch.get(key)
+            if launch is None:
                 launch = _linear_launch(M, N, K, self.is_nv, x.device, None, None, None, self.w32 is not None)
-                fn, grid, args, kwargs = _linear_call(x2, self.packed, self.w32, self.scale_u8, self.gs_arg, out,
-                                                      launch)
-                entry = (launch, _Launcher(fn, grid, kwargs))
                 if M <= 256:
-                    self._launch[key] = entry
-            else:
-                args = _linear_call(x2, self.packed, self.w32, self.scale_u8, self.gs_arg, out, entry[0])[2]
-            entry[1](args)
+                    self._launch[key] = launch
+            fn, grid, args, kwargs = _linear_call(x2, self.packed, self.w32, self.scale_u8, self.gs_arg, out, launch)
+            fn[grid](*args, **kwargs)
         return out.view(*x.shape[:-1], N)
 
     def grad_input(self, dy: torch.Tensor) -> torch.Tensor:
