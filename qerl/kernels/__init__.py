@@ -90,7 +90,7 @@ def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
         return "reference"
     if backend == "bitsandbytes":
         if not _has_kernel(fmt, "bitsandbytes"):
-            raise RuntimeError(f"backend='bitsandbytes' runs {formats.with_kernel('bitsandbytes')} only, not {fmt!r}; "
+            raise RuntimeError(f"backend='bitsandbytes' runs {', '.join(formats.with_kernel('bitsandbytes'))} only, not {fmt!r}; "
                                "use 'auto', 'triton' or 'reference'")
         bnb.require()
         return "bitsandbytes"
@@ -106,7 +106,7 @@ def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
     # backend == "triton": never fall back silently.
     if not _has_kernel(fmt, "triton"):
         raise RuntimeError(
-            f"backend='triton' has kernels for {formats.with_kernel('triton')} only, not {fmt!r}; "
+            f"backend='triton' has kernels for {', '.join(formats.with_kernel('triton'))} only, not {fmt!r}; "
             "use backend='reference' (or backend='bitsandbytes' for nf4)"
         )
     ok, why = triton_available(device)
