@@ -194,7 +194,9 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
         for ms in range(0, n, mini):
             mini_idx = order[ms:ms + mini]
             micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
-            n_tokens = int(n_loss_tokens[mini_idx].sum())
+            # loss tokens of the mini-batch (dapo's normaliser); at least 1, as the other reductions clamp
+            # theirs: a mini-batch whose tokens are all masked (truncated) then has loss 0, not an error
+            n_tokens = max(int(n_loss_tokens[mini_idx].sum()), 1)
             opt.zero_grad(set_to_none=True)
             bad = None
             # This rank's members of each global micro-batch, packed into forwards of up to mb rows:

@@ -234,3 +234,10 @@ def test_gap_guard_config_and_cli_line(monkeypatch, capsys):
     assert main(["train", "--profile", "smoke", "--max-logprob-gap", "0.3"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: broken rollout: mean |rollout - training| log-prob gap 0.412 nats at step 3"]
+
+
+def test_dapo_with_every_completion_masked_trains_on_nothing(tmp_path, text_rewards):
+    """mask_truncated_completions on completions that are all truncated: no loss token anywhere; dapo's
+    global normaliser is clamped at 1 like the others, so the step has loss 0 instead of an error."""
+    rows = run_tiny(tiny_cfg(tmp_path / "d", loss_type="dapo", mask_truncated_completions=True, max_completion_length=2))
+    assert rows[0]["completions/clipped_ratio"] == 1.0 and rows[0]["loss"] == 0.0

@@ -4,19 +4,23 @@ Weights stay exactly as on disk (CONTRACTS.md): ``weight_packed`` uint8 [N, K/2]
 the low nibble of byte j), ``weight_scale`` [N, K/B] (NVFP4: float8_e4m3fn, B=16; MXFP4: uint8
 E8M0, B=32), and for NVFP4 ``weight_global_scale`` fp32 [1], a divisor.
 
-Sections, in order: bit decoding helpers, the split-K epilogue, the three jitted kernels, config
-choice, Python launchers, and the torch.library custom ops (with fake and autograd registrations
-so they work under torch.compile and CUDA graphs).
+Sections, in order: bit decoding helpers, the split-K epilogue, the jitted kernels, config
+choice, Python launchers (fused kernels, the decode + cuBLAS scratch path, per-layer plans), and
+the torch.library custom ops (with fake and autograd registrations so they work under
+torch.compile and CUDA graphs).
 
 Kernels:
   - ``_fwd_gemv_kernel``: y = x W^T for M <= GEMV_MAX_M (decode). Weights read as int32 words and
     decoded two at a time into bf16x2 with packed integer ops (inline PTX), bf16x2 FMAs per word,
     fp32 across words; split-K over the reduction for parallelism. See the GEMV section.
-  - ``_fwd_dot_kernel``: y = x W^T with ``tl.dot`` (tensor cores): tiled GEMM for large M, and
+  - ``_fwd_dot_kernel``: y = x W^T with ``tl.dot`` (tensor cores): tiled GEMM for mid M, and
     with BLOCK_M=16 plus split-K for skinny M. By default "swap AB": the tile is computed as
     (W x^T)^T, so the decoded weight is wgmma's register operand A and x, pipelined into shared
     memory, operand B.
-  - ``_bwd_dot_kernel``: dx = dy W with ``tl.dot``.
+  - ``_bwd_dot_kernel``: dx = dy W with ``tl.dot`` (only when asked for: kind="fused").
+  - ``_decode_kernel``: W (or a block of it) -> a dense bf16 / fp32 buffer, bit for bit
+    qerl.formats.dequantize. From M = SCRATCH_MIN_M the forward, and grad-input at every M, decode
+    the weight into a transient scratch (one per device and dtype) and call cuBLAS.
 
 Decoding is by hand (Triton 3.6's ``tl.dot_scaled`` does not compile e4m3 scales on sm_90). In
 the tensor-core kernels (``_weight_tile``) an E2M1 code c is placed in the bits of a bf16 so that
@@ -28,11 +32,12 @@ so the tensor-core operand is exact and the only rounding is the fp32 accumulati
 has its own packed decode (below). The constant powers of two and the NVFP4 global divisor are
 applied once, in the epilogue.
 
-Split-K partial sums are reduced without extra launches: each program atomically adds its fp32
-tile into a per-(device, stream) workspace (one per device), bumps a per-tile counter, and the last program to
-arrive reads the sum back and zeroes the workspace, stores the output in
-x.dtype and resets the counter. The workspace is therefore all-zero between calls; it grows
-(a fresh allocation) only when a larger M*N is seen, so warm up once before capturing a CUDA
+Split-K partial sums are reduced without extra launches. By default in a fixed order: each program
+stores its fp32 partial tile in its own slice of a per-device workspace, bumps a per-tile counter,
+and the last program to arrive sums the slices in split order, stores the output in x.dtype and
+resets the counter, so results are bitwise repeatable. QERL_SPLITK_ATOMIC=1 selects fp32 atomics in
+arrival order instead (one zeroed [M, N] slice). Workspaces grow (a fresh allocation, the old one
+retired, never freed) only when a larger launch is seen, so warm up once before capturing a CUDA
 graph.
 """
 
