@@ -68,8 +68,7 @@ CELLS = {
         SETUP,
         "plots.step_time_table()",
         "plots.plot_step_time()\nshow('step_time')",
-        "k = plots.kernel_table()\nk.xs('linear', level='op')[['bf16', 'nvfp4', 'mxfp4', 'nf4', "
-        "'bf16/nvfp4', 'bf16/nf4']] if k is not None else None",
+        "k = plots.kernel_table()\nk.xs('linear', level='op') if k is not None else None",
         "show('kernels')",
         "pd.DataFrame({'measured': k.attrs['summary'], 'target': k.attrs['targets']}) "
         "if k is not None else None",

@@ -40,11 +40,12 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": " ".join(["python"] + sys.argv), **environment(), "unit": "GB (1e9 bytes)",
                                "rows": rows}, indent=2))
-    print("| model | bf16 GB | nvfp4 GB | mxfp4 GB | nf4 GB | paper bf16 | paper nvfp4 |")
-    print("|---|---|---|---|---|---|---|")
+    fmts = ("bf16",) + formats.names()
+    print("| model | " + " | ".join(f"{f} GB" for f in fmts) + " | paper bf16 | paper nvfp4 |")
+    print("|---" * (len(fmts) + 3) + "|")
     for r in rows:
-        print(f"| {r['model']} | {r['bf16_gb']:.1f} | {r['nvfp4_gb']:.1f} | {r['mxfp4_gb']:.1f} | {r['nf4_gb']:.1f} | "
-              f"{r.get('paper_bf16_gb', '-')} | {r.get('paper_nvfp4_gb', '-')} |")
+        print(f"| {r['model']} | " + " | ".join(f"{r[f + '_gb']:.1f}" for f in fmts)
+              + f" | {r.get('paper_bf16_gb', '-')} | {r.get('paper_nvfp4_gb', '-')} |")
 
 
 if __name__ == "__main__":
