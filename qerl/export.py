@@ -34,13 +34,13 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from qerl import formats
-from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, check_supported
+from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, PROJECTIONS, check_supported
 from qerl.models import TOKENIZER_FILES, resolve_model_path
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep the streaming writer's memory low
 
 _LAYER_LINEAR = re.compile(
-    r"^(?P<layer>.*\blayers\.(?P<idx>\d+))\.(?:self_attn|mlp)\.(?P<proj>"
+    r"^(?P<layer>.*\blayers\.(?P<idx>\d+))\.(?:" + "|".join(PROJECTIONS) + r")\.(?P<proj>"
     + "|".join(LINEAR_NAMES) + r")\.weight$")
 _LAYER = re.compile(r"^(?P<layer>.*\blayers\.(?P<idx>\d+))\.")
 

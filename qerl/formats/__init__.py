@@ -16,7 +16,7 @@ import torch
 
 from qerl.formats import mxfp4, nf4, nvfp4
 from qerl.formats.nvfp4 import fused_global_scale, nvfp4_global_scale
-from qerl.formats.registry import FormatSpec, get, names, register, unregister, with_kernel
+from qerl.formats.registry import FormatSpec, get, lookup, names, register, unregister, with_kernel
 
 # The built-in formats, in the order qerl lists them.
 for _module in (nvfp4, mxfp4, nf4):
@@ -28,6 +28,7 @@ __all__ = [
     "register",
     "unregister",
     "get",
+    "lookup",
     "names",
     "with_kernel",
     "block_size",

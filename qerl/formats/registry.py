@@ -107,6 +107,10 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+# The spec of a name, or None: one dict lookup (the kernel dispatch calls it on every matmul).
+lookup: Callable[[str], FormatSpec | None] = _REGISTRY.get
+
+
 def get(name: str) -> FormatSpec:
     """The spec of a registered format, or a ValueError naming the registered ones."""
     spec = _REGISTRY.get(name)

@@ -45,12 +45,14 @@ from qerl.kernels import bnb
 BACKENDS = ("auto", "triton", "reference", "bitsandbytes")
 
 
-def _check_args(fmt: str, tensors: dict, out_features: int, in_features: int, backend: str) -> None:
+def _check_args(fmt: str, tensors: dict, out_features: int, in_features: int, backend: str):
+    """Validate the arguments; returns fmt's FormatSpec."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if fmt not in formats.names():
+    spec = formats.lookup(fmt)
+    if spec is None:
         raise ValueError(f"fmt must be one of {formats.names()}, got {fmt!r}")
-    required = formats.get(fmt).tensor_names
+    required = spec.tensor_names
     missing = [k for k in required if k not in tensors]
     if missing:
         raise ValueError(f"fmt {fmt!r} needs tensors {required}; missing {missing}")
@@ -60,16 +62,12 @@ def _check_args(fmt: str, tensors: dict, out_features: int, in_features: int, ba
             f"weight_packed has {packed.numel()} bytes, expected out_features*in_features/2 = "
             f"{out_features * in_features // 2} for a [{out_features}, {in_features}] weight"
         )
-    if _has_kernel(fmt, "triton") and tuple(packed.shape) != (out_features, in_features // 2):
+    if "triton" in spec.kernels and tuple(packed.shape) != (out_features, in_features // 2):
         raise ValueError(
             f"{fmt} weight_packed must be [out, in/2] = [{out_features}, {in_features // 2}], "
             f"got {list(packed.shape)}"
         )
-
-
-def _has_kernel(fmt: str, kernel: str) -> bool:
-    """Whether format `fmt` declares `kernel` in its registry spec."""
-    return kernel in formats.get(fmt).kernels
+    return spec
 
 
 def triton_available(device: torch.device) -> tuple[bool, str]:
@@ -85,18 +83,19 @@ def triton_available(device: torch.device) -> tuple[bool, str]:
     return False, f"tensors are on {device.type!r}, not CUDA, and TRITON_INTERPRET=1 is not set"
 
 
-def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, fmt: str, device: torch.device, spec=None) -> str:
     if backend == "reference":
         return "reference"
+    kernels = (spec or formats.get(fmt)).kernels  # the spec's fast backends, in preference order
     if backend == "bitsandbytes":
-        if not _has_kernel(fmt, "bitsandbytes"):
+        if "bitsandbytes" not in kernels:
             raise RuntimeError(f"backend='bitsandbytes' runs {', '.join(formats.with_kernel('bitsandbytes'))} only, not {fmt!r}; "
                                "use 'auto', 'triton' or 'reference'")
         bnb.require()
         return "bitsandbytes"
     if backend == "auto":
         if device.type == "cuda":
-            for kernel in formats.get(fmt).kernels:  # the spec's preference order
+            for kernel in kernels:
                 if kernel == "bitsandbytes":
                     bnb.require()  # raises, naming backend='reference', when bitsandbytes is missing
                     return "bitsandbytes"
@@ -104,7 +103,7 @@ def _resolve_backend(backend: str, fmt: str, device: torch.device) -> str:
                     return "triton"
         return "reference"
     # backend == "triton": never fall back silently.
-    if not _has_kernel(fmt, "triton"):
+    if "triton" not in kernels:
         raise RuntimeError(
             f"backend='triton' has kernels for {', '.join(formats.with_kernel('triton'))} only, not {fmt!r}; "
             "use backend='reference' (or backend='bitsandbytes' for nf4)"
@@ -150,17 +149,18 @@ def grad_input_reference(dy: torch.Tensor, fmt: str, tensors: dict, out_features
     return torch.matmul(dy.float(), w).to(dy.dtype)
 
 
-def _triton_args(fmt: str, tensors: dict) -> tuple:
-    return tuple(tensors[name] for name in formats.get(fmt).tensor_names)
+def _triton_args(spec, tensors: dict) -> list:
+    """The packed tensors in the order the kernels take them (the spec's tensor_names)."""
+    return [tensors[name] for name in spec.tensor_names]
 
 
 def linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
            backend: str = "auto", cache: dict | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W^T for a 4-bit weight W stored as ``tensors`` (fmt format)."""
-    _check_args(fmt, tensors, out_features, in_features, backend)
+    spec = _check_args(fmt, tensors, out_features, in_features, backend)
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim, expected in_features={in_features}")
-    resolved = _resolve_backend(backend, fmt, x.device)
+    resolved = _resolve_backend(backend, fmt, x.device, spec)
     if resolved == "reference":
         return linear_reference(x, fmt, tensors, out_features, in_features)
     if resolved == "bitsandbytes":
@@ -168,16 +168,16 @@ def linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_featu
         return bnb.linear(x, tensors, state)
     from qerl.kernels import fp4
 
-    return fp4.linear(x, fmt, *_triton_args(fmt, tensors))
+    return fp4.linear(x, fmt, *_triton_args(spec, tensors))
 
 
 def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
                backend: str = "auto", cache: dict | None = None) -> torch.Tensor:
     """dx[..., in] = dy[..., out] @ W for a 4-bit weight W stored as ``tensors`` (fmt format)."""
-    _check_args(fmt, tensors, out_features, in_features, backend)
+    spec = _check_args(fmt, tensors, out_features, in_features, backend)
     if dy.shape[-1] != out_features:
         raise ValueError(f"dy has {dy.shape[-1]} features in its last dim, expected out_features={out_features}")
-    resolved = _resolve_backend(backend, fmt, dy.device)
+    resolved = _resolve_backend(backend, fmt, dy.device, spec)
     if resolved == "reference":
         return grad_input_reference(dy, fmt, tensors, out_features, in_features)
     if resolved == "bitsandbytes":
@@ -185,7 +185,7 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
         return bnb.grad_input(dy, tensors, state)
     from qerl.kernels import fp4
 
-    return fp4.grad_input(dy, fmt, *_triton_args(fmt, tensors))
+    return fp4.grad_input(dy, fmt, *_triton_args(spec, tensors))
 
 
 __all__ = ["linear", "grad_input", "resolve_backend", "scratch_bytes", "linear_reference", "grad_input_reference", "dequantize_fp32",
