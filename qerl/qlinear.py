@@ -148,7 +148,7 @@ class QuantLinear(nn.Module):
         """The packed base tensors by their on-disk names (empty for the bf16 base)."""
         if self.fmt == "bf16":
             return {}
-        return {name: getattr(self, name) for name in packed_shapes(self.fmt, self.out_features, self.in_features)}
+        return {name: getattr(self, name) for name in formats.get(self.fmt).tensor_names}
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A dense copy of the base weight, for tests and export only (never used in forward)."""
