@@ -12,7 +12,7 @@ VERSION=${TORCH_VERSION:-2.13.0}
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 if $PY -c "import torch" 2>/dev/null; then
-    $PY -c "import torch; print(f'setup: torch {torch.__version__} already installed (CUDA build: {torch.version.cuda or \"no\"}); keeping it')"
+    $PY -W ignore -c "import torch; print(f'setup: torch {torch.__version__} already installed (CUDA build: {torch.version.cuda or \"no\"}); keeping it')"
     exit 0
 fi
 if [ "$(uname -s)" = "Linux" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
@@ -28,7 +28,7 @@ else
     echo "setup: no CUDA, and $CPU_INDEX is unreachable: installing torch==$VERSION from the configured index"
     $PY -m pip install "torch==$VERSION"
 fi
-$PY -c "import torch; c = torch.version.cuda; print(f'setup: installed torch {torch.__version__}: ' + (f'CUDA {c} build' if c else 'CPU build (no CUDA libraries)'))"
+$PY -W ignore -c "import torch; c = torch.version.cuda; print(f'setup: installed torch {torch.__version__}: ' + (f'CUDA {c} build' if c else 'CPU build (no CUDA libraries)'))"
 if [ "$(uname -s)" = "Linux" ] && ! command -v nvidia-smi >/dev/null 2>&1 \
         && $PY -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then
     echo "setup: warning: this is the CUDA build on a machine without CUDA (the CPU index was unreachable);" \
