@@ -4,15 +4,16 @@ PY ?= $(shell command -v python3 >/dev/null 2>&1 && echo python3 || echo python)
 PROFILE ?= $(shell $(PY) -c "import torch;print('small' if torch.cuda.is_available() else 'smoke')" 2>/dev/null || echo smoke)
 OUT ?= results
 PARALLEL ?= 1
-# extra flags for the experiment scripts, e.g. ARGS="--gpus 0 1 --data-dir ../shared/data" or ARGS=--dry-run
+# extra flags for the experiment scripts, e.g. ARGS="--gpus 0 1 --data-dir ../shared/data", ARGS=--dry-run,
+# ARGS="--resume runs/<root>" (continue a run root; each invocation otherwise starts a new one), ARGS=--publish
 ARGS ?=
 define EXP
 @echo "$@: PROFILE=$(PROFILE) (default: small on a GPU, smoke otherwise)"
-$(PY) experiments/$(1).py --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
+$(PY) -m experiments.$(1) --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
 endef
 
 .PHONY: help setup test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
-	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all rollout-throughput table3 \
+	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
 	train-ddp dist-check
 
 help:
@@ -31,7 +32,7 @@ test-all: ## every test, GPU tests included
 	$(PY) -m pytest -q
 
 lint: ## ruff
-	$(PY) -m ruff check qerl tests experiments
+	$(PY) -m ruff check qerl tests experiments benchmarks
 
 train-smoke: ## a full RL run on the embedded model, on the CPU, in minutes
 	$(PY) -m qerl train --profile smoke --output-dir runs/smoke
@@ -67,17 +68,21 @@ fig16: ## Fig. 16 / 17: learning-rate ablation of QeRL and bf16 LoRA
 
 reproduce-all: table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 ## every table and figure above at PROFILE
 
+EXPERIMENTS ?= table1 fig4 fig5 fig8
+reproduce: ## EXPERIMENTS in one new run root, shared runs once (ARGS="--resume ROOT", "--publish", "--dry-run")
+	$(PY) -m experiments.reproduce --profile $(PROFILE) --experiments $(EXPERIMENTS) --parallel $(PARALLEL) $(ARGS)
+
 model-sizes: ## the paper's Model Size column from the Qwen2.5 configs (CPU, seconds)
-	$(PY) experiments/model_sizes.py
+	$(PY) -m benchmarks.model_sizes
 
 bench-kernels: ## kernel benchmark (GPU): writes results/kernels/<gpu>.json
-	$(PY) experiments/bench_kernels.py
+	$(PY) -m benchmarks.bench_kernels
 
 rollout-throughput: ## rollout tokens/s, bf16/NF4/NVFP4 LoRA + HF generate, 7B-32B (GPU): results/rollout/<gpu>.json
-	$(PY) experiments/rollout_throughput.py $(ARGS)
+	$(PY) -m benchmarks.rollout_throughput $(ARGS)
 
 table3: ## GRPO step time split and peak memory, 7B/14B bs8 (GPU; 32B: see the script): results/table3/<gpu>.json
-	$(PY) experiments/table3_speed_memory.py $(ARGS)
+	$(PY) -m benchmarks.table3_speed_memory $(ARGS)
 
 # data-parallel runs (torchrun): GPUs per node, nodes, this node's rank, node 0's host:port
 NPROC ?= 2
@@ -92,10 +97,10 @@ train-ddp: ## data-parallel RL: NPROC GPUs per node (NNODES, NODE_RANK, RDZV for
 		--rdzv-backend c10d --rdzv-id qerl --rdzv-endpoint $(RDZV) -m qerl train --profile $(PROFILE) $(ARGS)
 
 dist-check: ## 2-GPU step == 1-GPU step and the step-time speedup (2 GPUs): results/dist/<gpu>.json
-	$(MULTICAST_OFF) $(PY) experiments/dist_check.py $(ARGS)
+	$(MULTICAST_OFF) $(PY) -m benchmarks.dist_check $(ARGS)
 
 figures: ## regenerate results/figures/*.png from results/
-	$(PY) experiments/make_figures.py
+	$(PY) -m experiments.make_figures
 
 notebooks: ## execute every notebook headless (they read results/ only)
-	$(PY) experiments/run_notebooks.py
+	$(PY) -m benchmarks.run_notebooks

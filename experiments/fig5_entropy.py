@@ -4,23 +4,24 @@ The paper shows that the 4-bit policies keep a higher entropy than bf16 LoRA ove
 of Qwen2.5-7B-Instruct on GSM8K. Here: one run per method and seed with GRPO (TRL loss_type
 "grpo"); the figure draws the training-forward `entropy` and the sampler's `sampling/entropy`.
 
-    python experiments/fig5_entropy.py --profile small --parallel 8   # 1 H200, ~10 min (8 runs)
-    python experiments/fig5_entropy.py --profile smoke                # CPU, ~4 x 3 min
-    python experiments/fig5_entropy.py --profile paper --gpus 0 1 2 3 # 4 x Qwen2.5-7B, 200 steps
+    python -m experiments.fig5_entropy --profile small --parallel 8   # 1 H200, ~15 min (12 runs)
+    python -m experiments.fig5_entropy --profile smoke                # CPU, ~4 x 3 min
+    python -m experiments.fig5_entropy --profile paper --gpus 0 1 2 3 # 4 x Qwen2.5-7B, 200 steps
 
 small = the embedded SmolLM2-135M-Instruct on arith level 0, 30 steps; paper = Qwen2.5-7B-Instruct
 on GSM8K with Table 4 settings, 200 steps (days per run; not run here). At paper scale these are
 the same runs as Fig. 4's GRPO LoRA rows: run both scripts only if the GPU time is there.
-Seeds: smoke 0; small 0 1; paper 0. Writes results/fig5_entropy/<profile>/ and
-results/figures/fig5_entropy.png.
+Seeds: smoke 0; small 0 1 2; paper 0. Writes <run root>/results/fig5_entropy/<profile>/ and
+<run root>/results/figures/fig5_entropy.png.
 """
 
 from __future__ import annotations
 
-import _common as C
+from experiments import _common as C
+from qerl.config import method_name, table_bases
 
 NAME = "fig5_entropy"
-METHODS = ("bf16_lora", "nf4_lora", "mxfp4_lora", "nvfp4_lora")
+METHODS = tuple(method_name(b) for b in table_bases())  # LoRA on every base
 PAPER_STEPS = 200  # the x-range of the paper's figure
 
 

@@ -5,18 +5,19 @@ caption names no data; from the reward ranges (3B: 0.25-0.85, like its GSM8K run
 like its BigMath curves in Fig. 7) qerl runs 3B on GSM8K with GRPO and 7B on BigMath with DAPO.
 Here: methods nvfp4_lora and nvfp4_lora_aqn, same seeds; the figure adds `aqn/sigma` per step.
 
-    python experiments/fig8_aqn_ablation.py --profile small --parallel 6   # 1 H200, ~8 min (6 runs)
-    python experiments/fig8_aqn_ablation.py --profile smoke                # CPU, ~2 x 3 min
-    python experiments/fig8_aqn_ablation.py --profile paper --gpus 0 1 2 3 # 3B (80 steps) + 7B (250 steps)
+    python -m experiments.fig8_aqn_ablation --profile small --parallel 6   # 1 H200, ~10 min (6-9 runs)
+    python -m experiments.fig8_aqn_ablation --profile smoke                # CPU, ~2 x 3 min
+    python -m experiments.fig8_aqn_ablation --profile paper --gpus 0 1 2 3 # 3B (80 steps) + 7B (250 steps)
 
-small = the embedded SmolLM2-135M-Instruct on arith level 0, 30 steps, K=5 AQN stages; paper =
+small = the embedded SmolLM2-135M-Instruct on arith level 0 with GRPO (the 3B GSM8K panel), 30 steps,
+K=5 AQN stages; paper =
 Table 4 settings (days per run; not run here). Seeds: smoke 0; small 0 1 2; paper 0.
-Writes results/fig8_aqn_ablation/<profile>/ and results/figures/fig8_aqn_ablation.png.
+Writes <run root>/results/fig8_aqn_ablation/<profile>/ and <run root>/results/figures/fig8_aqn_ablation.png.
 """
 
 from __future__ import annotations
 
-import _common as C
+from experiments import _common as C
 
 NAME = "fig8_aqn_ablation"
 METHODS = ("nvfp4_lora", "nvfp4_lora_aqn")
@@ -27,7 +28,7 @@ PAPER_TASKS = {"Qwen/Qwen2.5-3B-Instruct": ("gsm8k", 80), "Qwen/Qwen2.5-7B-Instr
 
 def task_for(args, model) -> dict:
     if args.profile != "paper":
-        return {}
+        return dict(C.GRPO)  # the profile's arith task stands for GSM8K (the 3B panel)
     data, steps = PAPER_TASKS.get(model, ("gsm8k", None))
     task = C.bigmath_task("paper") if data == "bigmath" else dict(C.GRPO)
     return {**task, **({"max_steps": steps} if steps else {})}

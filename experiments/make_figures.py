@@ -2,7 +2,7 @@
 paper's Table 1, Fig. 4 (reward curves), Fig. 5 (entropy), Fig. 8 (AQN ablation), a step-time
 breakdown and the kernel speed plot.
 
-    .venv/bin/python experiments/make_figures.py [--results results] [--out results/figures]
+    python -m experiments.make_figures [--results results] [--out results/figures]
 
 Writes table1.png, rewards.png, entropy.png, aqn.png, step_time.png, kernels.png (about 5 s on
 2 CPU cores), plus <experiment>.png for each experiments/table2_bigmath.py, fig*.py with results at

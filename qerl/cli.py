@@ -1,6 +1,6 @@
 """Command line: `python -m qerl <command> ...`.
 
-    python -m qerl quantize --model PATH_OR_ID --format {nvfp4,mxfp4,nf4} --out DIR
+    python -m qerl quantize --model PATH_OR_ID --format FORMAT --out DIR
 
 quantize: stream an HF Llama/Qwen2/Qwen3 checkpoint (a local folder, a .gguf file, the embedded
 default `smollm2-135m-instruct`, or a hub id) into DIR: config.json with quantization_config,
@@ -23,13 +23,14 @@ import sys
 
 
 def add_quantize_args(p: argparse.ArgumentParser) -> None:
+    from qerl import formats
     from qerl.models import DEFAULT_MODEL
 
     p.add_argument("--model", required=True,
                    help=f"HF folder, .gguf file, hub id, or {DEFAULT_MODEL!r} (the embedded default)")
-    p.add_argument("--format", required=True, choices=("nvfp4", "mxfp4", "nf4"),
-                   help="4-bit weight format: nvfp4 and mxfp4 are compressed-tensors checkpoints "
-                        "vLLM reads; nf4 is qerl-specific")
+    p.add_argument("--format", required=True, choices=formats.names(),
+                   help="4-bit weight format (qerl.formats registry): nvfp4 and mxfp4 are "
+                        "compressed-tensors checkpoints vLLM reads; nf4 is qerl-specific")
     p.add_argument("--out", required=True, help="output folder (new or empty)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

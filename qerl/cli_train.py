@@ -11,9 +11,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import typing
 
-from qerl.config import METHODS, PROFILES, TrainConfig, make_config
+from qerl.config import (
+    PROFILES,
+    TrainConfig,
+    eval_settings,
+    make_config,
+    method_name,
+    methods,
+    parse_method,
+    table_bases,
+)
+from qerl.rewards import REWARDS
 
 
 def _field_type(f: dataclasses.Field):
@@ -21,8 +32,18 @@ def _field_type(f: dataclasses.Field):
     return t
 
 
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes"):
+        return True
+    if s.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="small", choices=tuple(PROFILES), help="base settings; flags override")
+    p.add_argument("--method", default=None, choices=methods(),
+                   help="shorthand for --fmt, --lora and --aqn (nvfp4_lora_aqn = nvfp4 base, LoRA, AQN)")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         if f.name == "profile":
@@ -30,73 +51,114 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         t = hints[f.name]
         origin = typing.get_origin(t)
-        if t is bool:
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
+        if t is bool:  # `--flag` alone means true; `--flag false` turns a profile's true off
+            p.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL")
         elif origin is tuple:
             inner = typing.get_args(t)[0]
             p.add_argument(flag, type=inner, nargs="+", default=None)
         elif t in (int, float, str):
-            kw = {"choices": METHODS} if f.name == "method" else {}
+            kw = {"choices": table_bases()} if f.name == "fmt" else {"choices": REWARDS} if f.name == "reward" else {}
             p.add_argument(flag, type=t, default=None, **kw)
-        else:  # Optional[str] and friends
-            p.add_argument(flag, type=str, default=None)
+        else:  # Optional[str], Optional[float]: the inner type
+            inner = next((a for a in typing.get_args(t) if a is not type(None)), str)
+            p.add_argument(flag, type=inner, default=None)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"profile"}
-    return make_config(args.profile, **{k: getattr(args, k) for k in fields if getattr(args, k, None) is not None})
+    return make_config(args.profile, method=getattr(args, "method", None),
+                       **{k: getattr(args, k) for k in fields if getattr(args, k, None) is not None})
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from qerl.train import train
+    from qerl.train import NonFiniteError, RolloutGapError, train
 
-    summary = train(config_from_args(args))
+    try:
+        summary = train(config_from_args(args))
+    except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     print(json.dumps(summary, default=str))
     return 0 if summary.get("status") == "ok" else 1
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="hub id, local folder, .gguf, or the embedded default")
-    p.add_argument("--method", default="bf16_lora", choices=METHODS + ("bf16", "nvfp4", "mxfp4", "nf4"),
-                   help="base format (a method name, or a bare format for the untrained rows)")
-    p.add_argument("--adapter", default=None, help="a qerl checkpoint folder (trainable.safetensors) to load")
-    p.add_argument("--datasets", nargs="+", default=["gsm8k"])
+    """Evaluation flags; each defaults to the chosen profile's evaluation settings
+    (qerl.config.eval_settings), so `eval --profile small` evaluates as `train --profile small` does."""
+    p.add_argument("--profile", default="small", choices=tuple(PROFILES),
+                   help="the profile whose evaluation settings (and model) are the defaults below")
+    p.add_argument("--model", default=None, help="hub id, local folder, .gguf, or the embedded default "
+                                                 "(default: the checkpoint's model, else the profile's)")
+    p.add_argument("--method", default=None, choices=methods() + table_bases(),
+                   help="base format: a method name, or a bare format for the untrained rows "
+                        "(default: the checkpoint's method, else bf16)")
+    p.add_argument("--adapter", default=None,
+                   help="a qerl checkpoint folder (checkpoints/step-N) or a PEFT adapter folder it exported; "
+                        "LoRA rank/alpha/targets and trained norms are read from it")
+    p.add_argument("--datasets", nargs="+", default=None)
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--limit", type=int, default=0, help="problems per dataset (0 = all)")
-    p.add_argument("--samples", type=int, default=1, help="n samples per problem; pass@1 is their mean accuracy")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--greedy", action="store_true")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--engine", default="auto", choices=("auto", "fast", "hf"),
+    p.add_argument("--limit", type=int, default=None, help="problems per dataset (0 = all)")
+    p.add_argument("--samples", type=int, default=None, help="samples per problem; pass@1 is their mean accuracy")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--greedy", action="store_true", default=None, help="one greedy sample per problem")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--max-prompt-length", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--engine", default=None, choices=("auto", "fast", "hf"),
                    help="rollout engine: fast (static cache + CUDA graphs; Llama/Qwen) or hf (reference)")
-    p.add_argument("--lora-rank", type=int, default=32)
-    p.add_argument("--lora-alpha", type=float, default=64.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arith-levels", type=int, nargs="+", default=None, help="levels of the built-in arith set")
     p.add_argument("--out", default=None, help="write results JSON here")
 
 
+def eval_flags(settings: dict) -> list[str]:
+    """`python -m qerl eval` flags for a qerl.config.eval_settings dict (experiment scripts use this)."""
+    out = []
+    for k, v in settings.items():
+        if v is None or (k == "greedy" and not v):
+            continue
+        flag = "--" + k.replace("_", "-")
+        if k == "greedy":
+            out.append(flag)
+        elif isinstance(v, (list, tuple)):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from qerl.evaluate import evaluate_datasets, write_results
     from qerl.logging import environment
-    from qerl.train import build_policy, load_trainable
+    from qerl.train import build_policy, load_trainable, read_checkpoint_config
 
-    method = args.method
-    bare = method in ("bf16", "nvfp4", "mxfp4", "nf4")
-    cfg = TrainConfig(model=args.model, method="bf16_lora" if method == "bf16" else (f"{method}_lora" if bare else method),
-                      lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
+    ck = read_checkpoint_config(args.adapter) if args.adapter else {}
+    if args.adapter and not (args.method or ck.get("method")):
+        raise ValueError(f"{args.adapter} does not record its method (a PEFT adapter folder): pass --method, "
+                         f"e.g. --method nvfp4_lora")
+    method = args.method or ck.get("method") or "bf16"
+    bare = method in table_bases()
+    if bare and args.adapter:
+        raise ValueError(f"--method {method} is a bare base format (no adapter); to load --adapter give a method "
+                         f"such as {method}_lora")
+    policy = {k: ck[k] for k in ("lora_rank", "lora_alpha", "lora_dropout", "train_norms") if k in ck}
+    base = make_config(args.profile)
+    settings = eval_settings(base)
+    model = args.model or ck.get("model") or base.model
+    for k in settings:
+        if getattr(args, k, None) is not None:
+            settings[k] = getattr(args, k)
+    cfg = TrainConfig(model=model, **parse_method(method_name(method) if bare else method), **policy)
     model, tok, _, info = build_policy(cfg, lora=not bare)
     if args.adapter:
         load_trainable(args.adapter, model)
-    res = evaluate_datasets(model, tok, args.datasets, limit=args.limit, data_dir=args.data_dir, seed=args.seed,
-                            samples=args.samples, temperature=args.temperature, top_p=args.top_p, greedy=args.greedy,
-                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                            arith_levels=args.arith_levels, engine=args.engine)
+    res = evaluate_datasets(model, tok, seed=args.seed, **settings)
     for d, r in res.items():
-        print(f"{d}: accuracy {r['accuracy']:.4f} over {r['num_problems']} problems x {r['samples']} samples")
+        se = f" +- {r['accuracy_stderr']:.4f} (s.e. over problems)" if r["accuracy_stderr"] is not None else ""
+        print(f"{d}: pass@1 {r['accuracy']:.4f}{se}, {r['num_problems']} problems x {r['samples']} samples")
     if args.out:
-        write_results(res, args.out, {"args": vars(args), "policy": info, "provenance": environment()})
+        write_results(res, args.out, {"args": vars(args), "settings": settings, "policy": info,
+                                      "provenance": environment()})
     print(json.dumps(res))
     return 0

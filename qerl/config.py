@@ -12,26 +12,59 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-METHODS = ("bf16_full", "bf16_lora", "nf4_lora", "mxfp4_lora", "nvfp4_lora", "nvfp4_lora_aqn")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from qerl import formats
+
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+# The formats of the paper's two 4-bit roles: QeRL is LoRA on an NVFP4 base with AQN; its baseline
+# QLoRA is LoRA on an NF4 base (bitsandbytes).
+QERL_FORMAT = "nvfp4"
+QLORA_FORMAT = "nf4"
 
 
-def method_format(method: str) -> str:
-    """The base-weight format of a Table 1 method (bf16 for the BF16 rows)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    return method.split("_")[0]
+def table_bases() -> tuple[str, ...]:
+    """Base-weight formats in the paper's row order: bf16, then the 4-bit baselines, QeRL's last.
+
+    qerl registers its own format first (qerl.formats.names(): nvfp4, mxfp4, nf4), so the
+    4-bit rows are the registry's order reversed (nf4 = QLoRA, mxfp4, nvfp4).
+    """
+    return ("bf16",) + tuple(reversed(formats.names()))
+
+
+def method_name(fmt: str, lora: bool = True, aqn: bool = False) -> str:
+    """The shorthand of a method: <fmt>_lora, <fmt>_lora_aqn or bf16_full."""
+    return f"{fmt}_{'lora' if lora else 'full'}" + ("_aqn" if aqn else "")
+
+
+def methods() -> tuple[str, ...]:
+    """Every method shorthand: bf16_full, and <base>_lora[_aqn] for bf16 and each registered format."""
+    return ("bf16_full",) + tuple(method_name(b, True, aqn) for b in table_bases() for aqn in (False, True))
+
+
+def parse_method(method: str) -> dict:
+    """The TrainConfig fields {"fmt", "lora", "aqn"} a method shorthand stands for
+    (nvfp4_lora_aqn -> nvfp4, LoRA, AQN; bf16_full -> bf16, full fine-tuning, no AQN)."""
+    if method not in methods():
+        raise ValueError(f"unknown method {method!r}; expected one of {methods()}")
+    fmt, kind, *aqn = method.split("_")
+    return {"fmt": fmt, "lora": kind == "lora", "aqn": bool(aqn)}
+
+
+# The rows of the paper's Table 1, in its order.
+METHODS = ("bf16_full",) + tuple(method_name(b) for b in table_bases()) + (method_name(QERL_FORMAT, aqn=True),)
 
 
 @dataclass
 class TrainConfig:
     # ---- model
     model: str = "smollm2-135m-instruct"  # hub id, local HF folder, .gguf file, or the embedded default
-    method: str = "nvfp4_lora_aqn"  # a row of the paper's Table 1: see METHODS
+    # The method (shorthand `method`, e.g. nvfp4_lora_aqn; see METHODS and parse_method):
+    fmt: str = "nvfp4"  # base weight format: bf16 or a registered 4-bit format (qerl.formats.names())
+    lora: bool = True  # LoRA adapters on a frozen base; False = full fine-tuning (bf16 base only)
+    aqn: bool = True  # adaptive quantization noise on the norms (paper section 3.3; LoRA only)
     lora_rank: int = 32  # r (paper Table 4: 32; official scripts: 16)
     lora_alpha: float = 64.0  # LoRA scaling numerator
     lora_dropout: float = 0.0
+    train_norms: bool = False  # official --ln: input/post_attention_layernorm weights trainable (fp32), saved with the adapter
     dtype: str = "bfloat16"  # activation / 16-bit weight dtype
     backend: str = "auto"  # 4-bit matmul dispatch: auto | triton | reference | bitsandbytes (nf4)
     engine: str = "auto"  # rollout engine: auto (fast where supported) | fast (static cache + CUDA graphs) | hf (reference)
@@ -59,6 +92,7 @@ class TrainConfig:
     warmup_ratio: float = 0.05
     lr_scheduler: str = "cosine"  # cosine | constant
     max_grad_norm: float = 1.0
+    adam_beta2: float = 0.999  # AdamW beta2 (beta1 0.9); official scripts: 0.99
     optim: str = "adamw"  # adamw | adamw_8bit (bitsandbytes, CUDA only; paper Table 4)
     # ---- loss (TRL semantics)
     loss_type: str = "bnpo"  # grpo | bnpo | dr_grpo | dapo ; the paper's "DAPO" = bnpo, beta 0, epsilon_high 0.28
@@ -68,7 +102,11 @@ class TrainConfig:
     scale_rewards: str = "group"  # group | batch | none
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no resampling here; counted)
-    format_reward_weight: float = 0.0  # reward = accuracy + w * format
+    reward: str = "math_verify"  # math_verify | official_exact (the official GSM8K reward; qerl.rewards)
+    format_reward_weight: float | None = None  # reward = accuracy + w * format; None: 0 (math_verify), 0.2 (official_exact)
+    # ---- broken-rollout guard (runs without AQN): stop when sampling/logprob_gap stays above the limit
+    max_logprob_gap: float = 0.2  # nats, mean |rollout - training| log-prob over completion tokens
+    max_logprob_gap_steps: int = 3  # consecutive steps above it before stopping; 0 = no check
     # ---- AQN (paper section 3.3 / Algorithm 1); enabled by method nvfp4_lora_aqn
     sigma_start: float = 1e-2  # paper Table 4: 1e-2 (section 4.1 says 5e-2; official scripts 1e-2)
     sigma_end: float = 5e-4  # paper Table 4: 5e-4 (official scripts 1e-4)
@@ -94,7 +132,14 @@ class TrainConfig:
     profile: str = "custom"
 
     def __post_init__(self):
-        method_format(self.method)
+        if self.fmt not in table_bases():
+            raise ValueError(f"fmt must be one of {table_bases()}, got {self.fmt!r}")
+        if not self.lora and self.fmt != "bf16":
+            raise ValueError(f"full fine-tuning (lora=False) needs the bf16 base, got fmt={self.fmt!r}")
+        if self.aqn and not self.lora:
+            raise ValueError("AQN (aqn=True) is for the LoRA methods; full fine-tuning has no frozen base")
+        from qerl.loss import LOSS_TYPES  # the loss table lives with the losses
+
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.scale_rewards not in ("group", "batch", "none"):
@@ -115,18 +160,35 @@ class TrainConfig:
             raise ValueError(f"bigmath_config must be one of {BIGMATH_CONFIGS}, got {self.bigmath_config!r}")
         if self.engine not in ("auto", "fast", "hf"):
             raise ValueError(f"engine must be auto|fast|hf, got {self.engine!r}")
-        if self.backend not in ("auto", "triton", "reference", "bitsandbytes"):
-            raise ValueError(f"backend must be auto|triton|reference|bitsandbytes, got {self.backend!r}")
+        from qerl.kernels import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2 (group-relative advantages need a group)")
-        for name in ("prompts_per_step", "max_completion_length", "max_steps", "num_iterations", "micro_batch_size"):
+        for name in ("prompts_per_step", "max_completion_length", "max_steps", "num_iterations", "micro_batch_size",
+                     "eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.method != "bf16_full" and self.lora_rank < 1:
+        if self.lora and self.lora_rank < 1:
             raise ValueError(f"method {self.method} needs lora_rank >= 1")
-        if self.method == "bf16_full" and self.beta > 0:
+        if not self.lora and self.beta > 0:
             raise ValueError("beta > 0 needs a reference policy; bf16_full has no adapters to disable "
                              "and qerl keeps no second model copy. Use beta=0 (the paper's setting).")
+        if not self.max_logprob_gap > 0:
+            raise ValueError(f"max_logprob_gap must be > 0 nats, got {self.max_logprob_gap}")
+        if self.max_logprob_gap_steps < 0:
+            raise ValueError(f"max_logprob_gap_steps must be >= 0 (0 = no check), got {self.max_logprob_gap_steps}")
+        from qerl.rewards import OFFICIAL_FORMAT_REWARD, REWARDS
+
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.format_reward_weight is None:
+            self.format_reward_weight = OFFICIAL_FORMAT_REWARD if self.reward == "official_exact" else 0.0
+        if self.train_norms and not self.lora:
+            raise ValueError("train_norms is for the LoRA methods: bf16_full already trains every weight")
+        if not 0 < self.adam_beta2 < 1:
+            raise ValueError(f"adam_beta2 must be in (0, 1), got {self.adam_beta2}")
         if not 0 < self.sigma_end <= self.sigma_start:
             raise ValueError("AQN needs 0 < sigma_end <= sigma_start")
         if self.num_stages < 2:
@@ -135,19 +197,31 @@ class TrainConfig:
         self.eval_datasets = tuple(self.eval_datasets)
 
     @property
-    def fmt(self) -> str:
-        return method_format(self.method)
+    def method(self) -> str:
+        """The method's shorthand (nvfp4_lora_aqn, bf16_full, ...): names runs, logs and result rows."""
+        return method_name(self.fmt, self.lora, self.aqn)
 
-    @property
-    def aqn(self) -> bool:
-        return self.method.endswith("_aqn")
+    def quantize_config(self, lora: bool = True):
+        """The QuantizeConfig of this run's policy (lora=False: the base alone, no adapter)."""
+        from qerl.quantize import QuantizeConfig
+
+        return QuantizeConfig(fmt=self.fmt, lora_rank=self.lora_rank if lora else 0, lora_alpha=self.lora_alpha,
+                              lora_dropout=self.lora_dropout, backend=self.backend)
+
+    def aqn_config(self):
+        """The AQNConfig of this run (disabled unless aqn; the noise generator seeded by seed)."""
+        from qerl.noise import AQNConfig
+
+        return AQNConfig(enabled=self.aqn, sigma_start=self.sigma_start, sigma_end=self.sigma_end,
+                         num_stages=self.num_stages, schedule=self.noise_schedule, seed=self.seed)
 
     @property
     def rollout_batch_size(self) -> int:
         return self.prompts_per_step * self.num_generations
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, plus the method shorthand (result tables and `eval` read it from config.json)."""
+        return {**dataclasses.asdict(self), "method": self.method}
 
 
 # Profiles: the base a run starts from; CLI flags override single fields.
@@ -159,7 +233,7 @@ PROFILES: dict[str, dict] = {
     # One GPU, well under an hour for all Table 1 rows: the embedded model on the built-in arith task.
     "small": dict(max_steps=30, prompts_per_step=8, num_generations=8, max_completion_length=64, arith_levels=(0,),
                   micro_batch_size=64, num_iterations=1, learning_rate=2e-4, lora_rank=32, lora_alpha=64,
-                  eval_limit=0, eval_every=0, num_stages=5),
+                  eval_limit=0, eval_samples=8, eval_every=0, num_stages=5),
     # The paper's Table 4, GSM8K column (Table 1: GRPO), on Qwen2.5-7B-Instruct; override model= for 3B.
     # Table 4: AdamW-8bit; batch 128 = 16 prompts x 8 samples (qerl counts completions); 4 policy
     # updates per rollout = num_iterations 4 over the whole rollout (mini_batch_size 0: one optimizer
@@ -167,20 +241,37 @@ PROFILES: dict[str, dict] = {
     # entropy loss (beta 0); AQN sigma 1e-2 -> 5e-4; LoRA r 32; lr 1e-5 for 4-bit rows (bf16 LoRA:
     # 5e-6, see PROFILE_METHOD_OVERRIDES). GRPO = TRL's sequence-level loss_type "grpo" (the paper's
     # DAPO runs use "bnpo": TABLE4_BIGMATH). ~600 steps with K=10 AQN stages (section 3.3).
-    # Evaluation (section 4.1): temperature 0.6, top-p 0.95, 4096 tokens, pass@1.
+    # Evaluation (section 4.1): temperature 0.6, top-p 0.95, 4096 tokens, pass@1 (averaged over 8 samples
+    # per problem here, with its standard error over problems; the paper does not give its sample count).
     "paper": dict(model="Qwen/Qwen2.5-7B-Instruct", dataset="gsm8k", eval_datasets=("gsm8k",), prompts_per_step=16,
                   num_generations=8, max_completion_length=4096, num_iterations=4, mini_batch_size=0,
                   micro_batch_size=8, learning_rate=1e-5, lora_rank=32, lora_alpha=64, epsilon=0.2, epsilon_high=0.28,
                   beta=0.0, loss_type="grpo", optim="adamw_8bit", gradient_checkpointing=True, max_steps=600,
-                  temperature=1.0, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, eval_limit=0, eval_samples=1,
+                  temperature=1.0, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, eval_limit=0, eval_samples=8,
                   eval_temperature=0.6, eval_top_p=0.95, save_every=50),
 }
+# The official NVlabs/QeRL training scripts (GRPO on GSM8K) as overrides on the paper profile. Read in the
+# official code's mirror vukrosic/QeRL-learn (the index holds only eval/gsm8k.py of NVlabs/QeRL itself):
+# training/dapo_qwen2.5-{3b,7b}_nvfp4_single_gpu.sh and dapo_qwen2.5-7b_bf16_single_gpu.sh pass
+# --lora-rank 16 --lora-alpha 16 --adam-beta2 0.99 --weight-decay 0.1 --warmup-ratio 0.1 cosine
+# --max-grad-norm 0.2 --mask-truncated-completions True --ln True (norms in modules_to_save, qerl.py)
+# --sigma-start 1e-2 --sigma-end 1e-4 --num-stages 10, lr 1e-5 (bf16: 5e-6), adamw_8bit, and for GSM8K
+# max prompt 256 / completion 2048; their GRPO branch (rl_mode grpo) sets beta 0.04, epsilon_high 0.2,
+# num_iterations 1 (the scripts default to loss_type bnpo, which switches to DAPO: beta 0, eps_high 0.28).
+# qerl.py's GSM8K reward is an exact match plus a 0.2 think-tag reward (reward="official_exact").
+# Not taken from the single-GPU scripts: their batch (2 prompts x 2 generations); the paper's 16 x 8 stays.
+PROFILES["official"] = {**PROFILES["paper"], **dict(
+    lora_rank=16, lora_alpha=16, adam_beta2=0.99, weight_decay=0.1, warmup_ratio=0.1, lr_scheduler="cosine",
+    max_grad_norm=0.2, mask_truncated_completions=True, train_norms=True, sigma_start=1e-2, sigma_end=1e-4,
+    num_stages=10, learning_rate=1e-5, optim="adamw_8bit", max_prompt_length=256, max_completion_length=2048,
+    loss_type="grpo", beta=0.04, epsilon=0.2, epsilon_high=0.2, num_iterations=1, reward="official_exact")}
 
 
 # Settings a profile gives one method (applied after the profile, before flags).
 PROFILE_METHOD_OVERRIDES: dict[str, dict[str, dict]] = {
     # Table 4: lr 1e-5 for QeRL / QLoRA, 5e-6 for bf16 LoRA (Appendix E: higher collapses late in training).
     "paper": {"bf16_lora": dict(learning_rate=5e-6)},
+    "official": {"bf16_lora": dict(learning_rate=5e-6)},  # dapo_qwen2.5-7b_bf16_single_gpu.sh: lr=5e-6
 }
 
 # Table 4's BigMath column (Table 2, Fig. 7; DAPO), as overrides on the paper profile: 8 prompts x 16
@@ -195,8 +286,22 @@ TABLE4_BIGMATH = dict(dataset="bigmath", num_generations=16, prompts_per_step=8,
                       eval_max_completion_length=4096, max_steps=500)
 
 
-def make_config(profile: str = "small", **overrides) -> TrainConfig:
-    """A profile's config with field overrides (None values are ignored)."""
+def eval_settings(cfg) -> dict:
+    """The evaluation settings of a run config (``evaluate_datasets`` keywords, also the ``eval`` CLI's
+    flag names): the trainer, ``python -m qerl eval --profile P`` and the experiment scripts use these."""
+    return dict(datasets=tuple(cfg.eval_datasets), limit=cfg.eval_limit, samples=cfg.eval_samples,
+                temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, greedy=cfg.eval_greedy,
+                max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
+                batch_size=max(cfg.micro_batch_size, 8), engine=cfg.engine, data_dir=cfg.data_dir,
+                arith_levels=tuple(cfg.arith_levels), max_prompt_length=cfg.max_prompt_length)
+
+
+def make_config(profile: str = "small", method: str | None = None, **overrides) -> TrainConfig:
+    """A profile's config with field overrides (None values are ignored).
+
+    `method` is the shorthand for the fields fmt, lora and aqn (parse_method); an explicit field
+    override that contradicts it is an error.
+    """
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; expected one of {tuple(PROFILES)}")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -204,7 +309,14 @@ def make_config(profile: str = "small", **overrides) -> TrainConfig:
     if unknown:
         raise ValueError(f"unknown config fields {sorted(unknown)}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    method = overrides.get("method", PROFILES[profile].get("method", TrainConfig.method))
-    per_method = PROFILE_METHOD_OVERRIDES.get(profile, {}).get(method, {})
+    if method is not None:
+        shorthand = parse_method(method)
+        clash = {k: (overrides[k], v) for k, v in shorthand.items() if k in overrides and overrides[k] != v}
+        if clash:
+            raise ValueError(f"method {method!r} contradicts {clash} (flag, method)")
+        overrides = {**shorthand, **overrides}
+    merged = {**PROFILES[profile], **overrides}
+    chosen = method_name(*(merged.get(k, getattr(TrainConfig, k)) for k in ("fmt", "lora", "aqn")))
+    per_method = PROFILE_METHOD_OVERRIDES.get(profile, {}).get(chosen, {})
     kw = {**PROFILES[profile], **per_method, **overrides, "profile": profile}
     return TrainConfig(**kw)

@@ -1,12 +1,20 @@
 """Evaluation: pass@1 averaged over n samples (the paper: temperature 0.6, top-p 0.95), or greedy.
 
-pass@1 with n samples is the mean accuracy over all n samples of all problems. Results per
-dataset: accuracy, format rate, mean completion length, number of problems and samples.
+pass@1 with n samples is the mean accuracy over all n samples of all problems (every problem has
+the same n, so it is also the mean over problems of each problem's mean). Its standard error is
+taken over problems: std(per-problem means, ddof=1) / sqrt(problems), which counts both the
+sampling noise and the finite problem set; more samples per problem shrink the first part only.
+Results per dataset: accuracy, accuracy_stderr, format rate, mean completion length,
+num_problems and samples.
+
+``qerl.config.eval_settings(cfg)`` is the one place a run config becomes evaluation settings: the
+trainer, the ``eval`` CLI's defaults and the experiment scripts all read it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -44,9 +52,32 @@ def evaluate(model, tokenizer, records: list[dict], samples: int = 1, temperatur
         lens += ro.completion_mask.sum(1).tolist()
     model.train(was_training)
     n = max(len(acc), 1)
-    return {"accuracy": sum(acc) / n, "format": sum(fmt) / n, "mean_length": sum(lens) / n,
+    mean, stderr = pass_at_1(acc, samples)
+    return {"accuracy": mean, "accuracy_stderr": stderr, "format": sum(fmt) / n, "mean_length": sum(lens) / n,
             "num_problems": len(items) // samples, "samples": samples, "unparsed": unparsed,
             "skipped_long_prompts": skipped}
+
+
+def pass_at_1(correct: list[float], samples: int) -> tuple[float, float | None]:
+    """(pass@1, its standard error over problems) from per-sample scores laid out problem by problem
+    (``samples`` consecutive entries per problem). The error is None with fewer than two problems."""
+    if samples < 1 or len(correct) % samples:
+        raise ValueError(f"{len(correct)} scores do not split into problems of {samples} samples")
+    per_problem = [sum(correct[i:i + samples]) / samples for i in range(0, len(correct), samples)]
+    k = len(per_problem)
+    if k == 0:
+        return 0.0, None
+    mean = sum(per_problem) / k
+    if k < 2:
+        return mean, None
+    var = sum((x - mean) ** 2 for x in per_problem) / (k - 1)
+    return mean, math.sqrt(var / k)
+
+
+def summary_entries(prefix: str, results: dict[str, dict]) -> dict:
+    """Flat ``{prefix}/{dataset}/{key}`` entries of evaluation results for metrics and summaries."""
+    keys = ("accuracy", "accuracy_stderr", "format", "num_problems", "samples")
+    return {f"{prefix}/{d}/{k}": r[k] for d, r in results.items() for k in keys if k in r}
 
 
 def evaluate_datasets(model, tokenizer, datasets, limit: int = 0, data_dir=None, seed: int = 0,

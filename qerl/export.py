@@ -34,20 +34,13 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from qerl import formats
-from qerl.models import SUPPORTED_MODEL_TYPES, TOKENIZER_FILES, resolve_model_path
+from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, PROJECTIONS, check_supported
+from qerl.models import TOKENIZER_FILES, resolve_model_path
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Projections that vLLM fuses into one GEMM and that therefore share one NVFP4 global scale.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-PACKED_NAMES = {
-    "nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
-    "mxfp4": ("weight_packed", "weight_scale"),
-    "nf4": ("weight_packed", "weight_absmax"),
-}
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep the streaming writer's memory low
 
 _LAYER_LINEAR = re.compile(
-    r"^(?P<layer>.*\blayers\.(?P<idx>\d+))\.(?:self_attn|mlp)\.(?P<proj>"
+    r"^(?P<layer>.*\blayers\.(?P<idx>\d+))\.(?:" + "|".join(PROJECTIONS) + r")\.(?P<proj>"
     + "|".join(LINEAR_NAMES) + r")\.weight$")
 _LAYER = re.compile(r"^(?P<layer>.*\blayers\.(?P<idx>\d+))\.")
 
@@ -57,32 +50,22 @@ _LAYER = re.compile(r"^(?P<layer>.*\blayers\.(?P<idx>\d+))\.")
 
 
 def quantization_config(fmt: str, ignore: list[str] | tuple[str, ...] = ("lm_head",)) -> dict:
-    """The `quantization_config` entry of config.json for `fmt` (FORMATS.md for nvfp4/mxfp4)."""
-    if fmt == "nvfp4":
-        weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                   "symmetric": True, "dynamic": False}
-    elif fmt == "mxfp4":
-        weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                   "symmetric": True, "dynamic": False, "scale_dtype": "uint8"}
-    elif fmt == "nf4":
-        return {
-            "quant_method": "qerl", "format": "nf4-pack-quantized",
-            "block_size": formats.BLOCK_SIZE["nf4"], "double_quant": False,
-            "packing": "two codes per byte, element 2j in the HIGH nibble (bitsandbytes order) "
-                       "over the flattened row-major weight; weight_absmax float32 per block",
-            "targets": list(LINEAR_NAMES), "ignore": list(ignore),
-            "note": "qerl-specific: vLLM and transformers do not read this format; load it "
-                    "with qerl (qerl.formats.dequantize(..., 'nf4')).",
-        }
-    else:
-        raise ValueError(f"unknown format {fmt!r}; expected one of {formats.FORMATS}")
-    name = f"{fmt}-pack-quantized"
-    return {
-        "quant_method": "compressed-tensors", "format": name, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "format": name, "weights": weights,
-                                      "input_activations": None, "output_activations": None}},
-        "ignore": list(ignore), "kv_cache_scheme": None,
-    }
+    """The `quantization_config` entry of config.json for `fmt` (its spec's export_config)."""
+    return formats.get(fmt).export_config(list(LINEAR_NAMES), list(ignore))
+
+
+def _detect_format(state: dict) -> str:
+    """The registered format whose packed tensor names are exactly those of the state's modules."""
+    prefixes = {k[: -len(".weight_packed")] for k in state if k.endswith(".weight_packed")}
+    if not prefixes:
+        raise ValueError("no packed weights in the state dict; pass fmt= or quantize first")
+    prefix = min(prefixes)
+    present = {k[len(prefix) + 1:] for k in state if k.startswith(prefix + ".weight_")}
+    found = [f for f in formats.names() if set(formats.get(f).tensor_names) == present]
+    if len(found) != 1:
+        raise ValueError(f"cannot tell the format of {prefix} from its tensors {sorted(present)} "
+                         f"(matches {found}); pass fmt=")
+    return found[0]
 
 
 def _write_config(config: dict, out_dir: Path, fmt: str, ignore) -> None:
@@ -157,15 +140,16 @@ def _prepare_out_dir(out_dir, src: Path | None = None) -> Path:
 def _quantize_group(weights: dict[str, torch.Tensor], fmt: str, fused: bool = True):
     """Quantize the Linear weights of one decoder layer {module name: [out, in]}.
 
-    Returns {module name: {tensor name: tensor}}. For nvfp4 the members of each fused group
-    present here share the global scale of their largest |w| (FORMATS.md).
+    Returns {module name: {tensor name: tensor}}. For a format with a fused global scale (nvfp4)
+    the members of each fused group present here share the scale of their largest |w| (FORMATS.md).
     """
     shared = {}
-    if fmt == "nvfp4" and fused:
-        for group in FUSED_GROUPS:
+    fuse = formats.get(fmt).fused_global_scale if fused else None
+    if fuse is not None:
+        for _, group in FUSED_GROUPS:
             members = [n for n in weights if n.rsplit(".", 1)[-1] in group]
             if members:
-                gs = formats.fused_global_scale([weights[n] for n in members])
+                gs = fuse([weights[n] for n in members])
                 shared.update({n: gs for n in members})
     return {n: formats.quantize(w, fmt, global_scale=shared.get(n)) for n, w in weights.items()}
 
@@ -215,16 +199,10 @@ def export_compressed_tensors(model_or_state, out_dir, fmt: str | None = None, c
     else:
         state = dict(model_or_state)
         if fmt is None:
-            keys = "".join(k for k in state if k.endswith((".weight_global_scale",
-                                                           ".weight_absmax", ".weight_scale")))
-            fmt = ("nvfp4" if "weight_global_scale" in keys else "nf4" if "weight_absmax" in keys
-                   else "mxfp4" if "weight_scale" in keys else None)
-            if fmt is None:
-                raise ValueError("no packed weights in the state dict; pass fmt= or quantize first")
+            fmt = _detect_format(state)
         prefixes = {k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")}
         quant_modules = {p: None for p in prefixes}
-    if fmt not in formats.FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; expected one of {formats.FORMATS}")
+    spec = formats.get(fmt)
     if config is None:
         raise ValueError("config= is needed to write config.json when exporting a state dict")
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -247,7 +225,7 @@ def export_compressed_tensors(model_or_state, out_dir, fmt: str | None = None, c
         del state["lm_head.weight"]  # tied: transformers and vLLM rebuild it from the embedding
 
     out_dir = _prepare_out_dir(out_dir)
-    packed_suffixes = tuple("." + n for n in PACKED_NAMES[fmt])
+    packed_suffixes = tuple("." + n for n in spec.tensor_names)
     writer = _ShardWriter(out_dir, max_shard_bytes)
     for name in sorted(state):
         t = state[name]
@@ -299,10 +277,14 @@ def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=
     peft's get_peft_model_state_dict names them) and adapter_config.json, so that
     `peft.PeftModel.from_pretrained(dense_model, out_dir)` reproduces our outputs on the dense
     (or dequantized) base. Ranks or alphas that differ between modules go to rank_pattern /
-    alpha_pattern. Returns {"out_dir", "num_modules", "target_modules"}.
+    alpha_pattern. Trained AQN norm weights (``train_norms``: input/post_attention_layernorm weights
+    with requires_grad) are saved as PEFT's modules_to_save, as the official code's ``--ln`` does:
+    keys ``base_model.model.<norm>.weight`` (fp32, as trained). Returns {"out_dir", "num_modules",
+    "target_modules", "modules_to_save"}.
     """
     from peft import LoraConfig
 
+    from qerl.noise import find_norms
     from qerl.qlinear import QuantLinear
 
     mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.r > 0}
@@ -314,6 +296,10 @@ def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=
     for name, m in mods.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight.detach().cpu().contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight.detach().cpu().contiguous()
+    norms = [(n, m) for n, m in find_norms(model) if m.weight.requires_grad]
+    for name, m in norms:
+        tensors[f"base_model.model.{name}.weight"] = m.weight.detach().cpu().contiguous()
+    modules_to_save = sorted({n.rsplit(".", 1)[-1] for n, _ in norms}) or None
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
 
     # Short names (q_proj, ...) when every such module in the model has an adapter, which is
@@ -332,10 +318,11 @@ def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=
     LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                bias="none", task_type="CAUSAL_LM", rank_pattern=rank_pattern,
                alpha_pattern=alpha_pattern, base_model_name_or_path=str(base_model_name_or_path),
-               inference_mode=True).save_pretrained(str(out_dir))
+               modules_to_save=modules_to_save, inference_mode=True).save_pretrained(str(out_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    return {"out_dir": str(out_dir), "num_modules": len(mods), "target_modules": targets}
+    return {"out_dir": str(out_dir), "num_modules": len(mods), "target_modules": targets,
+            "modules_to_save": modules_to_save}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,16 +376,11 @@ def quantize_checkpoint(src, out_dir, fmt: str, progress: bool = True, cache_dir
     Returns {"out_dir", "format", "num_quantized", "num_copied", "bytes", "source_bytes",
     "seconds"}.
     """
-    if fmt not in formats.FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; expected one of {formats.FORMATS}")
+    spec = formats.get(fmt)
     t0 = time.perf_counter()
     src = _source_folder(src, cache_dir)
     cfg = json.loads((src / "config.json").read_text())
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture model_type={model_type!r} "
-                         f"(architectures={cfg.get('architectures')}); qerl quantizes "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Qwen2/Qwen2.5, Qwen3)")
+    check_supported(cfg.get("model_type"), "qerl quantizes", f" (architectures={cfg.get('architectures')})")
     where = _tensor_index(src)
 
     # Plan: which tensors are quantized (per layer), which are copied; check every shape first.
@@ -425,7 +407,7 @@ def quantize_checkpoint(src, out_dir, fmt: str, progress: bool = True, cache_dir
                 bad.append(f"{module}: {exc}")
     if bad:
         raise ValueError(f"{len(bad)} linear weights cannot be stored as {fmt} "
-                         f"(block size {formats.BLOCK_SIZE[fmt]}): " + "; ".join(bad[:4])
+                         f"(block size {spec.block_size}): " + "; ".join(bad[:4])
                          + (" ..." if len(bad) > 4 else ""))
 
     out_dir = _prepare_out_dir(out_dir, src)

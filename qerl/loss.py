@@ -46,10 +46,41 @@ Run the tests with ``.venv/bin/python -m pytest tests/test_loss.py -q``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+@dataclass(frozen=True)
+class LossType:
+    """How a ``loss_type`` reduces the masked token losses [N, T] of a micro-batch to a scalar.
+
+    ``reduce(per_token, maskf, max_completion_length, num_items_in_batch)``; ``normaliser`` says
+    what that scalar is divided by, which is how a data-parallel rank's share of a micro-batch is
+    rescaled to the global one (``loss_share``): "sequences" (the micro-batch's sequence count),
+    "tokens" (its completion tokens) or "global" (a count over the whole accumulated batch, the
+    same on every rank). ``per_accumulation``: also divided by the gradient-accumulation steps.
+    ``needs``: the keyword arguments of ``policy_loss`` it requires.
+    """
+
+    reduce: Callable[[Tensor, Tensor, int | None, int | Tensor | None], Tensor]
+    normaliser: str
+    per_accumulation: bool = True
+    needs: tuple[str, ...] = ()
+
+
+# A new loss type is one entry here (TRL's names and semantics; see the module docstring).
+LOSS_REDUCTIONS: dict[str, LossType] = {
+    "grpo": LossType(lambda pt, m, L, items: (pt.sum(dim=1) / m.sum(dim=1).clamp(min=1.0)).mean(), "sequences"),
+    "bnpo": LossType(lambda pt, m, L, items: pt.sum() / m.sum().clamp(min=1.0), "tokens"),
+    "dr_grpo": LossType(lambda pt, m, L, items: pt.sum() / (pt.shape[0] * int(L)), "sequences",
+                        needs=("max_completion_length",)),
+    "dapo": LossType(lambda pt, m, L, items: pt.sum() / torch.as_tensor(items, dtype=pt.dtype, device=pt.device),
+                     "global", per_accumulation=False, needs=("num_items_in_batch",)),
+}
+LOSS_TYPES = tuple(LOSS_REDUCTIONS)
 SCALE_REWARDS = ("group", "batch", "none")
 # TRL adds this to the std before dividing, so zero-variance groups get advantage 0, not NaN.
 ADVANTAGE_EPS = 1e-4
@@ -261,15 +292,16 @@ def policy_loss(
             raise ValueError("beta > 0 needs ref_logp (the reference policy's log-probs)")
         if ref_logp.shape != logp.shape:
             raise ValueError(f"ref_logp shape {tuple(ref_logp.shape)} must equal logp shape {tuple(logp.shape)}")
-    if loss_type == "dr_grpo":
+    spec = LOSS_REDUCTIONS[loss_type]
+    if "max_completion_length" in spec.needs:
         if max_completion_length is None or int(max_completion_length) < 1:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length >= 1")
+            raise ValueError(f"loss_type={loss_type!r} needs max_completion_length >= 1")
         if n_tok > max_completion_length:
             raise ValueError(f"completions have {n_tok} positions, more than max_completion_length={max_completion_length}")
-    if loss_type == "dapo":
+    if "num_items_in_batch" in spec.needs:
         if num_items_in_batch is None or float(num_items_in_batch) <= 0:
             raise ValueError(
-                "loss_type='dapo' needs num_items_in_batch > 0: the completion-token count of the whole "
+                f"loss_type={loss_type!r} needs num_items_in_batch > 0: the completion-token count of the whole "
                 "accumulated batch (sum of the completion masks of all its micro-batches)"
             )
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
@@ -297,15 +329,8 @@ def policy_loss(
         finite = finite & torch.isfinite(delta).all()
     per_token = torch.where(valid, per_token, zero)
 
-    if loss_type == "grpo":
-        loss = (per_token.sum(dim=1) / maskf.sum(dim=1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = per_token.sum() / maskf.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = per_token.sum() / (n_seq * int(max_completion_length))
-    else:  # dapo
-        loss = per_token.sum() / torch.as_tensor(num_items_in_batch, dtype=logp.dtype, device=logp.device)
-    if loss_type != "dapo":
+    loss = spec.reduce(per_token, maskf, max_completion_length, num_items_in_batch)
+    if spec.per_accumulation:
         loss = loss / gradient_accumulation_steps
     # No host sync: a non-finite input turns the loss into NaN, which the trainer checks.
     loss = torch.where(finite, loss, torch.full_like(loss, float("nan")))
@@ -322,3 +347,20 @@ def policy_loss(
         if beta > 0:
             metrics["kl"] = _masked_mean(per_token_kl, maskf, count)
     return loss, metrics
+
+
+def loss_share(loss_type: str, n_own: int, n_micro: int, tokens_own: float, tokens_micro: float) -> float:
+    """Factor that rescales a loss ``policy_loss`` normalised by a rank's share of a micro-batch
+    (``n_own`` of its ``n_micro`` sequences, ``tokens_own`` of its ``tokens_micro`` loss tokens) to
+    the normaliser of the whole (global) micro-batch, so that the ranks' losses SUM to the
+    single-process one. Token counts are clamped at 1 as the reductions clamp them. In a single
+    process the share is the whole micro-batch and the factor is 1.
+    """
+    kind = LOSS_REDUCTIONS[loss_type].normaliser
+    if kind == "sequences":
+        return n_own / n_micro
+    if kind == "tokens":
+        return max(tokens_own, 1.0) / max(tokens_micro, 1.0)
+    if kind == "global":
+        return 1.0
+    raise ValueError(f"loss_type {loss_type!r}: unknown normaliser {kind!r}")

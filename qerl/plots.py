@@ -6,8 +6,8 @@ Each `plot_*` / `*_table` function reads committed result files with pandas, sav
 prints a note and returns None, so a partial results/ tree never crashes a notebook.
 
     table1(results)        Table 1 at this scale: accuracy before/after GRPO per method, mean and
-                           spread (max - min) over seeds                   -> table1.png (bars)
-    plot_rewards(results)  reward per step per method (mean over seeds, thin line per seed), Fig. 4
+                           spread (std) over seeds                         -> table1.png (bars)
+    plot_rewards(results)  reward per step per method (mean over seeds, band +- std), Fig. 4
     plot_entropy(results)  training-forward `entropy` and `sampling/entropy` per method, Fig. 5
     plot_aqn(results)      nvfp4_lora vs nvfp4_lora_aqn reward, `aqn/sigma` on a twin axis, Fig. 8
     plot_step_time(results) mean `time/rollout_s` and `time/train_s` per method, stacked bars
@@ -17,9 +17,12 @@ prints a note and returns None, so a partial results/ tree never crashes a noteb
                            (Fig. 4, 7, 8, 9, 10, 16 via experiments/fig*.py)
     table2(results)        Table 2: accuracy per model / method on MATH500, AIME24, AIME25, AMC23
                            and their average                                -> table2_bigmath.png
+    speed_results(folder)  a speed benchmark's results/<table3|rollout>/<gpu>.json as (runs, rows);
+                           plot_table3_split(rows), plot_rollout_throughput(rows), speed_summary(runs)
 """
 
 import json
+import os
 from pathlib import Path
 
 import matplotlib
@@ -28,11 +31,15 @@ matplotlib.use("Agg")  # headless: notebooks and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+from qerl import formats  # noqa: E402
+from qerl.config import METHODS, methods, table_bases  # noqa: E402
+
+# QERL_RESULTS points every default at another results folder (the notebooks' tests use it).
+RESULTS = Path(os.environ.get("QERL_RESULTS") or Path(__file__).resolve().parent.parent / "results")
 TABLE1 = "table1/small"
-# Order the methods as the paper's Table 1 does: full and LoRA bf16, then the 4-bit LoRA variants.
-METHOD_ORDER = ["bf16", "nf4", "mxfp4", "nvfp4", "bf16_full", "bf16_lora", "nf4_lora",
-                "mxfp4_lora", "nvfp4_lora", "nvfp4_lora_aqn"]
+# Order the methods as the paper's Table 1 does: the untrained bases, full and LoRA bf16, then the
+# 4-bit LoRA variants (qerl.config's Table 1 rows, from the format registry), then the rest.
+METHOD_ORDER = list(dict.fromkeys(table_bases() + METHODS + methods()))
 
 
 def _note(msg):
@@ -100,7 +107,7 @@ def load_metrics(results=RESULTS, experiment=TABLE1, fields=()):
 # ---------------------------------------------------------------- Table 1
 
 def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
-    """Accuracy before/after training per method: mean and spread (max - min) over seeds.
+    """Accuracy before/after training per method: mean and sample standard deviation over seeds.
 
     Untrained baselines (run base-*) have only `accuracy`, reported as `after` with no `before`.
     Saves table1.png (bar chart: before vs after) and returns the DataFrame indexed by method.
@@ -110,12 +117,12 @@ def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
         return None
     df = df[df["metric"].isin(["accuracy", "accuracy_before"])]
     g = df.groupby(["method", "metric"])["value"]
-    stats = pd.DataFrame({"mean": g.mean(), "spread": g.max() - g.min(), "n": g.count()}).unstack("metric")
+    stats = pd.DataFrame({"mean": g.mean(), "std": g.std(), "n": g.count()}).unstack("metric")
     tab = pd.DataFrame({
         "before_mean": stats[("mean", "accuracy_before")] if ("mean", "accuracy_before") in stats else None,
-        "before_spread": stats[("spread", "accuracy_before")] if ("spread", "accuracy_before") in stats else None,
+        "before_std": stats[("std", "accuracy_before")] if ("std", "accuracy_before") in stats else None,
         "after_mean": stats[("mean", "accuracy")],
-        "after_spread": stats[("spread", "accuracy")],
+        "after_std": stats[("std", "accuracy")],
         "seeds": stats[("n", "accuracy")].astype(int),
     })
     tab = tab.loc[_order(tab.index)]
@@ -123,14 +130,14 @@ def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
 
     fig, ax = plt.subplots(figsize=(9, 4))
     x = range(len(tab))
-    half = [(s / 2) for s in tab["before_spread"].fillna(0)]
+    half = tab["before_std"].fillna(0)
     ax.bar([i - 0.2 for i in x], tab["before_mean"].fillna(0), 0.4, yerr=half, label="before RL",
            color="0.7", capsize=3)
-    ax.bar([i + 0.2 for i in x], tab["after_mean"], 0.4, yerr=tab["after_spread"] / 2,
+    ax.bar([i + 0.2 for i in x], tab["after_mean"], 0.4, yerr=tab["after_std"].fillna(0),
            label="after RL (untrained: eval only)", color="C0", capsize=3)
     ax.set_xticks(list(x), tab.index, rotation=30, ha="right")
     ax.set_ylabel("accuracy")
-    ax.set_title(f"Table 1 at small scale ({experiment}); bars = mean, whiskers = range over seeds")
+    ax.set_title(f"Table 1 at small scale ({experiment}); bars = mean, whiskers = +- std over seeds")
     ax.legend()
     _save(fig, out_dir, results, name)
     return tab
@@ -138,23 +145,24 @@ def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
 
 # ---------------------------------------------------------------- curves
 
-def _curves(ax, m, key, methods, smooth=1, per_seed=True):
+def _curves(ax, m, key, methods, smooth=1, band=True):
+    """One line per method: the mean over its runs (seeds) per step, smoothed, with a band of +- one
+    standard deviation over the runs where there are several (the label says n)."""
     for i, method in enumerate(methods):
         sub = m[m["method"] == method]
         if key not in sub or sub[key].isna().all():
             continue
         color = f"C{i % 10}"
-        if per_seed:
-            for _, run in sub.groupby("run"):
-                ax.plot(run["step"], run[key].rolling(smooth, min_periods=1).mean(), color=color,
-                        alpha=0.25, lw=0.8)
-        mean = sub.groupby("step")[key].mean().rolling(smooth, min_periods=1).mean()
-        ax.plot(mean.index, mean.values, color=color, lw=2, label=method)
+        per_run = sub.pivot_table(index="step", columns="run", values=key).rolling(smooth, min_periods=1).mean()
+        mean, std, n = per_run.mean(axis=1), per_run.std(axis=1), per_run.shape[1]
+        ax.plot(mean.index, mean.values, color=color, lw=2, label=f"{method} (n={n})" if n > 1 else method)
+        if band and n > 1:
+            ax.fill_between(mean.index, mean - std, mean + std, color=color, alpha=0.2, lw=0)
     ax.set_xlabel("step")
 
 
 def plot_rewards(results=RESULTS, out_dir=None, experiment=TABLE1, smooth=3):
-    """Mean reward per step per method (thick), one thin line per seed; Fig. 4 at this scale.
+    """Mean reward per step per method (line), +- std over seeds (band); Fig. 4 at this scale.
 
     `smooth` is a trailing rolling mean over steps (3 by default: the batches are small and noisy).
     """
@@ -269,7 +277,7 @@ def _sort_col(col):
 def plot_curves(results=RESULTS, experiment=None, by=("method",), panels=None, keys=("reward",), name=None,
                 title="", smooth=3, out_dir=None, panel_names=None):
     """Step curves of an experiment's runs (experiments/fig*.py): one line per value of the config
-    fields `by` (thick = mean over seeds, thin = one seed), one column of panels per value of the
+    fields `by` (mean over seeds, band = +- std), one column of panels per value of the
     config field `panels` (e.g. "model", "loss_type"), one row per metric in `keys`.
 
     Saves <name>.png (default: the experiment with "/" -> "-") and returns the Figure, or None.
@@ -345,7 +353,7 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
     """Decoder-layer linear time (ms, sum over the seven projections) per model, op, M and method.
 
     Rows name shared shapes like "q_proj/o_proj"; each name counts once per projection it stands
-    for, as experiments/bench_kernels.py does for its summary. Adds bf16/<fmt> speedup columns
+    for, as benchmarks/bench_kernels.py does for its summary. Adds bf16/<fmt> speedup columns
     (> 1 means the 4-bit kernel is faster). Saves kernels.png (speedup of nvfp4 over bf16 vs M).
     """
     path = Path(results) / name
@@ -359,7 +367,7 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
         return None
     df["layer_ms"] = df["ms"] * df["proj"].str.count("/").add(1)
     tab = df.pivot_table(index=["model", "op", "M"], columns="method", values="layer_ms", aggfunc="sum")
-    for fmt in ("nvfp4", "mxfp4", "nf4"):
+    for fmt in formats.names():
         if fmt in tab and "bf16" in tab:
             tab[f"bf16/{fmt}"] = tab["bf16"] / tab[fmt]
     if "bf16/nvfp4" in tab:
@@ -377,6 +385,96 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
     tab.attrs["summary"] = data.get("summary", {})
     tab.attrs["targets"] = data.get("targets", {})
     return tab
+
+
+# ---------------------------------------------------------------- speed benchmarks (Table 3, rollout)
+
+# results/<folder>/<gpu>.json -> the benchmark module that writes it
+SPEED_BENCHMARKS = {"table3": "benchmarks.table3_speed_memory", "rollout": "benchmarks.rollout_throughput"}
+TABLE3_COLUMNS = ["gpu", "model", "method", "batch", "grad_ckpt", "completion_len", "step_s", "rollout_s",
+                  "logprob_s", "update_s", "rollout_share", "peak_gib", "model_size_gb", "paper_model_size_gb",
+                  "paper_s_per_step", "memory_cap_gib", "oom", "oom_phase"]
+ROLLOUT_COLUMNS = ["gpu", "model", "method", "batch", "lora_rank", "completion_len", "tokens_per_s",
+                   "ms_per_decode_step", "roofline_fraction", "peak_gib", "paper_vllm_tokens_per_s"]
+
+
+def speed_results(folder, results=RESULTS):
+    """(runs, rows) of a speed benchmark: runs = {gpu: results/<folder>/<gpu>.json}, rows = every row
+    as a DataFrame with a `gpu` column; (runs, None) with a note when nothing was measured yet."""
+    if folder not in SPEED_BENCHMARKS:
+        raise ValueError(f"unknown speed benchmark {folder!r}; allowed: {sorted(SPEED_BENCHMARKS)}")
+    path = Path(results) / folder
+    runs = {f.stem: json.loads(f.read_text()) for f in sorted(path.glob("*.json"))}
+    if not runs:
+        print(f"no results in {path}/ yet: run python -m {SPEED_BENCHMARKS[folder]} on a GPU (see its docstring)")
+        return runs, None
+    return runs, pd.DataFrame([{**r, "gpu": g} for g, run in runs.items() for r in run["rows"]])
+
+
+def speed_summary(runs):
+    """{gpu: DataFrame of measured summary vs target}; prints each run's provenance and its failed rows."""
+    out = {}
+    for gpu, run in runs.items():
+        print(f"{gpu}: git {run.get('git_sha')}, {run.get('date')}")
+        out[gpu] = pd.DataFrame({"measured": run["summary"], "target": run.get("targets", {}),
+                                 "from": run.get("summary_notes", {})})
+        for r in run["rows"]:
+            if r.get("oom") or r.get("error"):
+                print(f"  {r['model']} {r['method']} bs{r['batch']}: {'OOM' if r.get('oom') else 'FAILED'} in "
+                      f"{r.get('oom_phase') or r.get('failed_phase')}: {str(r.get('error'))[:120]}")
+    return out
+
+
+def plot_table3_split(rows, results=RESULTS, out_dir=None, name="table3_step_split"):
+    """Stacked bars: rollout / old log-probs / policy update seconds of each measured GRPO step
+    (results/table3/<gpu>.json rows) -> table3_step_split.png; None without a completed step."""
+    ok = rows[rows["step_s"].notna()] if rows is not None and "step_s" in rows else None
+    if ok is None or ok.empty:
+        _note("no completed GRPO steps to plot")
+        return None
+    ok = ok.sort_values(["gpu", "model", "batch", "grad_ckpt", "method"])
+    labels = [f"{r.gpu} {r.model} bs{r.batch} {'GC' if r.grad_ckpt else 'no GC'} C={r.completion_len} | {r.method}"
+              for r in ok.itertuples()]
+    y = list(range(len(ok)))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(ok) + 1.5))
+    left = [0.0] * len(ok)
+    for phase, color in (("rollout_s", "tab:blue"), ("logprob_s", "tab:orange"), ("update_s", "tab:green")):
+        ax.barh(y, ok[phase], left=left, color=color, label=phase[:-2])
+        left = [a + b for a, b in zip(left, ok[phase])]
+    for i, r in enumerate(ok.itertuples()):
+        ax.text(r.step_s, i, f" {r.step_s:.1f} s, {100 * r.rollout_share:.0f}% rollout, {r.peak_gib:.0f} GiB",
+                va="center", fontsize=8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per GRPO step (random weights; results/table3/<gpu>.json)")
+    ax.set_xlim(0, max(left) * 1.45)
+    ax.legend(loc="lower right")
+    return _save(fig, out_dir, results, name)
+
+
+def plot_rollout_throughput(rows, results=RESULTS, out_dir=None, name="rollout_throughput"):
+    """Figure 11 at this scale: generated tokens/s per method, one panel per batch size
+    (results/rollout/<gpu>.json rows) -> rollout_throughput.png; None without rows."""
+    if rows is None or rows.empty:
+        _note("no rollout rows to plot")
+        return None
+    batches = sorted(rows["batch"].unique())
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.8), squeeze=False)
+    methods = [m for m in table_bases() + ("hf_generate_bf16",) if m in set(rows["method"])]
+    for ax, bs in zip(axes[0], batches):
+        sub = rows[rows["batch"] == bs]
+        models = sorted(sub["model"].unique())
+        width = 0.8 / max(len(methods), 1)
+        for j, m in enumerate(methods):
+            vals = [sub[(sub["model"] == mo) & (sub["method"] == m)]["tokens_per_s"].max() for mo in models]
+            ax.bar([i + j * width for i in range(len(models))], vals, width, label=m)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models)
+        ax.set_title(f"batch {bs}")
+        ax.set_ylabel("generated tokens / s")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("rollout throughput, random weights, prompt 256 (results/rollout/<gpu>.json)")
+    fig.tight_layout()
+    return _save(fig, out_dir, results, name)
 
 
 # ---------------------------------------------------------------- one figure per experiment script

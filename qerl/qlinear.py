@@ -23,28 +23,21 @@ import torch.nn.functional as F
 
 from qerl import formats, kernels
 
-BASE_FORMATS = ("bf16",) + tuple(formats.FORMATS)
+
+def base_formats() -> tuple[str, ...]:
+    """The base-weight formats a QuantLinear can hold: "bf16" (dense) and every registered format."""
+    return ("bf16",) + formats.names()
 
 
 def packed_shapes(fmt: str, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of the packed buffers of one weight [out, in], without computing them.
 
     Used to build quantized models on the meta device (model sizes of 7B-32B configs) and to
-    allocate layer-by-layer builds.
+    allocate layer-by-layer builds. The format's spec in the registry says what they are.
     """
-    formats.check_shape((out_features, in_features), fmt)
-    half = (out_features, in_features // 2)
-    if fmt == "nvfp4":
-        return {
-            "weight_packed": (half, torch.uint8),
-            "weight_scale": ((out_features, in_features // 16), torch.float8_e4m3fn),
-            "weight_global_scale": ((1,), torch.float32),
-        }
-    if fmt == "mxfp4":
-        return {"weight_packed": (half, torch.uint8), "weight_scale": ((out_features, in_features // 32), torch.uint8)}
-    if fmt == "nf4":
-        return {"weight_packed": (half, torch.uint8), "weight_absmax": ((out_features * in_features // 64,), torch.float32)}
-    raise ValueError(f"unknown base format {fmt!r}; expected one of {BASE_FORMATS}")
+    if fmt not in formats.names():
+        raise ValueError(f"unknown base format {fmt!r}; expected one of {base_formats()}")
+    return formats.packed_shapes(fmt, out_features, in_features)
 
 
 class _PackedMatmul(torch.autograd.Function):
@@ -78,8 +71,8 @@ class QuantLinear(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, lora_dtype: torch.dtype = torch.float32,
                  device=None, backend: str = "auto"):
         super().__init__()
-        if fmt not in BASE_FORMATS:
-            raise ValueError(f"unknown base format {fmt!r}; expected one of {BASE_FORMATS}")
+        if fmt not in base_formats():
+            raise ValueError(f"unknown base format {fmt!r}; expected one of {base_formats()}")
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
         self.in_features, self.out_features, self.fmt, self.backend = in_features, out_features, fmt, backend
@@ -135,6 +128,22 @@ class QuantLinear(nn.Module):
             cache = self.__dict__["_kernel_cache"] = {}
         return cache
 
+    def _plan(self, x: torch.Tensor):
+        """The Triton launch plan of this weight on x's device (qerl.kernels.fp4.Plan), built once
+        and kept while the buffers are the same tensors; None when the backend is not Triton."""
+        packed = self._buffers["weight_packed"]
+        st = self.__dict__.get("_plan_state")
+        if st is not None and st[0] is packed and st[1] == x.device:
+            return st[2]
+        plan = None
+        if kernels.resolve_backend(self.backend, self.fmt, x.device) == "triton":
+            from qerl.kernels import fp4
+
+            t = self.packed_tensors()
+            plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), self.fmt == "nvfp4")
+        self.__dict__["_plan_state"] = (packed, x.device, plan)
+        return plan
+
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """The packed base tensors by their on-disk names (empty for the bf16 base)."""
         if self.fmt == "bf16":
@@ -168,7 +177,13 @@ class QuantLinear(nn.Module):
         if self.fmt == "bf16":  # bias inside F.linear: bit-exact with nn.Linear (one rounding)
             y = F.linear(x, self.weight, self.bias)
         else:
-            y = _PackedMatmul.apply(x, self)
+            plan = None if torch.compiler.is_compiling() else self._plan(x)
+            if plan is None:  # reference / bitsandbytes, or tracing: the dispatch point and its custom ops
+                y = _PackedMatmul.apply(x, self)
+            elif x.requires_grad and torch.is_grad_enabled():
+                y = plan.autograd_fn.apply(x, plan)
+            else:
+                y = plan.linear(x)
             if self.bias is not None:
                 y = y + self.bias
         if self.r and self._adapters_enabled:

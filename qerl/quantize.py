@@ -3,8 +3,8 @@
 Which modules: q,k,v,o,gate,up,down of every decoder layer (the paper's LoRA targets).
 Embeddings, lm_head and the norms stay 16-bit. Fused projections (q,k,v) and (gate,up) share
 one NVFP4 global scale, as vLLM expects when it fuses them into one GEMM.
-Supported families are named in SUPPORTED_MODEL_TYPES; anything else is a clear error rather
-than a guess from a model name.
+Supported families are named in qerl.arch (SUPPORTED_MODEL_TYPES); anything else is a clear error
+rather than a guess from a model name.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from qerl import formats, kernels
-from qerl.qlinear import BASE_FORMATS, QuantLinear
+from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, check_supported
+from qerl.qlinear import QuantLinear, base_formats
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,22 +27,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class QuantizeConfig:
     """How to turn a dense model into qerl's model (paper Table 4 for the defaults)."""
 
-    fmt: str = "nvfp4"  # base weight format: bf16 (BF16-LoRA rows) | nvfp4 | mxfp4 | nf4
+    fmt: str = "nvfp4"  # base weight format: bf16 (BF16-LoRA rows) or a registered format (qerl.formats.names())
     lora_rank: int = 32  # r; paper Table 4 (the official scripts use 16); 0 = no adapter
     lora_alpha: float = 64.0  # scaling = lora_alpha / lora_rank
     lora_dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS  # module names inside each decoder layer
-    fuse_global_scales: bool = True  # (q,k,v) and (gate,up) share one NVFP4 global scale
+    targets: tuple[str, ...] = LINEAR_NAMES  # module names inside each decoder layer (qerl.arch)
+    fuse_global_scales: bool = True  # (q,k,v) and (gate,up) share one global scale (formats that have one: nvfp4)
     lora_dtype: str = "float32"  # adapter parameter dtype (PEFT's autocast_adapter_dtype keeps fp32)
     backend: str = "auto"  # kernel dispatch: auto | triton | reference | bitsandbytes (nf4)
     progress: bool = False  # show a progress bar over decoder layers
 
     def __post_init__(self):
-        if self.fmt not in BASE_FORMATS:
-            raise ValueError(f"fmt must be one of {BASE_FORMATS}, got {self.fmt!r}")
-        bad = set(self.targets) - set(DEFAULT_TARGETS)
+        if self.fmt not in base_formats():
+            raise ValueError(f"fmt must be one of {base_formats()}, got {self.fmt!r}")
+        bad = set(self.targets) - set(LINEAR_NAMES)
         if bad:
-            raise ValueError(f"unknown targets {sorted(bad)}; allowed: {DEFAULT_TARGETS}")
+            raise ValueError(f"unknown targets {sorted(bad)}; allowed: {LINEAR_NAMES}")
         if self.lora_dtype not in _DTYPES:
             raise ValueError(f"lora_dtype must be one of {tuple(_DTYPES)}, got {self.lora_dtype!r}")
         if self.backend not in kernels.BACKENDS:
@@ -55,15 +53,20 @@ class QuantizeConfig:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a supported causal LM, or a ValueError naming what is supported."""
     cfg = getattr(model, "config", None)
-    mtype = getattr(cfg, "model_type", None)
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture {mtype!r}: qerl supports model_type in {SUPPORTED_MODEL_TYPES} "
-                         "(Llama, Qwen2/Qwen2.5, Qwen3)")
+    check_supported(getattr(cfg, "model_type", None))
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no decoder layers at model.layers")
     return layers
+
+
+def shared_scale_fn(config: QuantizeConfig):
+    """The function giving a fused group its shared global scale, or None (bf16, formats
+    without a global scale, fuse_global_scales=False)."""
+    if config.fmt == "bf16" or not config.fuse_global_scales:
+        return None
+    return formats.get(config.fmt).fused_global_scale
 
 
 def quantize_(model: nn.Module, config: QuantizeConfig | None = None) -> dict:
@@ -80,13 +83,14 @@ def quantize_(model: nn.Module, config: QuantizeConfig | None = None) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     n = 0
+    fuse = shared_scale_fn(config)
     for layer in tqdm(layers, desc=f"quantize {config.fmt}", disable=not config.progress):
         scales = {}
-        if config.fuse_global_scales and config.fmt == "nvfp4":
+        if fuse is not None:
             for parent, names in FUSED_GROUPS:
                 mods = [getattr(getattr(layer, parent), nm) for nm in names if nm in config.targets]
                 if mods and mods[0].weight.device.type != "meta":
-                    gs = formats.fused_global_scale([m.weight.detach() for m in mods])
+                    gs = fuse([m.weight.detach() for m in mods])
                     scales.update({id(m): gs for m in mods})
         for parent_name, parent in layer.named_children():
             for name, child in list(parent.named_children()):

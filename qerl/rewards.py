@@ -1,8 +1,9 @@
 """Rewards for math RL: answer accuracy (checked with math-verify) and output format.
 
 The paper's prompt (Appendix E) asks for ``<think> ... </think> <answer> ... </answer>``; the
-official code scores the text inside the answer tags with math-verify. qerl does the same, with
-fallbacks for completions that forget the tags:
+official code's evaluation (eval/gsm8k.py) takes the answer inside the tags, exact match first, then
+math-verify. qerl scores that answer with math-verify (its GSM8K training reward, an exact match, is
+``reward="official_exact"`` below), with fallbacks for completions that forget the tags:
 
 1. the content of the last ``<answer>...</answer>`` (an ``<answer>`` that is never closed, e.g. a
    truncated completion, counts from the tag to the end of the text);
@@ -27,8 +28,12 @@ answer block is there, 0.0 otherwise: the partial credit gives a small model tha
 
 Typical use in the RL loop::
 
-    res = score_batch(completions, golds)
+    res = score_batch(completions, golds)                 # reward="math_verify", the default
     res.rewards, res.format, res.unparsed
+
+``reward="official_exact"`` scores as the official QeRL code's GSM8K run does instead (see
+``official_exact_batch``): exact string match of the answer, and as format the presence of a
+``<think>...</think>`` block (weighted 0.2 by the trainer: TrainConfig.format_reward_weight).
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ MAX_ANSWER_CHARS = 512
 # Seconds math-verify may spend on one parse and one comparison (its timer counts whole seconds).
 DEFAULT_TIMEOUT_S = 2
 PARTIAL_FORMAT_REWARD = 0.5
+# Training rewards (TrainConfig.reward); evaluation always scores with math_verify.
+REWARDS = ("math_verify", "official_exact")
+# The official think_reward_func's weight; the trainer's default format_reward_weight for official_exact.
+OFFICIAL_FORMAT_REWARD = 0.2
+_THINK_RE = re.compile(r"<think>.+?</think>.*", re.DOTALL)
 
 # Sources a prediction can come from, in the order they are tried.
 SOURCES = ("answer_tag", "boxed", "number", "none")
@@ -290,14 +300,57 @@ def format_reward(completion: str, partial: float = PARTIAL_FORMAT_REWARD) -> fl
     return 1.0 if full else float(partial)
 
 
+def official_answer(completion: str) -> str:
+    """The official code's ``extract_xml_answer``: the text after the last ``<answer>``, up to the next
+    ``</answer>``, stripped (a completion without the tag is read whole)."""
+    return completion.split(_ANSWER_OPEN)[-1].split(_ANSWER_CLOSE)[0].strip()
+
+
+def official_exact_batch(completions: list[str], golds: list) -> RewardResult:
+    """The official QeRL code's GSM8K reward, on qerl's answer-tag prompt.
+
+    What its ``qerl.py`` runs for ``--dataset gsm8k`` (read in the official code's mirror
+    vukrosic/QeRL-learn, files ``qerl.py`` and ``utils/rewards.py``): ``gsm8k_score`` (1.0 when the
+    extracted answer equals the gold string exactly, else 0.0; no math-verify) plus
+    ``think_reward_func`` (0.2 when ``<think>.+?</think>`` occurs). In that code ``gsm8k_score``
+    extracts the answer after "####", because its GSM8K prompt asks for "#### number"; qerl keeps
+    the paper's answer-tag prompt, so the exact match reads the answer tags as the official
+    ``correctness_reward_func`` and ``eval/gsm8k.py`` (``extract_xml_answer``) do.
+
+    rewards: exact match in {0, 1}; format: 1.0 when a think block is there (the trainer weights it
+    by format_reward_weight, 0.2 by default for this reward); unparsed: completions without
+    ``<answer>``.
+    """
+    if len(completions) != len(golds):
+        raise ValueError(f"official_exact_batch needs one gold per completion, got {len(completions)} "
+                         f"completions and {len(golds)} golds")
+    rewards, formats, unparsed = [], [], 0
+    for completion, gold in zip(completions, golds):
+        text = completion if isinstance(completion, str) else ""
+        unparsed += _ANSWER_OPEN not in text
+        rewards.append(float(official_answer(text) == gold_to_str(gold)))
+        formats.append(float(_THINK_RE.search(text) is not None))
+    return RewardResult(rewards=rewards, format=formats, unparsed=unparsed,
+                        sources=["answer_tag" if _ANSWER_OPEN in (c or "") else "none" for c in completions])
+
+
 def score_batch(
     completions: list[str],
     golds: list,
     fallback: bool = True,
     timeout_s: int | None = DEFAULT_TIMEOUT_S,
     partial_format: float = PARTIAL_FORMAT_REWARD,
+    reward: str = "math_verify",
 ) -> RewardResult:
-    """Accuracy and format rewards for a batch; golds[i] is the gold answer of completions[i]."""
+    """Accuracy and format rewards for a batch; golds[i] is the gold answer of completions[i].
+
+    ``reward`` is one of REWARDS: "math_verify" (this module's extraction + math-verify, the format
+    reward above) or "official_exact" (``official_exact_batch``; the other options do not apply).
+    """
+    if reward not in REWARDS:
+        raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+    if reward == "official_exact":
+        return official_exact_batch(completions, golds)
     if len(completions) != len(golds):
         raise ValueError(
             f"score_batch needs one gold per completion, got {len(completions)} completions "

@@ -1,12 +1,16 @@
-"""The RL loop, top to bottom: rollout -> rewards -> advantages -> policy updates -> AQN.
+"""The RL loop, top to bottom: rollout -> rewards -> advantages -> policy updates -> AQN
+(one step's phases are in qerl.step).
 
 One model object serves both paths. The rollout samples from it with no grad (AQN noise added to
 its RMSNorm weights for the duration of the rollout only, then restored bitwise); the policy
 update runs the training forward through the frozen packed base and the LoRA adapters. There is
 no second copy and no weight sync. Departures from textbook GRPO, all settings:
 - ``old_logp`` comes from a clean (noise-free) forward right after the rollout, as TRL does when
-  num_iterations > 1; the gap between it and the sampling log-probs (noise and kernel differences)
-  is logged as ``sampling/logprob_gap``.
+  num_iterations > 1; with one optimizer step per rollout it is the training forward's own,
+  detached (TRL). The gap between it and the sampling log-probs (noise and kernel differences)
+  is logged as ``sampling/logprob_gap``; a run without AQN whose gap stays above
+  ``max_logprob_gap`` stops (RolloutGapError).
+- bf16_full steps fp32 master weights (``MasterWeights``) and computes in bf16.
 - the KL reference (beta > 0) is the same model with adapters disabled.
 - DAPO dynamic sampling drops zero-signal groups and counts them; it does not resample.
 
@@ -16,6 +20,7 @@ holds trainable weights, optimizer, scheduler and RNG states.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -27,20 +32,20 @@ from tqdm.auto import tqdm
 from qerl import data as qdata
 from qerl import distributed as qdist
 from qerl import evaluate as qeval
-from qerl import loss as qloss
-from qerl import rewards as qrewards
-from qerl.config import TrainConfig
+from qerl import formats
+from qerl import step as qstep
+from qerl.config import TrainConfig, eval_settings
 from qerl.logging import RunLogger
-from qerl.noise import AQNConfig, keep_norms_fp32, noisy_norms
-from qerl.qlinear import QuantLinear
-from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
-from qerl.rollout import make_engine, sequence_logprobs
+from qerl.noise import AQNConfig, find_norms, keep_norms_fp32
+from qerl.quantize import lora_parameters, model_size_bytes, quantize_
+from qerl.rollout import make_engine
+from qerl.step import NonFiniteError, adapters_disabled  # noqa: F401 - re-exported
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class NonFiniteError(RuntimeError):
-    """A NaN/inf loss or gradient: training stops instead of corrupting the adapters."""
+class RolloutGapError(RuntimeError):
+    """The rollout's log-probs stayed far from the training forward's (a broken rollout): training stops."""
 
 
 # ----------------------------------------------------------------------------- model
@@ -60,20 +65,26 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
     if model is None:
         model, tokenizer = models.load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
     info = {"method": cfg.method, "fmt": cfg.fmt}
-    if cfg.method == "bf16_full" or (cfg.fmt == "bf16" and not lora):
+    if not cfg.lora or (cfg.fmt == "bf16" and not lora):
         for p in model.parameters():
             p.requires_grad_(True)
         trainable = [p for p in model.parameters()]
     else:
         fmt = cfg.fmt
-        if fmt == "nf4" and device.type == "cpu":
-            print("[qerl] nf4 on CPU: using qerl's pure-torch NF4 (bitsandbytes-compatible codes) instead of "
+        if fmt != "bf16" and "bitsandbytes" in formats.get(fmt).kernels and device.type == "cpu":
+            print(f"[qerl] {fmt} on CPU: using qerl's pure-torch {fmt} (bitsandbytes-compatible codes) instead of "
                   "bitsandbytes kernels; same quantized weights, slower")
-        rep = quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=cfg.lora_rank if lora else 0, lora_alpha=cfg.lora_alpha,
-                                              lora_dropout=cfg.lora_dropout, backend=cfg.backend))
+        rep = quantize_(model, cfg.quantize_config(lora=lora))
         info.update(rep)
         trainable = lora_parameters(model)
     info["norms_fp32"] = keep_norms_fp32(model)  # so small AQN sigmas are not rounded away (see noise.py)
+    if cfg.train_norms and lora:  # the official --ln: AQN's norm weights trained (fp32) next to the adapters
+        norms = [m.weight for _, m in find_norms(model)]
+        for w in norms:
+            w.requires_grad_(True)
+        trainable = trainable + [w for w in norms if all(w is not t for t in trainable)]
+        model.qerl_initial_norms = {n: m.weight.detach().clone() for n, m in find_norms(model)}  # KL reference
+        info["trainable_norms"] = len(norms)
     info["model_size_bytes"] = model_size_bytes(model)
     info["trainable_params"] = sum(p.numel() for p in trainable)
     if cfg.gradient_checkpointing:
@@ -82,32 +93,78 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
     return model, tokenizer, trainable, info
 
 
-class adapters_disabled:
-    """Context: every QuantLinear's LoRA off (the KL reference policy, no second copy)."""
+class MasterWeights:
+    """fp32 master copies of 16-bit trainable weights (bf16_full): bf16 compute, fp32 updates.
 
-    def __init__(self, model):
-        self.mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    Each 16-bit parameter's gradient is moved, as soon as autograd accumulates it, into the fp32
+    master's ``.grad`` (a post-accumulate-grad hook; the 16-bit ``.grad`` stays None), so the
+    micro-batches also accumulate in fp32. The optimizer steps the masters; ``copy_back`` (an
+    optimizer step post-hook) then rounds them into the 16-bit weights. Without the masters an
+    update of lr 1e-5 is below half a bf16 ulp of most weights and rounds away. fp32 parameters
+    (the RMSNorm weights) are their own masters.
+    """
 
-    def __enter__(self):
-        for m in self.mods:
-            m._adapters_enabled = False
+    def __init__(self, params):
+        self.params = list(params)
+        self.masters = []
+        for p in self.params:
+            if p.dtype == torch.float32:
+                self.masters.append(p)
+                continue
+            m = torch.nn.Parameter(p.detach().float().clone())
+            p.register_post_accumulate_grad_hook(self._mover(m))
+            self.masters.append(m)
+        self._of = {id(p): m for p, m in zip(self.params, self.masters)}
 
-    def __exit__(self, *exc):
-        for m in self.mods:
-            m._adapters_enabled = True
+    @staticmethod
+    def _mover(master):
+        def hook(p):
+            g = p.grad.float()
+            master.grad = g if master.grad is None else master.grad.add_(g)
+            p.grad = None
+        return hook
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        return self._of[id(p)]
+
+    @torch.no_grad()
+    def copy_back(self, *_):
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+
+
+def optimizer_params(opt) -> list:
+    """The tensors the optimizer steps (the fp32 masters under bf16_full): clip and reduce these grads."""
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 def make_optimizer(cfg: TrainConfig, params, total_updates: int):
+    """(optimizer, scheduler) of the trainable ``params``. bf16_full with 16-bit weights: the optimizer
+    steps fp32 masters (``opt.qerl_master``, a MasterWeights) and copies them into the weights."""
     from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
+    params = list(params)
+    master = None
+    if not cfg.lora and any(p.dtype != torch.float32 for p in params):
+        master = MasterWeights(params)
+        params = master.masters
+    # No weight decay on 1-D parameters (norm weights, biases), as the HF Trainer (and so TRL) does.
+    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    betas = (0.9, cfg.adam_beta2)
     if cfg.optim == "adamw_8bit":
         if not torch.cuda.is_available():
             raise ValueError("optim=adamw_8bit needs CUDA (bitsandbytes); use optim=adamw on the CPU")
         import bitsandbytes as bnb
 
-        opt = bnb.optim.AdamW8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        opt = bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate, betas=betas)
     else:
-        opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas)
+    opt.qerl_master = master
+    if master is not None:
+        opt.register_step_post_hook(master.copy_back)
     warm = int(cfg.warmup_ratio * total_updates)
     if cfg.lr_scheduler == "cosine":
         sched = get_cosine_schedule_with_warmup(opt, warm, total_updates)
@@ -132,12 +189,15 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))  # read by `eval`
     params = dict(model.named_parameters())
-    save_file({n: params[n].detach().contiguous().cpu() for n in trainable_names}, str(path / "trainable.safetensors"))
+    master = getattr(opt, "qerl_master", None)  # bf16_full: the fp32 masters are the trained weights
+    tensors = {n: master.master_of(params[n]) if master is not None else params[n] for n in trainable_names}
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(path / "trainable.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         "python": random.getstate()}}, path / "state.pt")
-    if cfg.method != "bf16_full":
+    if cfg.lora:
         try:
             from qerl.export import export_peft_adapter
 
@@ -146,25 +206,81 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
             print(f"[qerl] PEFT adapter export skipped: {e}")
 
 
-def load_trainable(path, model):
-    """Load a checkpoint's trainable tensors (LoRA, or all weights for bf16_full) into the model."""
+def read_checkpoint_config(path) -> dict:
+    """What a checkpoint says about the policy it was trained as: {model, method, lora_rank, lora_alpha,
+    lora_dropout, train_norms} as far as it records them.
+
+    ``path`` is a qerl checkpoint folder (its config.json; older checkpoints: the run folder's
+    config.json two levels up) or a PEFT adapter folder (adapter_config.json: r, lora_alpha,
+    modules_to_save; the method is not recorded there). LoRA on a subset of the projections cannot be
+    rebuilt (qerl puts LoRA on all seven) and is refused.
+    """
+    from qerl.arch import LINEAR_NAMES, NORM_NAMES
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint or adapter folder")
+    peft = path / "adapter_config.json"
+    if peft.exists():
+        c = json.loads(peft.read_text())
+        targets = {t.rsplit(".", 1)[-1] for t in (c.get("target_modules") or [])}
+        if targets != set(LINEAR_NAMES) or c.get("rank_pattern") or c.get("alpha_pattern"):
+            raise ValueError(f"{peft}: LoRA on {sorted(targets)} (rank/alpha patterns {c.get('rank_pattern')}, "
+                             f"{c.get('alpha_pattern')}); qerl rebuilds only one rank and alpha on all of "
+                             f"{list(LINEAR_NAMES)}")
+        saved = set(c.get("modules_to_save") or [])
+        if saved - set(NORM_NAMES):
+            raise ValueError(f"{peft}: modules_to_save {sorted(saved)}; qerl trains only {list(NORM_NAMES)}")
+        out = {"lora_rank": int(c["r"]), "lora_alpha": float(c["lora_alpha"]),
+               "lora_dropout": float(c.get("lora_dropout") or 0.0), "train_norms": bool(saved)}
+        return {**({"model": c["base_model_name_or_path"]} if c.get("base_model_name_or_path") else {}), **out}
+    for cfg_file in (path / "config.json", path.parent.parent / "config.json"):
+        if cfg_file.exists() and (path / "trainable.safetensors").exists():
+            c = json.loads(cfg_file.read_text())
+            keys = ("model", "method", "lora_rank", "lora_alpha", "lora_dropout", "train_norms")
+            return {k: c[k] for k in keys if k in c}
+    raise FileNotFoundError(f"{path} is neither a qerl checkpoint (trainable.safetensors with config.json here or "
+                            f"in its run folder) nor a PEFT adapter folder (adapter_config.json)")
+
+
+def load_trainable(path, model) -> dict:
+    """Load a checkpoint's trainable tensors (LoRA, trained norms, or all weights for bf16_full) into the
+    model (cast to its dtypes) and return them as stored; ``path`` may also be a PEFT adapter folder
+    that qerl exported (adapter_model.safetensors)."""
     from safetensors.torch import load_file
 
-    f = Path(path) / "trainable.safetensors"
-    if not f.exists():
-        raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N)")
-    state = load_file(str(f))
+    path = Path(path)
+    f = path / "trainable.safetensors"
+    if f.exists():
+        state = load_file(str(f))
+    elif (path / "adapter_model.safetensors").exists():
+        prefix = "base_model.model."
+        state = {k.removeprefix(prefix): v for k, v in load_file(str(path / "adapter_model.safetensors")).items()}
+    else:
+        raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N) "
+                                "or a PEFT adapter folder (adapter_model.safetensors)")
     params = dict(model.named_parameters())
     missing = set(state) - set(params)
     if missing:
         raise ValueError(f"checkpoint {path} has parameters the model lacks: {sorted(missing)[:5]}")
+    bad = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in state.items() if t.shape != params[n].shape]
+    if bad:
+        raise ValueError(f"checkpoint {path} does not fit the model (LoRA rank?): {bad[0][0]} is {bad[0][1]} "
+                         f"in the checkpoint, {bad[0][2]} in the model")
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t.to(params[n].device))
+    return state
 
 
 def load_checkpoint(path: Path, model, opt, sched) -> int:
-    load_trainable(path, model)
+    state = load_trainable(path, model)
+    master = getattr(opt, "qerl_master", None)
+    if master is not None:  # bf16_full: the fp32 masters resume from the stored fp32 values
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, t in state.items():
+                master.master_of(params[n]).copy_(t.to(params[n].device))
     st = torch.load(path / "state.pt", weights_only=False)
     opt.load_state_dict(st["optimizer"])
     sched.load_state_dict(st["scheduler"])
@@ -181,16 +297,14 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- one step
-_LOSS_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
-
-
 def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step, aqn: AQNConfig, device):
-    """One rollout and its policy updates; returns the step's metrics (reduced over ranks).
+    """One rollout and its policy updates (the phases of qerl.step); returns the step's metrics
+    (reduced over ranks).
 
     ``prompts`` are the step's global prompts. Under torchrun each rank rolls out a contiguous share
     of whole groups (qerl.distributed.shard) and trains on those completions; the loss of each
     micro-batch is normalised by the counts of the GLOBAL micro/mini-batch, so the summed gradient is
-    the single-process one (see ``_loss_share``). In a single process the share is everything.
+    the single-process one (``qerl.loss.loss_share``). In a single process the share is everything.
     """
     G = cfg.num_generations
     rank, world = qdist.world()
@@ -198,186 +312,35 @@ def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step,
     counts = [(hi - lo) * G for lo, hi in shares]
     first = shares[rank][0] * G  # global index of this rank's first completion
     mine = prompts[shares[rank][0]:shares[rank][1]]
-    metrics: dict = {}
     t0 = time.perf_counter()
-    # ---- rollout (AQN noise only while sampling; restored bitwise afterwards)
     stage, sigma = aqn.sigma_at(step, cfg.max_steps)
-    prompt_ids = [p["prompt_ids"] for p in mine for _ in range(G)]
-    golds = [p["answer"] for p in mine for _ in range(G)]
-    model.eval()
-    with noisy_norms(model, sigma, seed=cfg.seed * 104729 + step) as n_noisy:
-        # sequence i samples from the keys (seed, global id): the same tokens on any rank or batch
-        ro = engine.generate(prompt_ids, cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k, seed=cfg.seed * 7919 + step,
-                             seq_ids=list(range(first, first + len(prompt_ids))))
+    ro, n_noisy = qstep.rollout(cfg, engine, model, [p["prompt_ids"] for p in mine for _ in range(G)], step, sigma,
+                                first)
     if device.type == "cuda":
         torch.cuda.synchronize()
     t_roll = time.perf_counter() - t0
-    cmask = ro.completion_mask
-    # ---- rewards (local); then every rank holds the whole batch's per-completion values
-    texts = tokenizer.batch_decode(ro.completion_ids * cmask + engine.pad_id * (1 - cmask), skip_special_tokens=True)
-    res = qrewards.score_batch(texts, golds)
-    if cfg.mask_truncated_completions:
-        cmask = cmask * (~ro.truncated).long()[:, None]
-    per_seq = torch.tensor([res.rewards, res.format], dtype=torch.float64).T
-    per_seq = torch.cat([per_seq, torch.stack([ro.completion_mask.sum(1), cmask.sum(1), ro.truncated.long()], 1)
-                         .to(torch.float64).cpu()], 1)
-    per_seq = qdist.gather_shards(per_seq, counts)  # [all completions, 5]
-    acc, fmt_r = per_seq[:, 0].float(), per_seq[:, 1].float()
-    lengths, n_loss_tokens, trunc = per_seq[:, 2].float(), per_seq[:, 3], per_seq[:, 4].bool()
-    ent_sum, ent_n, unparsed, n_compl, n_prompt = qdist.all_reduce(
-        [float((ro.entropy * ro.completion_mask).sum()), float(ro.completion_mask.sum()), float(res.unparsed),
+    batch, scored = qstep.score(cfg, tokenizer, engine.pad_id, ro, [p["answer"] for p in mine for _ in range(G)],
+                                counts, first, device)
+    ent_sum, ent_n, n_compl, n_prompt = qdist.all_reduce(
+        [float((ro.entropy * ro.completion_mask).sum()), float(ro.completion_mask.sum()),
          float(ro.num_completion_tokens), float(ro.prompt_mask.sum())], "sum")
     t_roll_max = qdist.all_reduce(t_roll, "max")
-    metrics.update({"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll_max,
-                    "throughput/rollout_tokens_per_s": n_compl / max(t_roll_max, 1e-9),
-                    "sampling/entropy": ent_sum / max(ent_n, 1.0)})
-    rewards = acc + cfg.format_reward_weight * fmt_r
-    adv, stats = qloss.compute_advantages(rewards, G, cfg.scale_rewards)  # global: the same on every rank
-    metrics.update(stats)
-    metrics.update({"rewards/accuracy/mean": float(acc.mean()), "rewards/format/mean": float(fmt_r.mean()),
-                    "rewards/unparsed": int(unparsed)})
-    term = lengths[~trunc]
-    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                    "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(trunc.float().mean()),
-                    "completions/mean_terminated_length": float(term.mean()) if term.numel() else None})
-    keep = torch.ones(len(rewards), dtype=torch.bool)
-    if cfg.dynamic_sampling:
-        keep = qloss.dynamic_sampling_filter(rewards, G).repeat_interleave(G)
-        metrics["dynamic_sampling/kept_groups"] = int(keep.sum()) // G
-    idx = torch.nonzero(keep).squeeze(1)  # global indices
-    adv = adv[first:first + len(texts)].to(device)
-    # ---- log-probs of the sampled sequences under the clean policy (old) and reference (beta)
+    metrics: dict = {"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll_max,
+                     "throughput/rollout_tokens_per_s": n_compl / max(t_roll_max, 1e-9),
+                     "sampling/entropy": ent_sum / max(ent_n, 1.0)}
+    metrics.update(scored)
     t1 = time.perf_counter()
-    mb = cfg.micro_batch_size
-    old_lp = torch.zeros_like(ro.logprobs)
-    ref_lp = torch.zeros_like(ro.logprobs) if cfg.beta > 0 else None
-    with torch.no_grad():
-        for s in range(0, len(texts), mb):
-            sl = slice(s, s + mb)
-            lp, _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                      ro.completion_mask[sl], cfg.temperature)
-            old_lp[sl] = lp
-            if ref_lp is not None:
-                with adapters_disabled(model):
-                    ref_lp[sl], _ = sequence_logprobs(model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
-                                                      ro.completion_mask[sl], cfg.temperature)
-    m = ro.completion_mask.float()
-    gap = (old_lp - ro.logprobs).abs() * m
-    gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
-    gap_max = qdist.all_reduce(float(gap.max()) if gap.numel() else 0.0, "max")
-    metrics["sampling/logprob_gap"] = gap_sum / max(gap_n, 1.0)
-    metrics["sampling/logprob_gap_max"] = gap_max if gap_n > 0 else None
-    # ---- policy updates: the global mini/micro-batch plan is the same on every rank; each rank runs
-    # the members of each micro-batch it generated, and the gradients are summed once per optimizer step
-    model.train()
-    n = idx.numel()
-    mini = cfg.mini_batch_size or n
-    keys = _LOSS_METRICS if cfg.beta > 0 else tuple(k for k in _LOSS_METRICS if k != "kl")
-    table = []  # per global micro-batch: [loss, sums of the token metrics over this rank's tokens]
-    micro_tokens = []  # per global micro-batch: its completion tokens over all ranks
-    grad_norms = []
-    for it in range(cfg.num_iterations):
-        order = idx[torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 31 * step + it))] if n else idx
-        for ms in range(0, n, mini):
-            mini_idx = order[ms:ms + mini]
-            micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
-            n_tokens = int(n_loss_tokens[mini_idx].sum())
-            opt.zero_grad(set_to_none=True)
-            bad = None
-            # This rank's members of each global micro-batch, packed into forwards of up to mb rows:
-            # under data parallelism a rank owns ~mb/world rows of each micro-batch, and packing several
-            # micro-batches into one forward keeps forwards full (half as many on 2 GPUs) while each
-            # micro-batch keeps its own normaliser. In a single process each pack is one micro-batch.
-            packs, pack = [], []
-            for mi in micro:
-                row = [0.0] * (1 + len(keys))
-                micro_tokens.append(float(n_loss_tokens[mi].sum()))
-                table.append(row)
-                own = mi[(mi >= first) & (mi < first + len(texts))] - first
-                if own.numel() == 0:
-                    continue
-                if pack and sum(m[0].numel() for m in pack) + own.numel() > mb:
-                    packs.append(pack)
-                    pack = []
-                pack.append((own, mi.numel(), micro_tokens[-1], row))
-            if pack:
-                packs.append(pack)
-            for pack in packs:
-                if bad is not None:
-                    break
-                rows = torch.cat([m[0] for m in pack]).to(device)
-                lp_all, ent_all = sequence_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                                    ro.completion_ids[rows], ro.completion_mask[rows],
-                                                    cfg.temperature, with_entropy=True)
-                total, at = 0.0, 0
-                for own, n_micro, tokens_micro, row in pack:
-                    sl = slice(at, at + own.numel())
-                    at += own.numel()
-                    mi_d = own.to(device)
-                    lp, ent, mask = lp_all[sl], ent_all[sl], cmask[mi_d]
-                    loss, lm = qloss.policy_loss(lp, old_lp[mi_d], adv[mi_d], mask, cfg.loss_type, epsilon=cfg.epsilon,
-                                                 epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                                 ref_logp=ref_lp[mi_d] if ref_lp is not None else None,
-                                                 num_items_in_batch=n_tokens,
-                                                 max_completion_length=cfg.max_completion_length,
-                                                 gradient_accumulation_steps=len(micro))
-                    loss = loss * _loss_share(cfg.loss_type, own.numel(), n_micro,
-                                              float(n_loss_tokens[own + first].sum()), tokens_micro)
-                    if not torch.isfinite(loss):
-                        bad = float(loss.item())
-                        break
-                    total = total + loss
-                    fm = mask.float()
-                    n_own = float(fm.sum())
-                    lm["entropy"] = float((ent.detach() * fm).sum() / fm.sum().clamp(min=1))
-                    row[0] = loss.item() * len(micro)
-                    row[1:] = [lm[k] * n_own for k in keys]  # token means -> token sums
-                if bad is None:
-                    total.backward()
-            if qdist.any_true(bad is not None):
-                raise NonFiniteError(f"non-finite loss ({bad}) at step {step}, iteration {it}: stopping. "
-                                     "Lower the learning rate, check the data, or resume from the last checkpoint.")
-            qdist.all_reduce_grads(trainable)
-            gn = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-            if not torch.isfinite(gn):
-                raise NonFiniteError(f"non-finite gradient norm at step {step}: stopping before the update")
-            grad_norms.append(float(gn))
-            opt.step()
-            sched.step()
+    reuse = qstep.reuse_training_logprobs(cfg, batch.idx.numel())
+    old_lp, ref_lp = qstep.logprobs(cfg, model, ro, reuse)
+    updated = qstep.update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, trainable, step, reuse)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    metrics.update(qstep.logprob_gap(ro, old_lp, batch, reuse))
     metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
-    if table:  # each micro-batch's loss and token means over all ranks, then their mean (as one process logs them)
-        tab = torch.tensor(qdist.all_reduce([v for row in table for v in row], "sum"), dtype=torch.float64)
-        tab = tab.view(len(table), -1)
-        tok = torch.tensor(micro_tokens, dtype=torch.float64).clamp(min=1)[:, None]
-        metrics["loss"] = float(tab[:, 0].mean())
-        metrics.update({k: float((tab[:, 1 + j:2 + j] / tok).mean()) for j, k in enumerate(keys)})
-    else:
-        metrics["loss"] = None
-        metrics.update({k: None for k in keys})
-    metrics.setdefault("kl", None)
-    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else None
-    metrics["learning_rate"] = sched.get_last_lr()[0]
+    metrics.update(updated)
     metrics["num_tokens_step"] = int(n_prompt + n_compl)
     metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")
     return metrics
-
-
-def _loss_share(loss_type: str, n_own: int, n_micro: int, tokens_own: float, tokens_micro: float) -> float:
-    """Rescale a loss that ``policy_loss`` normalised by this rank's share of a micro-batch to the
-    normaliser of the whole (global) micro-batch, so that the ranks' losses SUM to the single-process one.
-
-    grpo / dr_grpo divide by the number of sequences, bnpo by the number of completion tokens (clamped
-    at 1, as policy_loss does), dapo by ``num_items_in_batch``, which is already the global token count
-    of the mini-batch. In a single process the share is the whole micro-batch and the factor is 1.
-    """
-    if loss_type in ("grpo", "dr_grpo"):
-        return n_own / n_micro
-    if loss_type == "bnpo":
-        return max(tokens_own, 1.0) / max(tokens_micro, 1.0)
-    return 1.0
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -407,8 +370,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     n_per_rollout = cfg.rollout_batch_size
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
-    aqn = AQNConfig(enabled=cfg.aqn, sigma_start=cfg.sigma_start, sigma_end=cfg.sigma_end, num_stages=cfg.num_stages,
-                    schedule=cfg.noise_schedule, seed=cfg.seed)
+    trainable = optimizer_params(opt)  # bf16_full: the fp32 masters hold the gradients
+    aqn = cfg.aqn_config()
     start = 0
     resume = None
     if cfg.resume_from:
@@ -419,21 +382,21 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
             start = load_checkpoint(resume, model, opt, sched)
             qdist.print0(f"[qerl] resumed from {resume} at step {start}")
     qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
+    if opt.qerl_master is not None:
+        opt.qerl_master.copy_back()
     logger = (RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped, "world_size": world},
                         cfg.wandb_mode, cfg.wandb_project, cfg.wandb_group, resume=resume is not None)
               if main else _NullLogger())
-    eval_kw = dict(samples=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                   greedy=cfg.eval_greedy, max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
-                   batch_size=max(cfg.micro_batch_size, 8), limit=cfg.eval_limit, engine=cfg.engine, data_dir=cfg.data_dir, seed=cfg.seed,
-                   arith_levels=cfg.arith_levels, max_prompt_length=cfg.max_prompt_length)
+    eval_kw = {**eval_settings(cfg), "seed": cfg.seed}
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
     if main and start == 0 and cfg.eval_datasets:  # evaluation: rank 0 only, the others wait
-        ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-        logger.log({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()}, step=0)
-        summary.update({f"eval_before/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
+        ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+        logger.log(qeval.summary_entries("eval", ev), step=0)
+        summary.update(qeval.summary_entries("eval_before", ev))
     num_tokens = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    gap_run = 0  # consecutive steps whose rollout-vs-training log-prob gap is above max_logprob_gap
     end = cfg.max_steps if stop_after is None else min(cfg.max_steps, stop_after)
     bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps, disable=not main)
     for step in bar:
@@ -444,9 +407,18 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
         m["memory/peak_gib"] = qdist.all_reduce(
             torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else _rss_peak_gib(), "max")
         if main and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
-            ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-            m.update({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
+            ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+            m.update(qeval.summary_entries("eval", ev))
         logger.log(m, step=step + 1)
+        gap = m.get("sampling/logprob_gap")
+        gap_run = gap_run + 1 if (not cfg.aqn and gap is not None and gap > cfg.max_logprob_gap) else 0
+        if cfg.max_logprob_gap_steps and gap_run >= cfg.max_logprob_gap_steps:
+            msg = (f"broken rollout: mean |rollout - training| log-prob gap {gap:.3f} nats at step {step + 1}, "
+                   f"above max_logprob_gap={cfg.max_logprob_gap} for {gap_run} consecutive steps (a run without "
+                   "AQN should be near 0.01-0.05); check the rollout engine / 4-bit kernels, or raise "
+                   "max_logprob_gap / set max_logprob_gap_steps=0 to disable the check")
+            logger.finish({**summary, "status": "stopped", "error": msg, "steps": step + 1})
+            raise RolloutGapError(msg)
         bar.set_postfix(reward=f"{m['reward']:.3f}", ent=f"{m['entropy']:.3f}" if m.get("entropy") else "-")
         if main and cfg.save_every and (step + 1) % cfg.save_every == 0:
             save_checkpoint(out / "checkpoints" / f"step-{step + 1}", step + 1, model, trainable_names, opt, sched, cfg)
@@ -454,10 +426,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     if done and main:
         save_checkpoint(out / "checkpoints" / f"step-{end}", end, model, trainable_names, opt, sched, cfg)
         if cfg.eval_datasets:
-            ev = qeval.evaluate_datasets(model, tokenizer, cfg.eval_datasets, **eval_kw)
-            logger.log({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()}, step=end)
-            summary.update({f"eval/{d}/accuracy": r["accuracy"] for d, r in ev.items()})
-            summary.update({f"eval/{d}/format": r["format"] for d, r in ev.items()})
+            ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
+            logger.log(qeval.summary_entries("eval", ev), step=end)
+            summary.update(qeval.summary_entries("eval", ev))
     if done:
         summary["status"] = "ok"
     summary["steps"] = end

@@ -20,30 +20,32 @@ from qerl.cli_train import add_eval_args, add_train_args, config_from_args
 from qerl.config import PROFILES, TABLE4_BIGMATH, make_config
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
-import _common as C  # noqa: E402
+from experiments import _common as C  # noqa: E402
 
 SCRIPTS = ["table1_gsm8k", "table2_bigmath", "fig4_reward_curves", "fig5_entropy", "fig7_training_reward",
            "fig8_aqn_ablation", "fig9_noise_schedulers", "fig10_lora_rank", "fig16_lr_ablation"]
 # (script, profile) -> number of planned runs with the default seeds and models
 EXPECTED_RUNS = {
-    ("table1_gsm8k", "smoke"): 4 + 6, ("table1_gsm8k", "small"): 4 + 1 + 5 * 2, ("table1_gsm8k", "paper"): 2 * 10,
+    ("table1_gsm8k", "smoke"): 4 + 6, ("table1_gsm8k", "small"): 4 + 6 * 3, ("table1_gsm8k", "paper"): 2 * 10,
     ("table2_bigmath", "smoke"): 6, ("table2_bigmath", "small"): 6, ("table2_bigmath", "paper"): 2 * 6,
-    ("fig4_reward_curves", "smoke"): 10, ("fig4_reward_curves", "small"): 10, ("fig4_reward_curves", "paper"): 10,
-    ("fig5_entropy", "smoke"): 4, ("fig5_entropy", "small"): 8, ("fig5_entropy", "paper"): 4,
-    ("fig7_training_reward", "smoke"): 3, ("fig7_training_reward", "small"): 6, ("fig7_training_reward", "paper"): 6,
+    ("fig4_reward_curves", "smoke"): 10, ("fig4_reward_curves", "small"): 30, ("fig4_reward_curves", "paper"): 10,
+    ("fig5_entropy", "smoke"): 4, ("fig5_entropy", "small"): 12, ("fig5_entropy", "paper"): 4,
+    ("fig7_training_reward", "smoke"): 3, ("fig7_training_reward", "small"): 9, ("fig7_training_reward", "paper"): 6,
     ("fig8_aqn_ablation", "smoke"): 2, ("fig8_aqn_ablation", "small"): 6, ("fig8_aqn_ablation", "paper"): 4,
-    ("fig9_noise_schedulers", "smoke"): 4, ("fig9_noise_schedulers", "small"): 8, ("fig9_noise_schedulers", "paper"): 4,
-    ("fig10_lora_rank", "smoke"): 4, ("fig10_lora_rank", "small"): 8, ("fig10_lora_rank", "paper"): 4,
-    ("fig16_lr_ablation", "smoke"): 4, ("fig16_lr_ablation", "small"): 8, ("fig16_lr_ablation", "paper"): 4,
+    ("fig9_noise_schedulers", "smoke"): 4, ("fig9_noise_schedulers", "small"): 12, ("fig9_noise_schedulers", "paper"): 4,
+    ("fig10_lora_rank", "smoke"): 4, ("fig10_lora_rank", "small"): 12, ("fig10_lora_rank", "paper"): 4,
+    ("fig16_lr_ablation", "smoke"): 4, ("fig16_lr_ablation", "small"): 12, ("fig16_lr_ablation", "paper"): 4,
 }
 
 
+GIT = {"git_sha": "a" * 40, "git_dirty": False}
+
+
 def _plan(script, profile, tmp_path, *extra):
-    exp = importlib.import_module(script).EXPERIMENT
+    exp = importlib.import_module(f"experiments.{script}").EXPERIMENT
     args = C.parse_args(exp, ["--profile", profile, "--results", str(tmp_path / "results"),
                               "--runs-dir", str(tmp_path / "runs"), "--data-dir", "DATA", *extra])
-    return exp, args, C.planned(exp, args)
+    return exp, args, C.planned(exp, args, tmp_path / "root")
 
 
 def _train_cfg(cmd):
@@ -63,9 +65,9 @@ def _eval_args(cmd):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_imports_and_has_a_docstring(script):
-    mod = importlib.import_module(script)
+    mod = importlib.import_module(f"experiments.{script}")
     doc = mod.__doc__
-    assert doc.startswith("Paper ") and f"experiments/{script}.py" in doc
+    assert doc.startswith("Paper ") and f"python -m experiments.{script} " in doc
     assert "--profile small" in doc and "--profile paper" in doc and "H200" in doc
     assert isinstance(mod.EXPERIMENT, C.Experiment) and mod.EXPERIMENT.name == mod.NAME
 
@@ -79,12 +81,13 @@ def test_every_planned_command_parses_into_a_valid_config(script, profile, tmp_p
         assert not done
         if run.kind == "eval":
             ev = _eval_args(cmd)
-            assert ev.out.endswith(f"{exp.name}/{profile}/{run.name}/eval.json") and ev.data_dir == "DATA"
+            assert ev.out == str(tmp_path / "root" / "work" / exp.name / run.name / "eval.json")
+            assert ev.data_dir == "DATA"
             continue
         cfg = _train_cfg(cmd)
         assert cfg.profile == profile and cfg.data_dir == "DATA" and cfg.resume_from == "auto"
         assert cfg.wandb_group == f"{exp.name}-{profile}"
-        assert cfg.output_dir == str(tmp_path / "runs" / exp.name / profile / run.name)
+        assert cfg.output_dir == str(tmp_path / "root" / "work" / exp.name / run.name)
         assert run.name.endswith(f"-s{cfg.seed}")
         for k, v in run.overrides.items():  # every override reaches the config
             assert getattr(cfg, k) == (tuple(v) if isinstance(v, list) else v), (run.name, k)
@@ -122,6 +125,36 @@ def test_knobs_of_each_figure(tmp_path):
     assert t2p["nvfp4_lora-s0"].eval_datasets == ("math500", "aime24", "aime25", "amc23")
 
 
+# The paper's algorithm per artefact: GRPO for Table 1 and the GSM8K figures (Fig. 5, 9, 10, 16 and
+# Fig. 8's 3B panel), DAPO (TRL 0.18 "bnpo") for Table 2, Fig. 7 and Fig. 8's 7B BigMath panel; Fig. 4
+# shows both. Pinned by the scripts, so a change of TrainConfig's default loss cannot move them.
+GRPO_LOSS = {"loss_type": "grpo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28}
+DAPO_LOSS = {"loss_type": "bnpo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28}
+ALGORITHM = {"table1_gsm8k": "grpo", "table2_bigmath": "dapo", "fig4_reward_curves": "label",
+             "fig5_entropy": "grpo", "fig7_training_reward": "dapo", "fig9_noise_schedulers": "grpo",
+             "fig10_lora_rank": "grpo", "fig16_lr_ablation": "grpo",
+             "fig8_aqn_ablation": lambda cfg: "dapo" if cfg.dataset == "bigmath" else "grpo"}
+
+
+@pytest.mark.parametrize("profile", ["smoke", "small", "paper"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_pins_the_papers_algorithm(script, profile, tmp_path, monkeypatch):
+    import qerl.config
+
+    # a different default loss must not change what any script runs
+    monkeypatch.setitem(qerl.config.PROFILES, profile, {**qerl.config.PROFILES[profile], "loss_type": "dr_grpo",
+                                                        "epsilon_high": 0.5, "beta": 0.1})
+    trained = [(r, _train_cfg(cmd)) for r, cmd, _ in _plan(script, profile, tmp_path)[2] if r.kind == "train"]
+    assert trained
+    for run, cfg in trained:
+        rule = ALGORITHM[script]
+        algo = run.label if rule == "label" else rule(cfg) if callable(rule) else rule
+        want = {"grpo": GRPO_LOSS, "dapo": DAPO_LOSS}[algo]
+        assert {k: getattr(cfg, k) for k in want} == want, (script, run.name)
+    if script == "fig8_aqn_ablation" and profile == "paper":
+        assert {cfg.loss_type for _, cfg in trained} == {"grpo", "bnpo"}
+
+
 def test_paper_profile_holds_table4():
     g = make_config("paper", method="nvfp4_lora_aqn")
     assert (g.prompts_per_step * g.num_generations, g.num_generations) == (128, 8)  # batch 128, 8 samples
@@ -144,7 +177,8 @@ def _fake_train_run(d: Path, method="nvfp4_lora", seed=0, status="ok", rewards=(
     (d / "summary.json").write_text(json.dumps({"status": status, "eval_before/arith/accuracy": 0.1,
                                                 "eval/arith/accuracy": 0.5, "eval/arith/format": 0.0, "steps": 3}))
     lines = [{"step": 0, "eval/arith/accuracy": 0.1}] + [
-        {"step": i + 1, "reward": r, "entropy": 2.0 - 0.1 * i, "aqn/sigma": 0.01} for i, r in enumerate(rewards)]
+        {"step": i + 1, "reward": r, "entropy": 2.0 - 0.1 * i, "aqn/sigma": 0.01, "sampling/logprob_gap": 0.01 * (i + 1)}
+        for i, r in enumerate(rewards)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
@@ -167,6 +201,7 @@ def test_collect_builds_long_form_table(tmp_path):
     assert r.loc["accuracy", "value"] == 0.5 and r.loc["accuracy_before", "value"] == 0.1
     assert r.loc["reward_last5", "value"] == pytest.approx(0.2) and r.loc["reward_first5", "dataset"] == "arith"
     assert r.loc["entropy_first5", "value"] == pytest.approx(1.9)
+    assert r.loc["logprob_gap_mean", "value"] == pytest.approx(0.02)
 
 
 def test_collect_reproduces_committed_table1(tmp_path):
@@ -178,64 +213,133 @@ def test_collect_reproduces_committed_table1(tmp_path):
     assert (tmp_path / "table.csv").read_text() == (src / "table.csv").read_text()
 
 
-def test_finished_runs_are_skipped_and_dry_run_runs_nothing(tmp_path, capsys):
-    exp, args, plan = _plan("fig9_noise_schedulers", "small", tmp_path)
-    res = tmp_path / "results" / exp.name / "small" / "runs"
-    _fake_train_run(res / "linear-s0", method="nvfp4_lora_aqn", noise_schedule="linear", max_steps=2,
-                    model=C.default_model("small"))
-    _fake_train_run(res / "cosine-s1", method="nvfp4_lora_aqn", status="partial")  # not finished: rerun
-    plan = C.planned(exp, args)
-    assert {r.name for r, _, d in plan if d} == {"linear-s0"}
-    linear = next(r for r, _, _ in plan if r.name == "linear-s0")
-    assert C.config_drift(linear, res / "linear-s0", args) == {"max_steps": (2, PROFILES["small"]["max_steps"])}
-    assert C.main(exp, ["--profile", "small", "--dry-run", "--results", str(tmp_path / "results"),
-                        "--runs-dir", str(tmp_path / "runs")]) == 0
-    out = capsys.readouterr().out
-    assert "8 runs, 1 done, would run 7" in out and "[done] linear-s0" in out and "--noise-schedule cosine" in out
-    assert "note: linear-s0 is done but ran with max_steps=2" in out
-    assert not (tmp_path / "runs").exists() and not (res.parent / "table.csv").exists()
-
-
 FAKE_TRAIN = r"""
 import json, sys
 from pathlib import Path
 args = sys.argv[1:]
 out = Path(args[args.index("--output-dir") + 1]); out.mkdir(parents=True, exist_ok=True)
 seed = int(args[args.index("--seed") + 1]); sched = args[args.index("--noise-schedule") + 1]
-(out / "config.json").write_text(json.dumps({"model": "m", "method": "nvfp4_lora_aqn", "seed": seed,
-    "dataset": "arith", "noise_schedule": sched, "provenance": {"git_sha": "abc"}}))
-(out / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward": 0.1 * i, "entropy": 1.0,
+steps = int(args[args.index("--max-steps") + 1]) if "--max-steps" in args else 30
+(out / "config.json").write_text(json.dumps({"model": "MODEL", "method": "nvfp4_lora_aqn", "seed": seed,
+    "dataset": "arith", "noise_schedule": sched, "max_steps": steps, "provenance": {"git_sha": "a" * 40}}))
+(out / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward": 0.1 * i + 0.01 * seed, "entropy": 1.0,
     "aqn/sigma": 0.01 / (i + 1)}) + "\n" for i in range(1, 4)))
-(out / "summary.json").write_text(json.dumps({"status": "ok", "eval/arith/accuracy": 0.5}))
-sys.exit(3 if sched == "cosine" and seed == 1 else 0)
+(out / "summary.json").write_text(json.dumps({"status": "ok", "eval/arith/accuracy": 0.5 + 0.1 * seed}))
+sys.exit(3 if sched == "cosine" and seed == 1 and not (out / "fixed").exists() else 0)
 """
 
 
-def test_run_loop_launches_copies_collects_and_draws(tmp_path, monkeypatch):
-    """The real loop with a stand-in for `python -m qerl train`: parallel launch, copy, table, figure."""
-    exp = importlib.import_module("fig9_noise_schedulers").EXPERIMENT
+@pytest.fixture
+def fake_runs(tmp_path, monkeypatch):
+    """Experiments launch a stand-in for `python -m qerl train` at a fixed, clean git sha."""
     script = tmp_path / "fake_train.py"
-    script.write_text(FAKE_TRAIN)
+    script.write_text(FAKE_TRAIN.replace("MODEL", C.default_model("small")))
     real = C.command
-    monkeypatch.setattr(C, "command", lambda e, r, a, d: [sys.executable, str(script), *real(e, r, a, d)[4:]])
+    monkeypatch.setattr(C, "command", lambda e, r, a, d: [sys.executable, str(script), *real(e, r, a, d)[4:]]
+                        if r.kind == "train" else real(e, r, a, d))
     monkeypatch.setattr(C, "POLL_S", 0.05)
-    results = tmp_path / "results"
-    argv = ["--profile", "small", "--parallel", "4", "--results", str(results), "--runs-dir", str(tmp_path / "runs")]
-    assert C.main(exp, argv) == 1  # one run exited 3
-    root = results / exp.name / "small"
-    meta = json.loads((root / "runs/cosine-s1/run.json").read_text())
+    monkeypatch.setattr(C, "git_info", lambda: dict(GIT))
+    return tmp_path
+
+
+def test_run_loop_runs_fresh_collects_summarizes_and_draws(fake_runs, capsys):
+    """The real loop: a new root per invocation, parallel launch, copy, table, summary over seeds, figure."""
+    tmp_path = fake_runs
+    exp = importlib.import_module("experiments.fig9_noise_schedulers").EXPERIMENT
+    root = tmp_path / "root"
+    base = ["--profile", "small", "--parallel", "4", "--seeds", "0", "1", "--results", str(tmp_path / "results")]
+    assert C.main(exp, base + ["--root", str(root)]) == 1  # one run exited 3
+    res = root / "results" / exp.name / "small"
+    meta = json.loads((res / "runs/cosine-s1/run.json").read_text())
     assert meta["exit_code"] == 3 and meta["label"] == "noise_schedule=cosine" and "--noise-schedule cosine" in meta["command"]
+    planned = json.loads((root / "work" / exp.name / "linear-s0" / "planned.json").read_text())
+    assert planned["git_sha"] == GIT["git_sha"] and planned["spec"]["noise_schedule"] == "linear"
     import pandas as pd
 
-    df = pd.read_csv(root / "table.csv")
+    df = pd.read_csv(res / "table.csv")
     assert set(df.run) == {f"{s}-s{i}" for s in ("exponential", "linear", "cosine", "logarithmic") for i in (0, 1)}
-    assert set(df[df.metric == "accuracy"].method) == {f"nvfp4_lora_aqn (noise_schedule={s})" for s in
-                                                       ("exponential", "linear", "cosine", "logarithmic")}
-    png = results / "figures" / "fig9_noise_schedulers.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # a rerun skips everything finished (the summaries say ok) and launches nothing
+    summ = pd.read_csv(res / "summary.csv").set_index(["method", "metric"])
+    acc = summ.loc[("nvfp4_lora_aqn (noise_schedule=linear)", "accuracy")]
+    assert acc["n"] == 2 and acc["mean"] == pytest.approx(0.55) and acc["std"] == pytest.approx(0.1 / 2 ** 0.5)
+    assert "0.550 +- 0.071 (2)" in (res / "summary.md").read_text()
+    assert (root / "results/figures/fig9_noise_schedulers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "results").exists()  # the reference folder is untouched
+    # another invocation without --resume starts a new root: it reuses nothing
+    assert C.main(exp, base + ["--runs-dir", str(tmp_path / "runs"), "--dry-run"]) == 0
+    assert "8 planned runs, 8 distinct, 0 done, would run 8" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--resume"):  # an existing root is never reused implicitly
+        C.main(exp, base + ["--root", str(root)])
+    # --publish refuses a root with a failed run; resuming reruns only that run, then publishes
+    with pytest.raises(SystemExit, match="--only"):
+        C.main(exp, base + ["--resume", str(root), "--only", "linear-*", "--publish"])
+    launched = []
+    real_launch = C.launch
+    import experiments._common as mod
+
+    mod.launch = lambda jobs, *a: launched.extend(j.run.name for j in jobs) or real_launch(jobs, *a)
+    try:
+        assert C.main(exp, base + ["--resume", str(root), "--publish"]) == 1  # cosine-s1 fails again
+        assert "not published: 1 runs are not finished" in capsys.readouterr().out
+        assert not (tmp_path / "results").exists()
+        (root / "work" / exp.name / "cosine-s1" / "fixed").touch()
+        assert C.main(exp, base + ["--resume", str(root), "--publish"]) == 0
+    finally:
+        mod.launch = real_launch
+    assert launched == ["cosine-s1", "cosine-s1"]
+    pub = tmp_path / "results" / exp.name / "small"
+    assert not (pub / "runs/linear-s0/metrics.jsonl").read_text() == ""
+    assert json.loads((pub / "published.json").read_text())["root"] == str(root)
+    assert (tmp_path / "results/figures/fig9_noise_schedulers.png").exists()
+    assert len(pd.read_csv(pub / "table.csv").query("metric == 'accuracy'")) == 8
+
+
+def test_resume_stops_on_drift_unless_allowed(fake_runs, monkeypatch, capsys):
+    tmp_path = fake_runs
+    exp = importlib.import_module("experiments.fig9_noise_schedulers").EXPERIMENT
+    root = tmp_path / "root"
+    base = ["--profile", "small", "--seeds", "0", "--only", "linear-*", "exponential-*", "--results",
+            str(tmp_path / "results")]
+    assert C.main(exp, base + ["--root", str(root)]) == 0
     monkeypatch.setattr(C, "launch", lambda *a: pytest.fail("nothing should be launched"))
-    assert C.main(exp, argv) == 0
+    assert C.main(exp, base + ["--resume", str(root)]) == 0  # same code, same plan: all done
+    # another commit
+    monkeypatch.setattr(C, "git_info", lambda: {"git_sha": "b" * 40, "git_dirty": False})
+    with pytest.raises(SystemExit, match="differ from the plan"):
+        C.main(exp, base + ["--resume", str(root)])
+    assert f"git sha {'a' * 40} (now {'b' * 40})" in capsys.readouterr().out
+    assert C.main(exp, base + ["--resume", str(root), "--dry-run"]) == 2
+    assert C.main(exp, base + ["--resume", str(root), "--allow-drift"]) == 0
+    assert json.loads((root / "plan.json").read_text())["resumes"][-1]["drift_allowed"]
+    # a dirty tree cannot be compared; a changed plan (--max-steps) is drift too
+    monkeypatch.setattr(C, "git_info", lambda: {**GIT, "git_dirty": True})
+    with pytest.raises(SystemExit, match="differ from the plan"):
+        C.main(exp, base + ["--resume", str(root)])
+    assert "uncommitted changes" in capsys.readouterr().out
+    monkeypatch.setattr(C, "git_info", lambda: dict(GIT))
+    with pytest.raises(SystemExit, match="differ from the plan"):
+        C.main(exp, base + ["--resume", str(root), "--max-steps", "2"])
+    assert "max_steps=30 (planned 2)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="planned at profile small"):
+        C.main(exp, [*base, "--resume", str(root), "--profile", "smoke"])
+    with pytest.raises(SystemExit, match="not a run root"):
+        C.main(exp, base + ["--resume", str(tmp_path / "nothing")])
+
+
+def test_reproduce_plans_the_union_and_runs_shared_runs_once(tmp_path, capsys):
+    from experiments import reproduce
+
+    argv = ["--profile", "small", "--experiments", "table1", "fig4", "fig5", "fig8", "--parallel", "4", "--dry-run",
+            "--runs-dir", str(tmp_path / "runs"), "--data-dir", "DATA"]
+    assert reproduce.main(argv) == 0
+    out = capsys.readouterr().out
+    # table1 22 + fig4 30 + fig5 12 + fig8 6 planned; distinct: 4 base rows + 6 methods x 3 seeds (GRPO)
+    # + 5 DAPO methods x 3 seeds
+    assert "70 planned runs, 37 distinct, 0 done, would run 37" in out
+    assert ("table1/nvfp4_lora-s0 also serves fig4_reward_curves/grpo-nvfp4_lora-s0, fig5_entropy/nvfp4_lora-s0, "
+            "fig8_aqn_ablation/nvfp4_lora-s0") in out
+    assert "min at --parallel 4" in out and not (tmp_path / "runs").exists()
+    with pytest.raises(ValueError, match="allowed"):
+        reproduce.main(["--experiments", "fig99", "--dry-run"])
 
 
 @pytest.mark.parametrize("name", ["table2_bigmath", "fig4_reward_curves", "fig5_entropy", "fig7_training_reward",
@@ -261,4 +365,4 @@ def test_experiment_figures_draw_from_synthetic_runs(name, tmp_path):
 
 def test_only_selects_runs_by_pattern(tmp_path):
     _, _, plan = _plan("fig10_lora_rank", "small", tmp_path, "--only", "r16-*", "r128-s1")
-    assert [r.name for r, _, _ in plan] == ["r16-s0", "r16-s1", "r128-s1"]
+    assert [r.name for r, _, _ in plan] == ["r16-s0", "r16-s1", "r16-s2", "r128-s1"]

@@ -21,7 +21,6 @@ from qerl.cli import main
 from qerl.export import (
     FUSED_GROUPS,
     LINEAR_NAMES,
-    PACKED_NAMES,
     export_compressed_tensors,
     export_peft_adapter,
     load_quantized_state,
@@ -65,7 +64,7 @@ def test_cli_writes_named_packed_tensors_that_round_trip(arch, fmt, request, tmp
     src_state, state = _source_state(src), load_quantized_state(out)
     modules = _quantized_modules(src_state)
     assert len(modules) == 14
-    expected = {f"{m}.{n}" for m in modules for n in PACKED_NAMES[fmt]}
+    expected = {f"{m}.{n}" for m in modules for n in formats.get(fmt).tensor_names}
     expected |= {k for k in src_state if k[: -len(".weight")] not in modules}
     if arch == "qwen2":  # tied embeddings: lm_head is stored once, as the embedding
         assert "lm_head.weight" not in src_state
@@ -102,7 +101,7 @@ def test_nvfp4_fused_groups_share_the_max_global_scale(arch, request, tmp_path):
     quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=False)
     src_state, state = _source_state(src), load_quantized_state(tmp_path / "out")
     for layer in range(2):
-        for group in FUSED_GROUPS + (("o_proj",), ("down_proj",)):
+        for group in tuple(g for _, g in FUSED_GROUPS) + (("o_proj",), ("down_proj",)):
             parent = "self_attn" if group[0] in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             names = [f"model.layers.{layer}.{parent}.{p}" for p in group]
             amax = max(src_state[n + ".weight"].abs().max() for n in names)

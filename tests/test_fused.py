@@ -207,7 +207,7 @@ def test_fused_engine_bf16_agrees():
 
 
 def test_decode_step_runs_without_autograd():
-    """Graph warm-up/capture call the step outside generate (experiments/speed_common.warm_up_engine):
+    """Graph warm-up/capture call the step outside generate (benchmarks/speed_common.warm_up_engine):
     with grad enabled, the in-place LoRA epilogue on the 4-bit op's output must still run."""
     model = _lora_model("qwen2", dtype=BF)
     fe = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True)

@@ -153,10 +153,19 @@ def test_short_names_and_dicts_resolve_and_unknown_names_fail():
         models.model_config("Qwen/Qwen9-1B")
 
 
-def test_supported_types_agree_with_quantize():
-    from qerl import quantize
+def test_one_architecture_table():
+    from qerl import arch, export, noise, quantize
+    from qerl.rollout import fast
 
-    assert models.SUPPORTED_MODEL_TYPES == quantize.SUPPORTED_MODEL_TYPES
+    assert fast.SUPPORTED is models.SUPPORTED_MODEL_TYPES is arch.SUPPORTED_MODEL_TYPES
+    assert quantize.QuantizeConfig().targets == export.LINEAR_NAMES == arch.LINEAR_NAMES
+    assert noise.NORM_NAMES is arch.NORM_NAMES
+    assert arch.PAPER_MODELS["qwen2.5-7b"] == "Qwen/Qwen2.5-7B-Instruct"
+    c = arch.QWEN25_CONFIGS["Qwen/Qwen2.5-7B-Instruct"]
+    kv = c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"]
+    assert arch.linear_shapes("qwen2.5-7b") == {
+        "q_proj": (3584, 3584), "k_proj": (kv, 3584), "v_proj": (kv, 3584), "o_proj": (3584, 3584),
+        "gate_proj": (18944, 3584), "up_proj": (18944, 3584), "down_proj": (3584, 18944)}
 
 
 def test_random_model_spec(tmp_path):

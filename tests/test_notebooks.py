@@ -1,49 +1,89 @@
-"""Figures and notebooks regenerate from the committed results/ alone (no GPU, no model).
+"""Figures and notebooks regenerate from a results/ tree alone (no GPU, no model): here a synthetic
+one in the committed layout (Table 1 runs with metrics over seeds, base rows, the kernel benchmark).
 
-Run with: .venv/bin/python -m pytest tests/test_notebooks.py -q   (about 10 s on 2 CPU cores)
+Run with: .venv/bin/python -m pytest tests/test_notebooks.py -q   (about 15 s on 2 CPU cores)
 """
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from experiments import _common as C
 from qerl import plots
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["table1", "rewards", "entropy", "aqn", "step_time", "kernels"]
-
-needs_results = pytest.mark.skipif(not (ROOT / "results/table1/small/table.csv").exists(),
-                                   reason="committed results/table1/small not present")
+METHODS = {"bf16_lora": (0, 1, 2), "nf4_lora": (0, 1), "nvfp4_lora": (0, 1, 2), "nvfp4_lora_aqn": (0, 1, 2)}
 
 
-@needs_results
-def test_make_figures_writes_every_png(tmp_path):
-    import make_figures
+def _train_run(d: Path, method: str, seed: int, steps: int = 8):
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"model": "m", "method": method, "seed": seed, "dataset": "arith",
+                                               "provenance": {"git_sha": "a" * 40}}))
+    acc = 0.2 + 0.05 * seed + (0.1 if "aqn" in method else 0.0)
+    (d / "summary.json").write_text(json.dumps({"status": "ok", "eval_before/arith/accuracy": 0.1 + 0.01 * seed,
+                                                "eval/arith/accuracy": acc, "steps": steps}))
+    lines = [{"step": 0, "eval_before/arith/accuracy": 0.1}] + [
+        {"step": i, "reward": 0.1 * i / steps + 0.02 * seed, "entropy": 2.0 - 0.1 * i, "sampling/entropy": 2.1 - 0.1 * i,
+         "time/rollout_s": 5.0, "time/train_s": 1.0, "step_time": 6.0,
+         "aqn/sigma": 0.01 / i if "aqn" in method else 0.0} for i in range(1, steps + 1)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
-    out = make_figures.main(["--out", str(tmp_path)])
+
+@pytest.fixture
+def results(tmp_path):
+    """A results/ tree: table1/small (base rows + trained rows over seeds) and the kernel benchmark."""
+    res = tmp_path / "results"
+    t1 = res / "table1" / "small"
+    for fmt in ("bf16", "nf4", "mxfp4", "nvfp4"):
+        (t1 / "runs" / f"base-{fmt}").mkdir(parents=True)
+        (t1 / "runs" / f"base-{fmt}" / "eval.json").write_text(json.dumps(
+            {"results": {"arith": {"accuracy": 0.15}}, "args": {"model": "m"}, "provenance": {"git_sha": "a" * 40}}))
+    for method, seeds in METHODS.items():
+        for s in seeds:
+            _train_run(t1 / "runs" / f"{method}-s{s}", method, s)
+    C.collect(t1)
+    if (ROOT / "results/kernels/h100.json").exists():
+        (res / "kernels").mkdir()
+        shutil.copy(ROOT / "results/kernels/h100.json", res / "kernels/h100.json")
+    return res
+
+
+def test_make_figures_writes_every_png(results, tmp_path):
+    from experiments import make_figures
+
+    out = make_figures.main(["--results", str(results), "--out", str(tmp_path / "figs")])
     for name in FIGURES:
-        png = tmp_path / f"{name}.png"
+        if name == "kernels" and not (results / "kernels").exists():
+            continue
+        png = tmp_path / "figs" / f"{name}.png"
         assert png.read_bytes()[:8] == PNG_MAGIC, name
         assert png.stat().st_size > 10_000, name  # a drawn figure, not an empty canvas
     tab = out["table1"]
-    # Table 1 values are the seed means of table.csv.
-    raw = plots.load_table()
-    want = raw[(raw.method == "nf4_lora") & (raw.metric == "accuracy")]["value"].mean()
-    assert tab.loc["nf4_lora", "after_mean"] == pytest.approx(want)
-    assert tab.loc["nf4_lora", "seeds"] == 2
+    # Table 1 values are the seed means and standard deviations of table.csv.
+    assert tab.loc["nf4_lora", "after_mean"] == pytest.approx(0.225)
+    assert tab.loc["nf4_lora", "after_std"] == pytest.approx(0.05 / 2 ** 0.5)
+    assert tab.loc["nvfp4_lora_aqn", "seeds"] == 3 and tab.loc["nf4_lora", "seeds"] == 2
     assert list(tab.index[:4]) == ["bf16", "nf4", "mxfp4", "nvfp4"]
 
 
-@needs_results
+def test_curves_draw_mean_and_a_std_band(results):
+    fig = plots.plot_rewards(results=results, out_dir=results / "figs", smooth=1)
+    ax = fig.axes[0]
+    line = next(ln for ln in ax.get_lines() if ln.get_label() == "nvfp4_lora (n=3)")
+    assert line.get_ydata()[0] == pytest.approx(0.1 / 8 + 0.02)  # mean of seeds 0, 1, 2 at step 1
+    band = ax.collections[[ln.get_label() for ln in ax.get_lines()].index("nvfp4_lora (n=3)")]
+    lo, hi = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+    assert lo < line.get_ydata().min() and hi > line.get_ydata().max()  # +- std (0.02) around the mean
+
+
 def test_kernel_table_matches_benchmark_summary():
     if not (ROOT / "results/kernels/h100.json").exists():
         pytest.skip("no kernel results")
-    k = plots.kernel_table(out_dir=None)
+    k = plots.kernel_table(results=ROOT / "results", out_dir=None)
     summary = json.loads((ROOT / "results/kernels/h100.json").read_text())["summary"]
     for m in (1, 8, 2048):
         got = k.loc[("qwen2.5-7b", "linear", m), "bf16/nvfp4"]
@@ -56,22 +96,21 @@ def test_missing_results_are_skipped_not_raised(tmp_path, capsys):
     assert "skipped" in capsys.readouterr().out
 
 
-@needs_results
-def test_partial_results_draw_what_exists(tmp_path):
+def test_partial_results_draw_what_exists(results, tmp_path):
     """Only table.csv present: Table 1 is drawn, the curve plots are skipped."""
-    (tmp_path / "table1/small").mkdir(parents=True)
-    shutil.copy(ROOT / "results/table1/small/table.csv", tmp_path / "table1/small/table.csv")
-    out = plots.make_all(results=tmp_path, out_dir=tmp_path / "figs")
+    (tmp_path / "part/table1/small").mkdir(parents=True)
+    shutil.copy(results / "table1/small/table.csv", tmp_path / "part/table1/small/table.csv")
+    out = plots.make_all(results=tmp_path / "part", out_dir=tmp_path / "figs")
     assert out["table1"] is not None and out["rewards"] is None
     assert (tmp_path / "figs/table1.png").exists() and not (tmp_path / "figs/rewards.png").exists()
 
 
-@needs_results
-def test_notebook_executes(tmp_path):
-    import make_notebooks
+def test_notebook_executes(results, tmp_path, monkeypatch):
     import nbformat
-    import run_notebooks
 
+    from benchmarks import make_notebooks, run_notebooks
+
+    monkeypatch.setenv("QERL_RESULTS", str(results))
     path = tmp_path / "entropy.ipynb"
     nbformat.write(make_notebooks.build("entropy"), path)
     nb = run_notebooks.run(path, timeout=120)
@@ -82,7 +121,7 @@ def test_notebook_executes(tmp_path):
 
 
 def test_unknown_notebook_name_raises():
-    import make_notebooks
+    from benchmarks import make_notebooks
 
     with pytest.raises(ValueError, match="allowed"):
         make_notebooks.build("nope")

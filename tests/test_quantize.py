@@ -9,8 +9,9 @@ import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from qerl import formats
+from qerl.arch import LINEAR_NAMES as DEFAULT_TARGETS
 from qerl.qlinear import QuantLinear
-from qerl.quantize import DEFAULT_TARGETS, QuantizeConfig, lora_parameters, model_size_bytes, quantize_
+from qerl.quantize import QuantizeConfig, lora_parameters, model_size_bytes, quantize_
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=128)

@@ -1,5 +1,5 @@
-"""The speed experiments on the CPU with tiny models: experiments/rollout_throughput.py (issue #5),
-experiments/table3_speed_memory.py (issue #6) and their helpers (experiments/speed_common.py):
+"""The speed experiments on the CPU with tiny models: benchmarks/rollout_throughput.py (issue #5),
+benchmarks/table3_speed_memory.py (issue #6) and their helpers (benchmarks/speed_common.py):
 the measured rows, the GRPO step, the OOM handler, the JSON schema with exactly the summary keys,
 and merging result files. The GPU runs themselves are in the scripts' docstrings.
 
@@ -7,19 +7,16 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_speed_experiments.p
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
 
-import rollout_throughput as rt  # noqa: E402
-import speed_common as sc  # noqa: E402
-import table3_speed_memory as t3  # noqa: E402
-
+from benchmarks import rollout_throughput as rt  # noqa: E402
+from benchmarks import speed_common as sc  # noqa: E402
+from benchmarks import table3_speed_memory as t3  # noqa: E402
 from qerl.quantize import lora_parameters  # noqa: E402
 
 P, C = 6, 5
@@ -172,18 +169,44 @@ def test_guarded_turns_failures_into_rows():
 
 
 class _Args:
-    prompt, completion, micro_batch, seed = P, C, 1, 0
+    prompt, completion, micro_batch, seed, lora_rank, learning_rate, device = P, C, 1, 0, 4, 1e-5, "cpu"
+    old_logprobs, row = "forward", None
 
 
-def test_grpo_step_updates_lora_and_times_phases(cfg):
+def _t3_opt(m, args=_Args):
+    from qerl.train import make_optimizer
+
+    return make_optimizer(t3.bench_config("nvfp4", args, 2, 1, C, "cpu"), lora_parameters(m), total_updates=1)
+
+
+def _spec(batch=2, mb=1, gc=True):
+    return t3.RowSpec("tiny-qwen2", batch, C, mb, gc)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_grpo_step_runs_the_trainers_phases(cfg, monkeypatch, reuse):
+    """The benchmark's step is qerl.step's phases with the trainer's optimizer: it calls each phase,
+    moves the LoRA weights, and skips the old-log-prob forward exactly when told to reuse."""
+    from qerl import step as qstep
+
     m = tiny(cfg)
+    opt, sched = _t3_opt(m)
+    assert type(opt).__name__ == "AdamW"  # CPU: the trainer's torch AdamW
     trainable = lora_parameters(m)
-    opt, name = t3.make_optimizer(trainable)
-    assert name == "adamw"  # CPU: torch AdamW
     engine = sc.make_fast_engine(m, 2, P + C)
+    called, forwards = [], []
+    for name in ("rollout", "logprobs", "update"):
+        real = getattr(qstep, name)
+        monkeypatch.setattr(qstep, name, lambda *a, _r=real, _n=name, **k: called.append(_n) or _r(*a, **k))
+    real_lp = qstep.sequence_logprobs
+    monkeypatch.setattr(qstep, "sequence_logprobs",
+                        lambda *a, **k: forwards.append(torch.is_grad_enabled()) or real_lp(*a, **k))
     before = [p.detach().clone() for p in trainable]
     ph = sc.Phases()
-    info = t3.grpo_step(m, engine, opt, trainable, 2, P, C, cfg.vocab_size, 1, 0, ph)
+    info = t3.grpo_step(t3.bench_config("nvfp4", _Args, 2, 1, C, "cpu"), m, engine, opt, sched, P, cfg.vocab_size,
+                        ph, reuse)
+    assert called == ["rollout", "logprobs", "update"]
+    assert forwards.count(False) == (0 if reuse else 2) and forwards.count(True) == 2  # 2 micro-batches of 1
     assert set(ph.seconds) == {"rollout", "logprob", "update"} and ph.current is None
     assert info["completion_tokens"] == 2 * C and torch.isfinite(torch.tensor(info["loss"]))
     changed = [not torch.equal(a, b) for a, b in zip(before, trainable)]
@@ -193,35 +216,51 @@ def test_grpo_step_updates_lora_and_times_phases(cfg):
 @pytest.mark.parametrize("grad_ckpt", [True, False])
 def test_measure_row(cfg, grad_ckpt):
     m = tiny(cfg)
-    tr = lora_parameters(m)
-    opt, name = t3.make_optimizer(tr)
-    row = t3.measure(m, "tiny", "nvfp4", 2, grad_ckpt, _Args, cfg.vocab_size, opt, name, tr, {"model_size_gb": 0.1})
+    opt, sched = _t3_opt(m)
+    row = t3.measure(m, _spec(gc=grad_ckpt), "nvfp4", _Args, cfg.vocab_size, opt, sched, {"model_size_gb": 0.1})
     assert not row["oom"] and "error" not in row and row["grad_ckpt"] is grad_ckpt
     assert row["step_s"] >= row["rollout_s"] + row["logprob_s"] + row["update_s"] - 1e-6
-    assert 0 < row["rollout_share"] < 1 and row["completion_len"] == C
+    assert row["train_s"] == pytest.approx(row["logprob_s"] + row["update_s"])
+    assert 0 < row["rollout_share"] < 1 and row["completion_len"] == C and row["old_logprobs"] == "forward"
 
 
-@pytest.mark.parametrize("phase", ["rollout_phase", "logprob_phase", "update_phase"])
-def test_oom_is_reported_with_its_phase_and_the_run_goes_on(cfg, monkeypatch, phase):
+@pytest.mark.parametrize("phase, name", [("rollout", "rollout"), ("logprobs", "logprob"), ("update", "update")])
+def test_oom_is_reported_with_its_phase_and_the_run_goes_on(cfg, monkeypatch, phase, name):
+    from qerl import step as qstep
+
     m = tiny(cfg)
+    opt, sched = _t3_opt(m)
     tr = lora_parameters(m)
-    opt, name = t3.make_optimizer(tr)
-    real = getattr(t3, phase)
+    real = getattr(qstep, phase)
     calls = {"n": 0}
 
     def failing(*a, **k):
         calls["n"] += 1
-        if calls["n"] > (0 if phase == "rollout_phase" else 1):  # let the warm-up's call through
+        if calls["n"] > (0 if phase == "rollout" else 1):  # let the warm-up's call through
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(*a, **k)
 
-    monkeypatch.setattr(t3, phase, failing)
-    row = t3.measure(m, "tiny", "nvfp4", 2, True, _Args, cfg.vocab_size, opt, name, tr, {})
-    assert row["oom"] is True and row["oom_phase"] == phase.removesuffix("_phase") and "step_s" not in row
+    monkeypatch.setattr(qstep, phase, failing)
+    row = t3.measure(m, _spec(), "nvfp4", _Args, cfg.vocab_size, opt, sched, {})
+    assert row["oom"] is True and row["oom_phase"] == name and "step_s" not in row
     assert all(p.grad is None for p in tr)  # cleaned up
-    monkeypatch.setattr(t3, phase, real)
-    again = t3.measure(m, "tiny", "nvfp4", 2, True, _Args, cfg.vocab_size, opt, name, tr, {})
+    monkeypatch.setattr(qstep, phase, real)
+    again = t3.measure(m, _spec(), "nvfp4", _Args, cfg.vocab_size, opt, sched, {})
     assert not again["oom"] and again["step_s"] > 0
+
+
+def test_row_specs():
+    class A(_Args):
+        models, batch, grad_ckpt, completion, micro_batch = ["qwen2.5-7b"], [2, 8], ["on", "off"], 2048, 1
+
+    assert len(t3.row_specs(A)) == 4 and t3.row_specs(A)[1] == t3.RowSpec("qwen2.5-7b", 2, 2048, 1, False)
+    A.row = ["qwen2.5-7b/bs64/c512/mb8", "qwen2.5-14b/bs8/gcoff"]
+    assert t3.row_specs(A) == [t3.RowSpec("qwen2.5-7b", 64, 512, 8, True), t3.RowSpec("qwen2.5-14b", 8, 2048, 1, False)]
+    for bad, msg in (("qwen9/bs8", "unknown model"), ("qwen2.5-7b/c512", "batch"), ("qwen2.5-7b/bs8/x3", "bad part"),
+                     ("qwen2.5-7b/bs0", "bad part")):
+        A.row = [bad]
+        with pytest.raises(ValueError, match=msg):
+            t3.row_specs(A)
 
 
 def _t3_rows():
@@ -230,9 +269,12 @@ def _t3_rows():
                          ("qwen2.5-14b", {"bf16": 60.0, "nf4": 90.0, "nvfp4": 30.0})):
         for meth, s in steps.items():
             rows.append(dict(model=model, method=meth, batch=8, grad_ckpt=True, completion_len=2048, prompt_len=256,
-                             micro_batch=1, step_s=s, peak_gib=10.0))
+                             micro_batch=1, step_s=s, peak_gib=10.0, logprob_s=0.1 * s, update_s=0.3 * s))
             rows.append(dict(model=model, method=meth, batch=8, grad_ckpt=False, completion_len=2048, prompt_len=256,
                              micro_batch=1, step_s=1.0, peak_gib=10.0))
+    for meth, s in (("bf16", 40.0), ("nvfp4", 32.0)):  # the RL-batch row
+        rows.append(dict(model="qwen2.5-7b", method=meth, batch=64, grad_ckpt=True, completion_len=512, prompt_len=256,
+                         micro_batch=8, step_s=s, peak_gib=20.0, old_logprobs="forward"))
     for b, s in ((2, 11.0), (8, 13.0)):
         rows.append(dict(model="qwen2.5-32b", method="nvfp4", batch=b, grad_ckpt=True, completion_len=2048,
                          prompt_len=256, micro_batch=1, step_s=s, peak_gib=40.0 + b, memory_cap_gib=80.0))
@@ -248,6 +290,13 @@ def test_table3_summary_has_exactly_the_keys_and_json(tmp_path):
     assert s["qwen2.5-14b/bs8/e2e_nvfp4_over_bf16"] == pytest.approx(2.0)
     assert s["qwen2.5-7b/bs8/e2e_nvfp4_over_bf16"] == pytest.approx(1.5)
     assert s["qwen2.5-14b/bs8/e2e_nvfp4_over_nf4"] == pytest.approx(3.0)
+    assert s["qwen2.5-7b/bs8/train_nvfp4_over_bf16"] == pytest.approx(1.5)  # (0.4 * 30) / (0.4 * 20)
+    assert s["qwen2.5-14b/bs8/train_nvfp4_over_bf16"] == pytest.approx(2.0)
+    assert s["qwen2.5-7b/bs64/e2e_nvfp4_over_bf16"] == pytest.approx(1.25)
+    assert "C=512, micro-batch 8" in notes["qwen2.5-7b/bs64/e2e_nvfp4_over_bf16"]
+    # rows of different set-ups (here: old log-probs reused by one method only) are not compared
+    other = [dict(r, old_logprobs="reuse") if r.get("batch") == 64 and r["method"] == "nvfp4" else r for r in rows]
+    assert t3.summarize(other)[0]["qwen2.5-7b/bs64/e2e_nvfp4_over_bf16"] is None
     assert s["qwen2.5-32b/bs2/peak_gib"] == 42.0 and s["qwen2.5-32b/bs8/s_per_step"] == 13.0
     assert s["qwen2.5-32b/memory_cap_gib"] == 80.0 and s["qwen2.5-32b/bf16_lora_oom"] is True
     assert "completion 2048" in notes["qwen2.5-32b/bs8/s_per_step"]
@@ -269,9 +318,9 @@ def test_table3_summary_has_exactly_the_keys_and_json(tmp_path):
 
 
 def _run_notebook(name, tmp_path, monkeypatch, results):
-    import make_notebooks
     import nbformat
-    import run_notebooks
+
+    from benchmarks import make_notebooks, run_notebooks
 
     monkeypatch.setenv("QERL_RESULTS", str(results))
     path = tmp_path / f"{name}.ipynb"
@@ -325,8 +374,17 @@ def test_table3_main_smoke(tmp_path, capsys):
                    "--grad-ckpt", "on", "off", "--prompt", "5", "--completion", "4", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "cpu.json").read_text())["rows"]
     assert len(rows) == 4 and all(r["step_s"] > 0 and not r["oom"] for r in rows)
-    assert {"model_size_gb", "rollout_share", "optimizer", "lora_rank"} <= set(rows[0])
+    assert {"model_size_gb", "rollout_share", "optimizer", "lora_rank", "train_s"} <= set(rows[0])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res["summary"]
+
+
+def test_table3_main_row_syntax_and_reuse(tmp_path):
+    t3.main(["--row", "tiny-qwen2/bs4/c3/mb2", "--row", "tiny-qwen2/bs2/gcoff", "--device", "cpu", "--methods", "nvfp4",
+             "--prompt", "5", "--completion", "4", "--old-logprobs", "reuse", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "cpu.json").read_text())["rows"]
+    got = [(r["batch"], r["completion_len"], r["micro_batch"], r["grad_ckpt"], r["old_logprobs"]) for r in rows]
+    assert got == [(4, 3, 2, True, "reuse"), (2, 4, 1, False, "reuse")]
+    assert all(r["step_s"] > 0 and not r["oom"] and r["optimizer"] == "AdamW" for r in rows)
 
 
 # notebooks/rollout.ipynb: the committed rollout results draw Figure 11; no results prints a note

@@ -18,6 +18,7 @@ and GPU alike.
 import torch
 
 from qerl.formats.e2m1 import decode_packed_e2m1, pack_e2m1, round_to_e2m1_codes
+from qerl.formats.registry import FormatSpec, compressed_tensors_config
 
 BLOCK_SIZE = 32
 E8M0_BIAS = 127
@@ -94,3 +95,26 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bflo
     step = _exp2_int(scale.to(torch.int32) - E8M0_BIAS)
     step = torch.where(scale == 0xFF, torch.full_like(step, float("nan")), step)
     return (q * step.unsqueeze(-1)).reshape(out_f, in_f).to(dtype)
+
+
+def packed_shapes(out_features: int, in_features: int) -> dict:
+    """{name: (shape, dtype)} of the packed tensors of one weight [out, in]."""
+    return {
+        "weight_packed": ((out_features, in_features // 2), torch.uint8),
+        "weight_scale": ((out_features, in_features // BLOCK_SIZE), torch.uint8),
+    }
+
+
+def export_config(targets, ignore) -> dict:
+    """compressed-tensors "mxfp4-pack-quantized" (../shared/FORMATS.md)."""
+    weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": BLOCK_SIZE,
+               "symmetric": True, "dynamic": False, "scale_dtype": "uint8"}
+    return compressed_tensors_config("mxfp4", weights, ignore)
+
+
+SPEC = FormatSpec(
+    name="mxfp4", block_size=BLOCK_SIZE, bits_per_weight=4 + 8 / BLOCK_SIZE,
+    tensor_names=("weight_packed", "weight_scale"),
+    packed_shapes=packed_shapes, quantize=quantize, dequantize=dequantize, export_config=export_config,
+    kernels=("triton",), check_shape=check_shape,
+)

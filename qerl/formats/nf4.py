@@ -17,6 +17,7 @@ import functools
 import torch
 
 from qerl.formats.e2m1 import pair_table
+from qerl.formats.registry import FormatSpec
 
 BLOCK_SIZE = 64
 
@@ -100,3 +101,33 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bflo
     table = pair_table(_code(packed.device), high_first=True)
     values = table[packed.long()].reshape(-1, BLOCK_SIZE) * absmax.unsqueeze(-1)
     return values.reshape(out_f, in_f).to(dtype)
+
+
+def packed_shapes(out_features: int, in_features: int) -> dict:
+    """{name: (shape, dtype)} of the packed tensors of one weight [out, in]."""
+    return {
+        "weight_packed": ((out_features, in_features // 2), torch.uint8),
+        "weight_absmax": ((out_features * in_features // BLOCK_SIZE,), torch.float32),
+    }
+
+
+def export_config(targets, ignore) -> dict:
+    """A qerl-specific quantization_config: vLLM and transformers do not read nf4 checkpoints."""
+    return {
+        "quant_method": "qerl", "format": "nf4-pack-quantized",
+        "block_size": BLOCK_SIZE, "double_quant": False,
+        "packing": "two codes per byte, element 2j in the HIGH nibble (bitsandbytes order) "
+                   "over the flattened row-major weight; weight_absmax float32 per block",
+        "targets": list(targets), "ignore": list(ignore),
+        "note": "qerl-specific: vLLM and transformers do not read this format; load it "
+                "with qerl (qerl.formats.dequantize(..., 'nf4')).",
+    }
+
+
+SPEC = FormatSpec(
+    name="nf4", block_size=BLOCK_SIZE,
+    bits_per_weight=4 + 32 / BLOCK_SIZE,  # fp32 absmax per block, no double quantization
+    tensor_names=("weight_packed", "weight_absmax"),
+    packed_shapes=packed_shapes, quantize=quantize, dequantize=dequantize, export_config=export_config,
+    kernels=("bitsandbytes",), check_shape=check_shape,
+)

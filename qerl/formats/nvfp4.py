@@ -20,6 +20,7 @@ so do not "simplify" these casts.
 import torch
 
 from qerl.formats.e2m1 import F4_E2M1_MAX, decode_packed_e2m1, pack_e2m1, round_to_e2m1_codes
+from qerl.formats.registry import FormatSpec, compressed_tensors_config
 
 BLOCK_SIZE = 16
 F8_E4M3_MAX = 448.0
@@ -123,3 +124,28 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bflo
     q = decode_packed_e2m1(packed).reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE)
     step = scale.to(torch.float32) / gs
     return (q * step.unsqueeze(-1)).reshape(out_f, in_f).to(dtype)
+
+
+def packed_shapes(out_features: int, in_features: int) -> dict:
+    """{name: (shape, dtype)} of the packed tensors of one weight [out, in]."""
+    return {
+        "weight_packed": ((out_features, in_features // 2), torch.uint8),
+        "weight_scale": ((out_features, in_features // BLOCK_SIZE), torch.float8_e4m3fn),
+        "weight_global_scale": ((1,), torch.float32),
+    }
+
+
+def export_config(targets, ignore) -> dict:
+    """compressed-tensors "nvfp4-pack-quantized" (../shared/FORMATS.md)."""
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": BLOCK_SIZE,
+               "symmetric": True, "dynamic": False}
+    return compressed_tensors_config("nvfp4", weights, ignore)
+
+
+SPEC = FormatSpec(
+    name="nvfp4", block_size=BLOCK_SIZE,
+    bits_per_weight=4 + 8 / BLOCK_SIZE,  # + a negligible per-tensor global scale
+    tensor_names=("weight_packed", "weight_scale", "weight_global_scale"),
+    packed_shapes=packed_shapes, quantize=quantize, dequantize=dequantize, export_config=export_config,
+    kernels=("triton",), fused_global_scale=fused_global_scale, check_shape=check_shape,
+)

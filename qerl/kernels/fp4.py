@@ -4,19 +4,23 @@ Weights stay exactly as on disk (CONTRACTS.md): ``weight_packed`` uint8 [N, K/2]
 the low nibble of byte j), ``weight_scale`` [N, K/B] (NVFP4: float8_e4m3fn, B=16; MXFP4: uint8
 E8M0, B=32), and for NVFP4 ``weight_global_scale`` fp32 [1], a divisor.
 
-Sections, in order: bit decoding helpers, the split-K epilogue, the three jitted kernels, config
-choice, Python launchers, and the torch.library custom ops (with fake and autograd registrations
-so they work under torch.compile and CUDA graphs).
+Sections, in order: bit decoding helpers, the split-K epilogue, the jitted kernels, config
+choice, Python launchers (fused kernels, the decode + cuBLAS scratch path, per-layer plans), and
+the torch.library custom ops (with fake and autograd registrations so they work under
+torch.compile and CUDA graphs).
 
 Kernels:
   - ``_fwd_gemv_kernel``: y = x W^T for M <= GEMV_MAX_M (decode). Weights read as int32 words and
     decoded two at a time into bf16x2 with packed integer ops (inline PTX), bf16x2 FMAs per word,
     fp32 across words; split-K over the reduction for parallelism. See the GEMV section.
-  - ``_fwd_dot_kernel``: y = x W^T with ``tl.dot`` (tensor cores): tiled GEMM for large M, and
+  - ``_fwd_dot_kernel``: y = x W^T with ``tl.dot`` (tensor cores): tiled GEMM for mid M, and
     with BLOCK_M=16 plus split-K for skinny M. By default "swap AB": the tile is computed as
     (W x^T)^T, so the decoded weight is wgmma's register operand A and x, pipelined into shared
     memory, operand B.
-  - ``_bwd_dot_kernel``: dx = dy W with ``tl.dot``.
+  - ``_bwd_dot_kernel``: dx = dy W with ``tl.dot`` (only when asked for: kind="fused").
+  - ``_decode_kernel``: W (or a block of it) -> a dense bf16 / fp32 buffer, bit for bit
+    qerl.formats.dequantize. From M = SCRATCH_MIN_M the forward, and grad-input at every M, decode
+    the weight into a transient scratch (one per device and dtype) and call cuBLAS.
 
 Decoding is by hand (Triton 3.6's ``tl.dot_scaled`` does not compile e4m3 scales on sm_90). In
 the tensor-core kernels (``_weight_tile``) an E2M1 code c is placed in the bits of a bf16 so that
@@ -28,11 +32,12 @@ so the tensor-core operand is exact and the only rounding is the fp32 accumulati
 has its own packed decode (below). The constant powers of two and the NVFP4 global divisor are
 applied once, in the epilogue.
 
-Split-K partial sums are reduced without extra launches: each program atomically adds its fp32
-tile into a per-(device, stream) workspace (one per device), bumps a per-tile counter, and the last program to
-arrive reads the sum back and zeroes the workspace, stores the output in
-x.dtype and resets the counter. The workspace is therefore all-zero between calls; it grows
-(a fresh allocation) only when a larger M*N is seen, so warm up once before capturing a CUDA
+Split-K partial sums are reduced without extra launches. By default in a fixed order: each program
+stores its fp32 partial tile in its own slice of a per-device workspace, bumps a per-tile counter,
+and the last program to arrive sums the slices in split order, stores the output in x.dtype and
+resets the counter, so results are bitwise repeatable. QERL_SPLITK_ATOMIC=1 selects fp32 atomics in
+arrival order instead (one zeroed [M, N] slice). Workspaces grow (a fresh allocation, the old one
+retired, never freed) only when a larger launch is seen, so warm up once before capturing a CUDA
 graph.
 """
 
@@ -74,14 +79,21 @@ def _dot(a, b, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile_id):
-    """Store acc [BM, BN] (already scaled) directly, or reduce it across the split-K programs."""
+def _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile_id,
+              ATOMIC: tl.constexpr = False):
+    """Store acc [BM, BN] (already scaled) directly, or reduce it across the split-K programs.
+
+    Default (deterministic): each split stores its partial tile in its own slice of the fp32
+    workspace [split, M, N], bumps the tile's counter, and the last program to arrive adds the
+    slices in split order 0, 1, ... (the same order whoever arrives last), so the result is
+    bitwise repeatable. ATOMIC (opt-in, QERL_SPLITK_ATOMIC=1): fp32 atomics into one [M, N]
+    slice in arrival order (not repeatable), which the last arriver reads and zeroes."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     n_split = tl.num_programs(1)
     if n_split == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    elif ATOMIC:
         ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
         # acq_rel: our adds are visible before the count, and the last arriver sees everyone's.
@@ -91,6 +103,19 @@ def _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, ti
             # other program of this tile is done, so a plain store cannot race.
             total = tl.atomic_add(ws_ptrs, tl.zeros_like(acc), mask=mask, sem="relaxed")
             tl.store(ws_ptrs, tl.zeros_like(acc), mask=mask)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+    else:
+        pid_k = tl.program_id(1).to(tl.int64)
+        mn = (pid_k * 0 + M) * N  # int64 (M may be the constant 1 when Triton specialises it)
+        offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * mn + offs, acc, mask=mask)
+        # acq_rel: our partial is visible before the count; the last arriver sees every partial.
+        count = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if count == n_split - 1:
+            total = tl.zeros_like(acc)
+            for i in range(0, n_split):  # fixed order: bitwise the same result every call
+                total += tl.load(ws_ptr + i * mn + offs, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile_id, 0)
 
@@ -163,7 +188,7 @@ def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_xm, stride_om, tiles_per_split,
                     IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
-                    EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
+                    EVEN_K: tl.constexpr, F32_DOT: tl.constexpr, ATOMIC: tl.constexpr = False):
     """y = x W^T with tensor cores. Grid (cdiv(M, BM) * cdiv(N, BN), split_k).
 
     SWAP_AB computes the tile as (W x^T)^T: the decoded weight is then the register operand A of
@@ -220,7 +245,7 @@ def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
     if SWAP_AB:
         acc = tl.trans(acc)
     acc = acc * _alpha_bf16(gs_ptr, IS_NV)
-    _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid)
+    _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid, ATOMIC)
 
 
 @triton.jit
@@ -280,6 +305,90 @@ def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
     mask = m_mask[:, None] & (offs_k[None, :] < K)
     tl.store(dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :],
              acc.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# decode to a dense bf16 / fp32 weight (the scratch path: decode, then cuBLAS)
+
+
+@triton.jit
+def _e2m1_value(c):
+    """E2M1 codes (int32, 0..15) -> their fp32 values, built as normal fp32 bit patterns (no
+    subnormal operand anywhere, so no flush-to-zero can change them); code 8 is -0.0, as
+    qerl.formats decodes it."""
+    mag = c & 7
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 0x3F000000, 0))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_step(s, gs, IS_NV: tl.constexpr):
+    """Scale bytes (int32) -> the fp32 step of qerl.formats: E4M3 / global_scale (IEEE division,
+    NaN for 0x7F / 0xFF) or 2^(e-127) (NaN for 0xFF), bit for bit."""
+    if IS_NV:
+        h = ((s & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True)  # E4M3 * 2^-8, exact
+        v = h.to(tl.float32) * 256.0
+        v = tl.where((s & 0x80) != 0, -v, v)
+        v = tl.where((s & 0x7F) == 0x7F, float("nan"), v)
+        return tl.math.div_rn(v, gs)
+    else:
+        v = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)  # 2^-127: subnormal
+        return tl.where(s == 255, float("nan"), v)
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr):
+    """fp32 -> dtype; bf16 by round-to-nearest-even on the bits (what torch's cast does; the
+    interpreter's own bf16 cast truncates), NaN stays NaN."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, KH, row0, col0, n_rows, n_cols, stride_on,
+                   IS_NV: tl.constexpr, BLOCK_N: tl.constexpr, NBK: tl.constexpr, EVEN: tl.constexpr):
+    """out[r, c] = W[row0 + r, col0 + c] for r < n_rows, c < n_cols (col0 and n_cols multiples of
+    the scale block), in out's dtype, equal bit for bit to qerl.formats.dequantize: value * step
+    in fp32, one rounding to the output dtype. Grid (cdiv(n_rows, BLOCK_N), cdiv(n_cols, NBK * B)).
+    A tile is BLOCK_N rows x NBK scale blocks, loaded as [BLOCK_N, NBK, HB] bytes (HB bytes of one
+    block contiguous in a thread) with its [BLOCK_N, NBK] scales."""
+    HB: tl.constexpr = 8 if IS_NV else 16  # packed bytes per scale block
+    NB = KH // HB
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = pid_k * NBK + tl.arange(0, NBK)
+    j = tl.arange(0, HB)
+    rows = (row0 + r).to(tl.int64)
+    blk_in = (col0 // (2 * HB)) + blk
+    w_ptrs = w_ptr + rows[:, None, None] * KH + blk_in[None, :, None] * HB + j[None, None, :]
+    s_ptrs = s_ptr + rows[:, None] * NB + blk_in[None, :]
+    if EVEN:
+        b = tl.load(w_ptrs).to(tl.int32)
+        s = tl.load(s_ptrs).to(tl.int32)
+    else:
+        m2 = (r < n_rows)[:, None] & (blk < n_cols // (2 * HB))[None, :]
+        b = tl.load(w_ptrs, mask=m2[:, :, None], other=0).to(tl.int32)
+        s = tl.load(s_ptrs, mask=m2, other=0).to(tl.int32)
+    if IS_NV:
+        gs = tl.load(gs_ptr)
+    else:
+        gs = 1.0
+    step = _block_step(s, gs, IS_NV)[:, :, None]
+    lo = _round_to(_e2m1_value(b & 0xF) * step, out_ptr.dtype.element_ty)
+    hi = _round_to(_e2m1_value(b >> 4) * step, out_ptr.dtype.element_ty)
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, NBK * 2 * HB))
+    c = pid_k * (NBK * 2 * HB) + tl.arange(0, NBK * 2 * HB)
+    o_ptrs = out_ptr + r.to(tl.int64)[:, None] * stride_on + c[None, :]
+    if EVEN:
+        tl.store(o_ptrs, w)
+    else:
+        tl.store(o_ptrs, w, mask=(r < n_rows)[:, None] & (c < n_cols)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,7 +536,8 @@ def _word_dot_f32(d0, d1, d2, d3, xrow, kw, xm):
 def _fwd_gemv_kernel(x_ptr, x32_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_x32m, stride_om, stride_wn, tiles_per_split,
                      IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUPS: tl.constexpr, ACC_F32: tl.constexpr, USE_ASM: tl.constexpr):
+                     GROUPS: tl.constexpr, ACC_F32: tl.constexpr, USE_ASM: tl.constexpr,
+                     ATOMIC: tl.constexpr = False):
     """y = x W^T for M <= BLOCK_M <= 16 rows, W read as int32 words (w_ptr: int32 [N, K/8], row
     stride stride_wn), bf16 x as int32 words (x32_ptr) or fp32 x (x_ptr, ACC_F32).
     Grid (cdiv(N, BLOCK_N), split_k). A tile is BLOCK_N rows x GROUPS scale blocks."""
@@ -495,7 +605,7 @@ def _fwd_gemv_kernel(x_ptr, x32_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_
         acc = acc * (1180591620717411303424.0 / tl.load(gs_ptr))  # 2^(62+8) / global_scale
     else:
         acc = acc * 4611686018427387904.0  # 2^62
-    _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n)
+    _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, ATOMIC)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,7 +639,7 @@ def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -
 
 def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
     """Heuristic launch config for ``kind`` in {"gemv", "dot", "bwd"} (overridable)."""
-    # Winners of the H100 sweep of 2026-11-22 (experiments/bench_kernels.py --sweep-only, Qwen2.5-7B
+    # Winners of the H100 sweep of 2026-11-22 (benchmarks/bench_kernels.py --sweep-only, Qwen2.5-7B
     # shapes, results/kernels/h100_sweep.json); "large" = N * K >= 2^25 (the 7B-32B MLP matrices).
     large = N * K >= (1 << 25)
     if kind == "gemv":
@@ -569,23 +679,30 @@ _WORKSPACE: dict = {}
 # Workspaces replaced by larger ones. Never freed: a CUDA graph captured earlier (the rollout engine's
 # decode steps) holds raw pointers to the buffer it was captured with and keeps replaying into it;
 # freeing it would let the allocator hand that memory to other tensors while replays still write
-# split-K partial sums there (it did: wrong rollout log-probs, see LOG.md 2026-11-22). They stay
-# zeroed: every split-K launch leaves its workspace and counters as it found them.
+# split-K partial sums there (it did: wrong rollout log-probs, see LOG.md 2026-11-22). Their
+# counters stay zeroed: every split-K launch leaves them as it found them.
 _RETIRED: list = []
 # triton.jit reads TRITON_INTERPRET when this module is imported, not when a kernel runs.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Split-K reduction: deterministic (fixed order) by default; QERL_SPLITK_ATOMIC=1 opts into fp32
+# atomics in arrival order (not bitwise repeatable). Read at import; tests and the benchmark may
+# set fp4.SPLITK_ATOMIC directly.
+SPLITK_ATOMIC = os.environ.get("QERL_SPLITK_ATOMIC", "0") == "1"
 
 
-def _workspace(device: torch.device, n_out: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The zeroed fp32 split-K workspace and tile counters for this device.
+def _workspace(device: torch.device, n_out: int, n_tiles: int,
+               atomic: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 split-K workspace and (zeroed) tile counters for this device and reduction mode.
 
-    One per device, not per stream, so that a CUDA graph captured on a side stream reuses the one
-    allocated during warm-up; split-K launches must therefore not run concurrently on two
-    streams of one device (qerl runs everything on one stream). Call it only for launches that
-    split K. A buffer that is outgrown is retired, not freed (``_RETIRED``); growth doubles, so
-    the retired ones sum to less than the live one.
+    Deterministic mode needs split * M * N floats (one slice per split, overwritten each call);
+    atomic mode M * N floats that stay zeroed between calls. One pair per device and mode, not per
+    stream, so that a CUDA graph captured on a side stream reuses the one allocated during
+    warm-up; split-K launches must therefore not run concurrently on two streams of one device
+    (qerl runs everything on one stream). A buffer that is outgrown is retired, not freed
+    (``_RETIRED``); growth doubles, so the retired ones sum to less than the live one.
     """
-    key = str(device)
+    atomic = SPLITK_ATOMIC if atomic is None else atomic
+    key = (str(device), atomic)
     ws, cnt = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < n_out:
         if ws is not None:
@@ -609,6 +726,15 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch
             "without TRITON_INTERPRET=1 (set it before the first import to run on the CPU)")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"triton fp4 kernels take bfloat16 or float32 activations, got {x.dtype}")
+    _check_weight(packed, scale, is_nv)
+    if x.shape[-1] != k_dim:
+        raise ValueError(f"last dim of the input is {x.shape[-1]}, expected {k_dim}")
+    for name, t in (("weight_packed", packed), ("weight_scale", scale), ("weight_global_scale", gs)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but the input is on {x.device}")
+
+
+def _check_weight(packed: torch.Tensor, scale: torch.Tensor, is_nv: bool) -> None:
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"weight_packed must be a 2-D uint8 tensor, got {packed.dtype} {list(packed.shape)}")
     block = 16 if is_nv else 32
@@ -617,11 +743,6 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch
         raise ValueError(f"in_features={2 * KH} must be a multiple of the block size {block}")
     if tuple(scale.shape) != (N, 2 * KH // block):
         raise ValueError(f"weight_scale must be [{N}, {2 * KH // block}], got {list(scale.shape)}")
-    if x.shape[-1] != k_dim:
-        raise ValueError(f"last dim of the input is {x.shape[-1]}, expected {k_dim}")
-    for name, t in (("weight_packed", packed), ("weight_scale", scale), ("weight_global_scale", gs)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but the input is on {x.device}")
 
 
 def _int32_words(packed: torch.Tensor) -> torch.Tensor | None:
@@ -636,10 +757,270 @@ def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
 
 
+# ----------------------------------------------------------------------------------------------
+# decode into a transient scratch, then cuBLAS (large M and grad-input)
+
+# Smallest M that takes the decode + cuBLAS path instead of the fused kernels, per (op, format).
+# A rule in M alone: the decode costs ~N*K*2.6 bytes of traffic, the GEMM ~2*M*N*K flops, and the
+# fused kernels lose a roughly constant fraction of the GEMM, so the crossover barely moves with N
+# and K. Measured on the H100 (Qwen2.5-7B layer, results/kernels/NOTES.md): forward, fused vs
+# scratch, M = 64: 327 vs 544 us (nvfp4), 305 vs 510 (mxfp4); M = 128: 682 vs 554, 657 vs 519.
+# Grad-input: the scratch path wins at every M measured (M = 16: 522 vs 1040 us nvfp4, 488 vs 846
+# mxfp4), and the fused kernel's 16-row tiles cost the same below M = 16.
+SCRATCH_MIN_M = {("linear", "nvfp4"): 128, ("linear", "mxfp4"): 128,
+                 ("grad_input", "nvfp4"): 1, ("grad_input", "mxfp4"): 1}
+# The scratch holds one chunk of the decoded weight: rows of W (forward) or columns (grad-input).
+# None (default): the whole weight, so the scratch is the largest linear's size (one per device and
+# dtype). Chunks are sized to whole multiples of 128. On the H100 chunks of 16 / 32 / 64 MiB were
+# 2-20% slower than one chunk at every M (smaller GEMMs; the decode did not speed up from L2).
+SCRATCH_CHUNK_BYTES: int | None = None
+# Decode tiles (BLOCK_N rows x NBK scale blocks), the H100 sweep's best on the 7B MLP matrices:
+# nvfp4 16 x 16 (1.95 TB/s read + write), mxfp4 8 x 16 (2.09-2.12 TB/s).
+DECODE_CONFIG = {True: dict(BLOCK_N=16, NBK=16, num_warps=4), False: dict(BLOCK_N=8, NBK=16, num_warps=4)}
+
+_SCRATCH: dict = {}
+_SCRATCH_CAPTURED: set = set()
+
+
+def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The decode scratch of this device and dtype (1-D, at least ``numel``): one per device and
+    dtype, reused by every layer, grown (never shrunk) to the largest chunk seen. An outgrown buffer
+    is freed, unless a CUDA graph captured it (then it is retired like a workspace)."""
+    key = (str(device), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None and key in _SCRATCH_CAPTURED:
+            _RETIRED.append(buf)
+        _SCRATCH.pop(key, None)
+        del buf  # free the old one before allocating the new one
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _SCRATCH_CAPTURED.add(key)
+    return buf
+
+
+def scratch_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes held by the decode scratch buffers (of ``device``, or of all devices): the only dense
+    weight memory the 4-bit path keeps between calls, for the memory columns of Table 3."""
+    return sum(t.numel() * t.element_size() for (dev, _), t in _SCRATCH.items()
+               if device is None or dev == str(torch.device(device)))
+
+
+def release_scratch() -> None:
+    """Free the decode scratch buffers (those no CUDA graph captured)."""
+    for key in list(_SCRATCH):
+        if key in _SCRATCH_CAPTURED:
+            _RETIRED.append(_SCRATCH[key])
+        del _SCRATCH[key]
+    _SCRATCH_CAPTURED.clear()
+
+
+def decode(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, is_nv: bool,
+           dtype: torch.dtype = torch.bfloat16, rows: tuple[int, int] | None = None,
+           cols: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+           config: dict | None = None) -> torch.Tensor:
+    """W[rows[0]:rows[1], cols[0]:cols[1]] decoded to ``dtype``, bit for bit as
+    qerl.formats.dequantize(..., dtype) (fp32 value * step, one rounding), into ``out`` (a 2-D
+    tensor with unit column stride) or a new tensor. Column bounds must be multiples of the scale
+    block (16 NVFP4, 32 MXFP4)."""
+    _check_weight(packed, scale, is_nv)
+    N, KH = packed.shape
+    r0, r1 = rows or (0, N)
+    c0, c1 = cols or (0, 2 * KH)
+    blk = 16 if is_nv else 32
+    if not (0 <= r0 <= r1 <= N and 0 <= c0 <= c1 <= 2 * KH) or c0 % blk or c1 % blk:
+        raise ValueError(f"decode: rows {r0}:{r1} / cols {c0}:{c1} out of [{N}, {2 * KH}] or not on {blk}-blocks")
+    if out is None:
+        out = torch.empty((r1 - r0, c1 - c0), dtype=dtype, device=packed.device)
+    elif tuple(out.shape) != (r1 - r0, c1 - c0) or out.stride(-1) != 1:
+        raise ValueError(f"decode: out must be [{r1 - r0}, {c1 - c0}] with unit column stride, got "
+                         f"{list(out.shape)} strides {out.stride()}")
+    _decode_into(out, packed, _scale_bytes(scale), gs if gs is not None else packed, is_nv, r0, c0, r1 - r0,
+                 c1 - c0, config or DECODE_CONFIG[is_nv])
+    return out
+
+
+def _decode_into(out, packed, scale_u8, gs_arg, is_nv, r0, c0, n_rows, n_cols, cfg):
+    if n_rows == 0 or n_cols == 0:
+        return
+    hb = 8 if is_nv else 16
+    bn, nbk = cfg["BLOCK_N"], cfg["NBK"]
+    tile_c = nbk * 2 * hb
+    even = n_rows % bn == 0 and n_cols % tile_c == 0
+    grid = (triton.cdiv(n_rows, bn), triton.cdiv(n_cols, tile_c))
+    _decode_kernel[grid](packed, scale_u8, gs_arg, out, packed.shape[1], r0, c0, n_rows, n_cols, out.stride(0),
+                         IS_NV=is_nv, BLOCK_N=bn, NBK=nbk, EVEN=even, num_warps=cfg["num_warps"])
+
+
+# Opt-in, not measured yet (QERL_SCRATCH_OVERLAP=1): decode chunk i + 1 on a side stream while
+# cuBLAS multiplies chunk i, in two scratch slots (OVERLAP_CHUNKS chunks when SCRATCH_CHUNK_BYTES
+# is None). Run `python -m benchmarks.kernel_probe` to compare it with one chunk.
+SCRATCH_OVERLAP = os.environ.get("QERL_SCRATCH_OVERLAP", "0") == "1"
+OVERLAP_CHUNKS = 4
+_SIDE_STREAMS: dict = {}
+
+
+def _chunk(total: int, other: int, elem: int, align: int, overlap: bool) -> int:
+    """Chunk length along a dim of ``total`` (the other dim ``other``) under SCRATCH_CHUNK_BYTES."""
+    if SCRATCH_CHUNK_BYTES is None:
+        if not overlap:
+            return total
+        return min(total, -(-triton.cdiv(total, OVERLAP_CHUNKS) // align) * align)
+    c = max(align, SCRATCH_CHUNK_BYTES // (other * elem) // align * align)
+    return min(total, c)
+
+
+def _chunked(total: int, chunk: int, slot: int, buf: torch.Tensor, decode, gemm, overlap: bool) -> None:
+    """For each chunk [c0, c0 + c): decode(slot buffer, c0, c) -> w, then gemm(w, c0, c). With
+    ``overlap`` (CUDA, more than one chunk) the decodes run on a side stream into two alternating
+    slots, each waiting for the GEMM that last read its slot; the side stream forks from and joins
+    the current stream, so this also works under CUDA-graph capture."""
+    if not overlap or total <= chunk:
+        for c0 in range(0, total, chunk):
+            c = min(chunk, total - c0)
+            gemm(decode(buf, c0, c), c0, c)
+        return
+    main = torch.cuda.current_stream(buf.device)
+    side = _SIDE_STREAMS.get(buf.device.index)
+    if side is None:
+        side = _SIDE_STREAMS[buf.device.index] = torch.cuda.Stream(buf.device)
+    side.wait_stream(main)
+    freed = [None, None]
+    for i, c0 in enumerate(range(0, total, chunk)):
+        c = min(chunk, total - c0)
+        j = i % 2
+        with torch.cuda.stream(side):
+            if freed[j] is not None:
+                side.wait_event(freed[j])
+            w = decode(buf[j * slot:(j + 1) * slot], c0, c)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        main.wait_event(ready)
+        gemm(w, c0, c)
+        freed[j] = torch.cuda.Event()
+        freed[j].record(main)
+    main.wait_stream(side)
+
+
+def scratch_linear(x2: torch.Tensor, packed, scale_u8, gs_arg, is_nv: bool, out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] = x2 [M, K] @ W^T: W decoded chunk by chunk of rows into the scratch, cuBLAS per chunk."""
+    N, KH = packed.shape
+    K = 2 * KH
+    overlap = SCRATCH_OVERLAP and x2.device.type == "cuda"
+    rows = _chunk(N, K, x2.element_size(), 128, overlap)
+    slots = 2 if overlap and rows < N else 1
+    buf = _scratch(x2.device, x2.dtype, slots * rows * K)
+
+    def decode(b, r0, n):
+        w = b[: n * K].view(n, K)
+        _decode_into(w, packed, scale_u8, gs_arg, is_nv, r0, 0, n, K, DECODE_CONFIG[is_nv])
+        return w
+
+    def gemm(w, r0, n):
+        torch.mm(x2, w.t(), out=out[:, r0:r0 + n] if n < N else out)
+
+    _chunked(N, rows, rows * K, buf, decode, gemm, overlap)
+    return out
+
+
+def scratch_grad_input(dy2: torch.Tensor, packed, scale_u8, gs_arg, is_nv: bool, dx: torch.Tensor) -> torch.Tensor:
+    """dx [M, K] = dy2 [M, N] @ W: W decoded chunk by chunk of columns into the scratch."""
+    N, KH = packed.shape
+    K = 2 * KH
+    overlap = SCRATCH_OVERLAP and dy2.device.type == "cuda"
+    cols = _chunk(K, N, dy2.element_size(), 128, overlap)
+    slots = 2 if overlap and cols < K else 1
+    buf = _scratch(dy2.device, dy2.dtype, slots * cols * N)
+
+    def decode(b, c0, c):
+        w = b[: N * c].view(N, c)
+        _decode_into(w, packed, scale_u8, gs_arg, is_nv, 0, c0, N, c, DECODE_CONFIG[is_nv])
+        return w
+
+    def gemm(w, c0, c):
+        torch.mm(dy2, w, out=dx[:, c0:c0 + c] if c < K else dx)
+
+    _chunked(K, cols, cols * N, buf, decode, gemm, overlap)
+    return dx
+
+
+def _use_scratch(op: str, is_nv: bool, M: int) -> bool:
+    return M >= SCRATCH_MIN_M[(op, "nvfp4" if is_nv else "mxfp4")]
+
+
+# ----------------------------------------------------------------------------------------------
+# fused launches
+
+
+def _linear_launch(M: int, N: int, K: int, is_nv: bool, device: torch.device, kind: str | None,
+                   config: dict | None, split_k: int | None, has_words: bool) -> tuple:
+    """(kind, grid, tiles_per_split, ws_numel, n_tiles, meta, num_warps, num_stages) of one launch."""
+    if kind is None:
+        kind = "gemv" if M <= GEMV_MAX_M and has_words else "dot"
+    cfg = _fit(config or pick_config(kind, M, N, K, is_nv), K)
+    sms = _num_sms(device)
+    meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+    if kind == "gemv":
+        if M > cfg["BLOCK_M"] or cfg["BLOCK_M"] > 16:
+            raise ValueError(f"the gemv kernel serves M <= BLOCK_M <= 16, got M={M}, BLOCK_M={cfg['BLOCK_M']}")
+        if not has_words:
+            raise ValueError("the gemv kernel reads weight_packed as int32 words: it must be contiguous")
+        wpb = 2 if is_nv else 4
+        k_tiles = triton.cdiv(K // 8 // wpb, cfg["GROUPS"])
+        n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+        split = split_k or _split(n_tiles, k_tiles, sms)
+    elif kind == "dot":
+        k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
+        n_tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+        if split_k is None:  # split K only when the output tiles alone cannot fill the GPU
+            split = _split(n_tiles, k_tiles, sms) if n_tiles < 2 * sms else 1
+        else:
+            split = split_k
+        meta.setdefault("SWAP_AB", True)  # configs written before these options existed
+        meta["EVEN_K"] = K % cfg["BLOCK_K"] == 0
+        meta["F32_DOT"] = INTERPRETED
+    else:
+        raise ValueError(f"kind must be one of ('gemv', 'dot'), got {kind!r}")
+    tps = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tps)
+    # (without a split the kernel never touches the workspace: do not grow it for big GEMMs)
+    ws_numel = 0 if split == 1 else (M * N if SPLITK_ATOMIC else split * M * N)
+    meta["ATOMIC"] = SPLITK_ATOMIC
+    meta["IS_NV"] = is_nv
+    return kind, (n_tiles, split), tps, ws_numel, (n_tiles if split > 1 else 0), meta, cfg["num_warps"], cfg["num_stages"]
+
+
+def _linear_call(x2, packed, w32, scale_u8, gs_arg, out, launch) -> tuple:
+    """(kernel, grid, args, kwargs) of one fused forward launch."""
+    kind, grid, tps, ws_numel, n_cnt, meta, warps, stages = launch
+    M, K = x2.shape
+    N = packed.shape[0]
+    ws, cnt = _workspace(x2.device, ws_numel, n_cnt)
+    if kind == "gemv":
+        acc_f32 = bool(meta.get("ACC_F32", False) or x2.dtype == torch.float32)
+        x32 = x2
+        if not acc_f32:
+            if x2.stride(0) % 2 or x2.storage_offset() % 2:
+                x2 = x2.contiguous()
+            x32 = x2.view(torch.int32)
+        args = (x2, x32, w32, scale_u8, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), x32.stride(0), out.stride(0),
+                w32.stride(0), tps)
+        return _fwd_gemv_kernel, grid, args, dict(meta, ACC_F32=acc_f32, USE_ASM=not INTERPRETED,
+                                                   num_warps=warps, num_stages=stages)
+    args = (x2, packed, scale_u8, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps)
+    return _fwd_dot_kernel, grid, args, dict(meta, num_warps=warps, num_stages=stages)
+
+
+def _run_linear(x2, packed, w32, scale_u8, gs_arg, is_nv, out, launch) -> None:
+    fn, grid, args, kwargs = _linear_call(x2, packed, w32, scale_u8, gs_arg, out, launch)
+    fn[grid](*args, **kwargs)
+
+
 def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
                   is_nv: bool, kind: str | None = None, config: dict | None = None,
                   split_k: int | None = None) -> torch.Tensor:
-    """y = x W^T. ``kind``/``config``/``split_k`` override the heuristics (benchmarks, tests)."""
+    """y = x W^T. ``kind`` ("gemv", "dot", "scratch") / ``config`` / ``split_k`` override the
+    heuristics (benchmarks, tests)."""
     N, KH = packed.shape
     K = 2 * KH
     _check(x, packed, scale, gs, is_nv, K)
@@ -651,61 +1032,20 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(*lead, N)
-    scale = _scale_bytes(scale)
+    scale_u8 = _scale_bytes(scale)
     gs_arg = gs if gs is not None else packed  # unused when not NVFP4
+    if kind == "scratch" or (kind is None and config is None and _use_scratch("linear", is_nv, M)):
+        scratch_linear(x2, packed, scale_u8, gs_arg, is_nv, out)
+        return out.reshape(*lead, N)
     w32 = _int32_words(packed)
-    if kind is None:
-        kind = "gemv" if M <= GEMV_MAX_M and w32 is not None else "dot"
-    cfg = _fit(config or pick_config(kind, M, N, K, is_nv), K)
-    sms = _num_sms(x.device)
-    meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
-    if kind == "gemv":
-        if M > cfg["BLOCK_M"] or cfg["BLOCK_M"] > 16:
-            raise ValueError(f"the gemv kernel serves M <= BLOCK_M <= 16, got M={M}, BLOCK_M={cfg['BLOCK_M']}")
-        if w32 is None:
-            raise ValueError("the gemv kernel reads weight_packed as int32 words: it must be contiguous")
-        meta["ACC_F32"] = bool(meta.get("ACC_F32", False) or x2.dtype == torch.float32)
-        x32 = x2
-        if not meta["ACC_F32"]:
-            if x2.stride(0) % 2 or x2.storage_offset() % 2:
-                x2 = x2.contiguous()
-            x32 = x2.view(torch.int32)
-        wpb = 2 if is_nv else 4
-        k_tiles = triton.cdiv(KH // 4 // wpb, cfg["GROUPS"])
-        n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-        split = split_k or _split(n_tiles, k_tiles, sms)
-        tps = triton.cdiv(k_tiles, split)
-        split = triton.cdiv(k_tiles, tps)
-        ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else _workspace(x.device, 0, 0)
-        _fwd_gemv_kernel[(n_tiles, split)](
-            x2, x32, w32, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), x32.stride(0), out.stride(0),
-            w32.stride(0), tps,
-            IS_NV=is_nv, USE_ASM=not INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **meta)
-    elif kind == "dot":
-        k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
-        n_tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-        if split_k is None:  # split K only when the output tiles alone cannot fill the GPU
-            split = _split(n_tiles, k_tiles, sms) if n_tiles < 2 * sms else 1
-        else:
-            split = split_k
-        tps = triton.cdiv(k_tiles, split)
-        split = triton.cdiv(k_tiles, tps)
-        # (without a split the kernel never touches the workspace: do not grow it for big GEMMs)
-        ws, cnt = _workspace(x.device, M * N, n_tiles) if split > 1 else _workspace(x.device, 0, 0)
-        meta.setdefault("SWAP_AB", True)  # configs written before these options existed
-        even_k = K % cfg["BLOCK_K"] == 0
-        _fwd_dot_kernel[(n_tiles, split)](
-            x2, packed, scale, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps,
-            IS_NV=is_nv, EVEN_K=even_k, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
-    else:
-        raise ValueError(f"kind must be one of ('gemv', 'dot'), got {kind!r}")
+    launch = _linear_launch(M, N, K, is_nv, x.device, kind, config, split_k, w32 is not None)
+    _run_linear(x2, packed, w32, scale_u8, gs_arg, is_nv, out, launch)
     return out.reshape(*lead, N)
 
 
 def launch_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
-                      is_nv: bool, config: dict | None = None) -> torch.Tensor:
-    """dx = dy W."""
+                      is_nv: bool, config: dict | None = None, kind: str | None = None) -> torch.Tensor:
+    """dx = dy W. ``kind`` "fused" or "scratch" overrides the choice by M."""
     N, KH = packed.shape
     K = 2 * KH
     _check(dy, packed, scale, gs, is_nv, N)
@@ -717,6 +1057,12 @@ def launch_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
     if M == 0:
         return dx.reshape(*lead, K)
+    gs_arg = gs if gs is not None else packed
+    if kind == "scratch" or (kind is None and config is None and _use_scratch("grad_input", is_nv, M)):
+        scratch_grad_input(dy2, packed, _scale_bytes(scale), gs_arg, is_nv, dx)
+        return dx.reshape(*lead, K)
+    if kind not in (None, "fused"):
+        raise ValueError(f"kind must be None, 'fused' or 'scratch', got {kind!r}")
     cfg = _fit(config or pick_config("bwd", M, N, K, is_nv), K)
     if M <= 16:
         cfg["BLOCK_M"] = 16  # a 128-row tile would be mostly padding
@@ -730,12 +1076,82 @@ def launch_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     meta = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"]),)
     _bwd_dot_kernel[grid](
-        dy2, packed, _scale_bytes(scale), gs if gs is not None else packed, dx,
+        dy2, packed, _scale_bytes(scale), gs_arg, dx,
         M, N, K, dy2.stride(0), dx.stride(0),
         IS_NV=is_nv, F32_DOT=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
     return dx.reshape(*lead, K)
 
 
+# ----------------------------------------------------------------------------------------------
+# per-layer plans: what does not change between calls, resolved once (host overhead of eager calls)
+
+
+class Plan:
+    """One packed weight's launch state, built once per (weight tensors, device): the checked
+    buffers, their int32 / uint8 views, and the launch parameters per small M. ``linear`` and
+    ``grad_input`` skip the per-call checks and the custom-op dispatch (eager calls; under
+    torch.compile the custom ops are used instead)."""
+
+    __slots__ = ("packed", "scale", "gs", "is_nv", "N", "K", "w32", "scale_u8", "gs_arg", "device", "_launch")
+    autograd_fn = None  # PlannedLinear, set below
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, is_nv: bool):
+        _check_weight(packed, scale, is_nv)
+        if is_nv and gs is None:
+            raise ValueError("an nvfp4 plan needs weight_global_scale")
+        self.packed, self.scale, self.gs, self.is_nv = packed, scale, gs, is_nv
+        self.N, self.K = packed.shape[0], 2 * packed.shape[1]
+        self.w32 = _int32_words(packed)
+        self.scale_u8 = _scale_bytes(scale)
+        self.gs_arg = gs if gs is not None else packed
+        self.device = packed.device
+        self._launch: dict = {}
+
+    def matches(self, packed, scale, gs) -> bool:
+        return packed is self.packed and scale is self.scale and gs is self.gs
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        K, N = self.K, self.N
+        if x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float32) or x.device != self.device:
+            _check(x, self.packed, self.scale, self.gs, self.is_nv, K)  # raises with the reason
+        x2 = x.reshape(-1, K)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        M = x2.shape[0]
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        if M == 0:
+            pass
+        elif _use_scratch("linear", self.is_nv, M):
+            scratch_linear(x2, self.packed, self.scale_u8, self.gs_arg, self.is_nv, out)
+        else:
+            key = (M, SPLITK_ATOMIC)
+            launch = self._launch.get(key)
+            if launch is None:
+                launch = _linear_launch(M, N, K, self.is_nv, x.device, None, None, None, self.w32 is not None)
+                if M <= 256:
+                    self._launch[key] = launch
+            fn, grid, args, kwargs = _linear_call(x2, self.packed, self.w32, self.scale_u8, self.gs_arg, out, launch)
+            fn[grid](*args, **kwargs)
+        return out.view(*x.shape[:-1], N)
+
+    def grad_input(self, dy: torch.Tensor) -> torch.Tensor:
+        return launch_grad_input(dy, self.packed, self.scale, self.gs, self.is_nv)
+
+
+class PlannedLinear(torch.autograd.Function):
+    """y = plan.linear(x) with dx = plan.grad_input(dy) (the weight is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, plan):  # noqa: D401 - autograd signature
+        ctx.plan = plan
+        return plan.linear(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.plan.grad_input(dy), None
+
+
+Plan.autograd_fn = PlannedLinear
 # ----------------------------------------------------------------------------------------------
 # custom ops: opaque to torch.compile, graph-capturable (no host syncs, no allocations once warm)
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qerl.arch import SUPPORTED_MODEL_TYPES
 from qerl.kernels import fused
 from qerl.rollout.common import (
     RolloutOutput,
@@ -63,7 +64,7 @@ from qerl.rollout.common import (
 )
 from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input, stacked_A
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = SUPPORTED_MODEL_TYPES  # qerl.arch: every family qerl loads
 WINDOW = 256  # cache length granularity and the smallest attention window
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qerl import formats, kernels
-from qerl.kernels.shapes import MODEL_DIMS, linear_shapes
+from qerl.arch import LAYER_CONFIGS, linear_shapes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,7 +49,7 @@ def check_shapes(fmt, shapes):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_every_model_linear_shape(fmt):
-    shapes = [s for model in MODEL_DIMS for s in linear_shapes(model).values()]
+    shapes = [s for model in LAYER_CONFIGS for s in linear_shapes(model).values()]
     failures = check_shapes(fmt, shapes + ODD_SHAPES)
     assert not failures, f"rel err >= {TOL} (fmt, N, K, M, fwd, grad): {failures[:20]}"
 

@@ -1,0 +1,492 @@
+"""Benchmark the W4A16 kernels (issue 4): nvfp4 and mxfp4 (qerl Triton) against bf16 cuBLAS
+(torch.nn.functional.linear) and bitsandbytes NF4, side by side in one run.
+
+Per model linear shape and M: milliseconds, achieved TB/s (bytes of weights + activations in +
+out, over time) and TFLOP/s; grad-input (dx = dy W) against bf16 at the larger M. Writes
+results/kernels/<gpu>.json with gpu, git_sha, date, rows, summary and prints a table; the last
+stdout line is the summary as one JSON object. Summary (Qwen2.5-7B decoder layer, sum of its seven
+linears, bf16 time / nvfp4 time): `qwen2.5-7b/layer/M<m>/nvfp4_over_bf16` for every forward M,
+`.../grad_input_nvfp4_over_bf16` for every grad-input M, M1 hbm_fraction and nvfp4_over_nf4;
+`qwen2.5-7b/decode_tbps/<fmt>` (the decode kernel of the decode + cuBLAS path, bytes read + written);
+`eager_call_us/nvfp4`, `eager_call_us/bf16`, `eager_call/nvfp4_over_bf16` (host time of one eager
+QuantLinear / F.linear call at M = 1 on a [1024, 4096] layer: mean over 1000 back-to-back calls,
+no synchronisation, median of 5 alternating rounds); split-K deterministic vs atomic layer time at
+M = 1 / 8 / 16.
+
+Timing: each measurement captures a CUDA graph of R calls rotating over C copies of the weights
+(C * bytes > 3 x L2, so the weights come from HBM, not L2), replays it after warm-up, and takes
+the median over many replays, timed with CUDA events; the graph removes Python launch overhead
+for every method alike. Copy bandwidth (bytes read + written by a 1 GiB device-to-device copy) is
+measured in the same run.
+
+Run:   python -m benchmarks.bench_kernels                   (all models, about 2 min on an H200)
+       python -m benchmarks.bench_kernels --models qwen2.5-7b --m 1 8 2048
+       python -m benchmarks.bench_kernels --sweep           (also try launch configs, 7B layer)
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.speed_common import copy_bandwidth_tbps  # noqa: E402
+from qerl import formats, kernels  # noqa: E402
+from qerl.arch import LAYER_CONFIGS, LINEAR_NAMES, linear_shapes  # noqa: E402
+from qerl.kernels import fp4  # noqa: E402
+
+M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 1024, 2048)
+GRAD_M_VALUES = (256, 1024, 2048)
+# Bytes per weight moved: the registry's storage bits (scales included) / 8; bf16 2.
+BYTES_PER_WEIGHT = {**{f: formats.bits_per_weight(f) / 8 for f in formats.names()}, "bf16": 2.0}
+TRITON = formats.with_kernel("triton")  # the formats the Triton kernels run (nvfp4, mxfp4)
+COLUMNS = TRITON + ("bf16",) + tuple(f for f in formats.names() if f not in TRITON)  # printed table order
+# (direction, value): issue 14 (M <= 256, nf4) and issue 18 (M >= 1024, grad-input, eager host time)
+TARGETS = {
+    "qwen2.5-7b/layer/M1/nvfp4_over_bf16": (">=", 2.6),
+    "qwen2.5-7b/layer/M1/hbm_fraction": (">=", 0.6),
+    "qwen2.5-7b/layer/M8/nvfp4_over_bf16": (">=", 2.5),
+    "qwen2.5-7b/layer/M16/nvfp4_over_bf16": (">=", 2.4),
+    "qwen2.5-7b/layer/M64/nvfp4_over_bf16": (">=", 2.0),
+    "qwen2.5-7b/layer/M256/nvfp4_over_bf16": (">=", 1.0),
+    "qwen2.5-7b/layer/M1024/nvfp4_over_bf16": (">=", 0.85),
+    "qwen2.5-7b/layer/M2048/nvfp4_over_bf16": (">=", 0.85),
+    "qwen2.5-7b/layer/M256/grad_input_nvfp4_over_bf16": (">=", 0.7),
+    "qwen2.5-7b/layer/M2048/grad_input_nvfp4_over_bf16": (">=", 0.85),
+    "qwen2.5-7b/layer/M1/nvfp4_over_nf4": (">=", 1.8),
+    "qwen2.5-7b/decode_tbps/nvfp4": (">=", 2.5),
+    "qwen2.5-7b/decode_tbps/mxfp4": (">=", 2.5),
+    "eager_call/nvfp4_over_bf16": ("<=", 1.5),
+}
+EAGER_SHAPE = (1024, 4096)  # [out, in] of the layer whose eager host time is measured
+EAGER_CALLS = 1000
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+def time_graph(fns, min_reps=8, target_s=0.15):
+    """Median seconds per call of fns (rotated), from CUDA-graph replays timed with events.
+
+    Falls back to timing an eager loop (still events, median of many) if capture fails.
+    """
+    for f in fns:  # warm-up: compile, autotune, allocate workspaces
+        f()
+    torch.cuda.synchronize()
+    reps = max(min_reps, len(fns))
+    mode = "graph"
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                fns[i % len(fns)]()
+        run = g.replay
+    except Exception as e:  # noqa: BLE001 - any capture failure: measure eagerly, say so
+        print(f"  graph capture failed ({type(e).__name__}: {str(e)[:80]}); timing eagerly")
+        torch.cuda.synchronize()
+        mode = "eager"
+
+        def run():
+            for i in range(reps):
+                fns[i % len(fns)]()
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-6)
+    n = int(min(200, max(10, target_s / one)))
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times), mode
+
+
+def copy_bandwidth():
+    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
+    return copy_bandwidth_tbps(reps=30)
+
+
+# ----------------------------------------------------------------------------------------------
+# methods
+
+
+def n_copies(nbytes, l2):
+    return int(min(64, max(1, math.ceil(3 * l2 / max(nbytes, 1)))))
+
+
+def make_bnb(w, copies):
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bf
+
+    out = []
+    for _ in range(copies):
+        packed, state = bf.quantize_4bit(w, quant_type="nf4", blocksize=64, compress_statistics=True)
+        out.append((packed, state))
+    return lambda x, pq: bnb.matmul_4bit(x, pq[0].t(), quant_state=pq[1]), out
+
+
+def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    q = {fmt: formats.quantize(w.float(), fmt) for fmt in TRITON}
+    c = {m: n_copies(n * k * BYTES_PER_WEIGHT[m], l2) for m in BYTES_PER_WEIGHT}
+    qc = {fmt: [{kk: v.clone() for kk, v in q[fmt].items()} for _ in range(c[fmt])] for fmt in q}
+    wc = [w.clone() for _ in range(c["bf16"])]
+    nf4 = make_bnb(w, c["nf4"]) if bnb_ok else None
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        res = {}
+        for fmt in TRITON:
+            res[fmt] = time_graph([lambda t=t, x=x, fmt=fmt: kernels.linear(x, fmt, t, n, k, backend="triton") for t in qc[fmt]])
+        res["bf16"] = time_graph([lambda wi=wi, x=x: F.linear(x, wi) for wi in wc])
+        if nf4 is not None:
+            f, packs = nf4
+            res["nf4"] = time_graph([lambda p=p, f=f, x=x: f(x, p) for p in packs])
+        kind = "gemv" if m <= fp4.GEMV_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
+        if fp4._use_scratch("linear", True, m):
+            kind = "scratch"  # decode into the bf16 scratch + cuBLAS
+        for meth, (sec, mode) in res.items():
+            moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
+            rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="linear",
+                             method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
+                             tflops=2 * m * n * k / sec / 1e12, timing=mode,
+                             kernel=kind if meth in TRITON else None))
+    for m in grad_ms:
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        res = {}
+        for fmt in TRITON:
+            res[fmt] = time_graph([lambda t=t, dy=dy, fmt=fmt: kernels.grad_input(dy, fmt, t, n, k, backend="triton") for t in qc[fmt]])
+        res["bf16"] = time_graph([lambda wi=wi, dy=dy: torch.matmul(dy, wi) for wi in wc])
+        for meth, (sec, mode) in res.items():
+            moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
+            rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="grad_input",
+                             method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
+                             tflops=2 * m * n * k / sec / 1e12, timing=mode,
+                             kernel=("scratch" if fp4._use_scratch("grad_input", True, m) else "bwd-dot")
+                             if meth in TRITON else None))
+    del qc, wc, nf4
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# config sweep (optional): which launch config wins per 7B shape and M
+
+
+GEMV_SWEEP = [(128, 8, 4, 2), (64, 8, 4, 2), (64, 4, 4, 2), (32, 8, 4, 2)]  # M = 1: (BLOCK_N, GROUPS, warps, stages)
+DOT16_SWEEP = [(128, 64, 4, 4, True), (64, 128, 4, 4, True), (64, 64, 4, 4, True), (128, 128, 4, 3, True),
+               (128, 64, 4, 4, False), (256, 64, 8, 3, True)]  # M <= 16: (BLOCK_N, BLOCK_K, warps, stages, SWAP_AB)
+DOT_SWEEP = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SWAP_AB)
+    "mid": [(64, 128, 64, 4, 4, True), (64, 128, 128, 4, 3, True), (64, 64, 64, 4, 4, True)],
+    "big": [(128, 128, 64, 4, 4, True), (256, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True),
+            (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False), (128, 128, 128, 8, 3, True)],
+}
+BWD_SWEEP = [(128, 64, 64, 4, 4), (256, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4)]  # (BLOCK_M, BLOCK_K, BLOCK_R, warps, stages)
+
+
+def sweep_candidates(m):
+    """(kind, config) pairs to time at M = m (kind bf16 / bf16-grad: the cuBLAS baselines)."""
+    cands = [("bf16", None)]
+    if m == 1:
+        cands += [("gemv", dict(BLOCK_M=1, BLOCK_N=bn, GROUPS=g, ACC_F32=False, num_warps=w, num_stages=st))
+                  for bn, g, w, st in GEMV_SWEEP]
+    if 4 < m <= 16:
+        cands += [("dot", dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, SWAP_AB=sw, num_warps=w,
+                                num_stages=st)) for bn, bk, w, st, sw in DOT16_SWEEP]
+    if m > 16:
+        cands += [("dot", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SWAP_AB=sw, num_warps=w,
+                                num_stages=st)) for bm, bn, bk, w, st, sw in DOT_SWEEP["mid" if m <= 64 else "big"]]
+    if m >= 256:
+        cands += [("bf16-grad", None)]
+        cands += [("bwd", dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, GROUP_M=8, num_warps=w, num_stages=st))
+                  for bm, bk, br, w, st in BWD_SWEEP]
+    return cands
+
+
+def sweep(l2, out_rows, ms=(1, 8, 16, 64, 2048)):
+    """Time launch configs per 7B shape and M, each checked against the fp32 reference."""
+    shapes = linear_shapes("qwen2.5-7b")
+    uniq = {}
+    for p, s in shapes.items():
+        uniq.setdefault(s, []).append(p)
+    for (n, k), names in uniq.items():
+        w = torch.randn(n, k, device="cuda") * 0.02
+        t = formats.quantize(w, "nvfp4")
+        wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
+        copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+        wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
+        args = lambda tt: (tt["weight_packed"], tt["weight_scale"], tt["weight_global_scale"], True)  # noqa: E731
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ wd.T
+            ref_g = dy.float() @ wd
+            for kind, cfg in sweep_candidates(m):
+                try:
+                    err = None
+                    if kind == "bf16":
+                        fns = [lambda wi=wi, x=x: F.linear(x, wi) for wi in wc]
+                    elif kind == "bf16-grad":
+                        fns = [lambda wi=wi, dy=dy: torch.matmul(dy, wi) for wi in wc]
+                    elif kind == "bwd":
+                        fns = [lambda tt=tt, dy=dy, args=args, cfg=cfg: fp4.launch_grad_input(dy, *args(tt), config=cfg) for tt in copies]
+                        out = fns[0]()
+                        err = float((out.float() - ref_g).norm() / ref_g.norm())
+                    else:
+                        fns = [lambda tt=tt, x=x, args=args, kind=kind, cfg=cfg: fp4.launch_linear(x, *args(tt), kind=kind, config=cfg) for tt in copies]
+                        out = fns[0]()
+                        err = float((out.float() - ref).norm() / ref.norm())
+                    sec, _ = time_graph(fns)
+                except Exception as e:  # noqa: BLE001 - a config may not compile; record it
+                    print(f"  sweep {kind} {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                out_rows.append(dict(proj="/".join(names), N=n, K=k, M=m, kind=kind, config=cfg,
+                                     us=sec * 1e6, tbps=n * k * 0.5625 / sec / 1e12, rel_err=err,
+                                     tflops=2 * m * n * k / sec / 1e12))
+                print(f"  sweep {'/'.join(names):18s} M={m:5d} {kind:9s} {sec * 1e6:9.1f} us "
+                      f"{2 * m * n * k / sec / 1e12:6.1f} TF err={err if err is None else f'{err:.1e}'} {cfg}", flush=True)
+        del copies, wc
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+
+def git_sha():
+    """The commit benchmarked: qerl.logging.git_info (QERL_GIT_SHA on a copy without .git)."""
+    from qerl.logging import git_info
+
+    return git_info()["git_sha"]
+
+
+def decode_speed(l2, model="qwen2.5-7b"):
+    """TB/s (packed bytes read + bf16 bytes written, over time) of decoding the layer's seven
+    weights into a bf16 buffer, per format: the first half of the decode + cuBLAS path."""
+    out = {}
+    for fmt in TRITON:
+        moved, sec = 0.0, 0.0
+        for n, k in linear_shapes(model).values():
+            t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+            copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * BYTES_PER_WEIGHT[fmt], l2))]
+            buf = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+            args = lambda tt, nv=(fmt == "nvfp4"): (tt["weight_packed"], tt["weight_scale"], tt.get("weight_global_scale"), nv)  # noqa: E731
+            fns = [lambda tt=tt, buf=buf, args=args: fp4.decode(*args(tt), out=buf) for tt in copies]
+            sec += time_graph(fns)[0]
+            moved += n * k * (BYTES_PER_WEIGHT[fmt] + 2)
+        out[fmt] = moved / sec / 1e12
+        print(f"decode {fmt}: {out[fmt]:.2f} TB/s over the {model} layer ({sec * 1e6:.1f} us)", flush=True)
+    return out
+
+
+def eager_calls(rounds=5):
+    """Host time per eager call at M = 1 on an EAGER_SHAPE layer: mean wall time of EAGER_CALLS
+    back-to-back calls with no synchronisation between them (the GPU work is far shorter), for a
+    QuantLinear (nvfp4, no adapter) and F.linear (bf16), alternating; the median over rounds."""
+    from qerl.qlinear import QuantLinear
+
+    n, k = EAGER_SHAPE
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    q = QuantLinear.from_linear(lin, "nvfp4")
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    fns = {"nvfp4": lambda: q(x), "bf16": lambda: F.linear(x, w)}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            for _ in range(20):
+                f()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(EAGER_CALLS):
+                f()
+            times[name].append((time.perf_counter() - t0) / EAGER_CALLS * 1e6)
+            torch.cuda.synchronize()
+    res = {name: statistics.median(v) for name, v in times.items()}
+    print(f"eager call at M = 1 on [{n}, {k}]: nvfp4 {res['nvfp4']:.1f} us, bf16 {res['bf16']:.1f} us", flush=True)
+    return res
+
+
+def splitk_cost(l2, ms=(1, 8, 16), model="qwen2.5-7b"):
+    """Layer time (us) at small M with the deterministic split-K reduction (default) and with the
+    opt-in atomic one (QERL_SPLITK_ATOMIC=1), nvfp4."""
+    res = {}
+    shapes = linear_shapes(model)
+    for m in ms:
+        tot = {False: 0.0, True: 0.0}
+        for p in LINEAR_NAMES:
+            n, k = shapes[p]
+            t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+            qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for atomic in (False, True):
+                prev, fp4.SPLITK_ATOMIC = fp4.SPLITK_ATOMIC, atomic
+                try:
+                    fns = [lambda tt=tt, x=x, n=n, k=k: kernels.linear(x, "nvfp4", tt, n, k, backend="triton") for tt in qc]
+                    tot[atomic] += time_graph(fns, target_s=0.05)[0]
+                finally:
+                    fp4.SPLITK_ATOMIC = prev
+        res[m] = (tot[False] * 1e6, tot[True] * 1e6)
+        print(f"split-K M = {m}: deterministic {res[m][0]:.1f} us, atomic {res[m][1]:.1f} us ({model} layer)", flush=True)
+    return res
+
+
+def summarize(rows, copy_tbps, extra=None):
+    def layer(op, meth, m):
+        shapes = linear_shapes("qwen2.5-7b")
+        total = 0.0
+        for p in LINEAR_NAMES:
+            n, k = shapes[p]
+            hit = [r["ms"] for r in rows if r["model"] == "qwen2.5-7b" and r["op"] == op
+                   and r["method"] == meth and r["M"] == m and r["N"] == n and r["K"] == k]
+            if not hit:
+                return None
+            total += hit[0]
+        return total
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    extra = extra or {}
+    s = {}
+    ms = sorted({r["M"] for r in rows if r["model"] == "qwen2.5-7b" and r["op"] == "linear"})
+    for m in ms:
+        s[f"qwen2.5-7b/layer/M{m}/nvfp4_over_bf16"] = ratio(layer("linear", "bf16", m), layer("linear", "nvfp4", m))
+    t1 = layer("linear", "nvfp4", 1)
+    nbytes = sum(n * k * 0.5625 for n, k in linear_shapes("qwen2.5-7b").values())
+    s["qwen2.5-7b/layer/M1/hbm_fraction"] = None if t1 is None else nbytes / (t1 / 1e3) / 1e12 / copy_tbps
+    gms = sorted({r["M"] for r in rows if r["model"] == "qwen2.5-7b" and r["op"] == "grad_input"})
+    for m in gms:
+        s[f"qwen2.5-7b/layer/M{m}/grad_input_nvfp4_over_bf16"] = ratio(
+            layer("grad_input", "bf16", m), layer("grad_input", "nvfp4", m))
+    s["qwen2.5-7b/layer/M1/nvfp4_over_nf4"] = ratio(layer("linear", "nf4", 1), layer("linear", "nvfp4", 1))
+    for fmt, tb in extra.get("decode", {}).items():
+        s[f"qwen2.5-7b/decode_tbps/{fmt}"] = tb
+    eager = extra.get("eager")
+    if eager:
+        s["eager_call_us/nvfp4"] = eager["nvfp4"]
+        s["eager_call_us/bf16"] = eager["bf16"]
+        s["eager_call/nvfp4_over_bf16"] = eager["nvfp4"] / eager["bf16"]
+    for m, (det, atomic) in extra.get("splitk", {}).items():
+        s[f"qwen2.5-7b/layer/M{m}/splitk_deterministic_us"] = det
+        s[f"qwen2.5-7b/layer/M{m}/splitk_atomic_us"] = atomic
+        s[f"qwen2.5-7b/layer/M{m}/splitk_deterministic_over_atomic"] = det / atomic
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(LAYER_CONFIGS), choices=list(LAYER_CONFIGS),
+                    help="models whose linear shapes to time")
+    ap.add_argument("--m", nargs="+", type=int, default=list(M_VALUES), help="rows M of the forward")
+    ap.add_argument("--grad-m", nargs="+", type=int, default=list(GRAD_M_VALUES), help="rows M of grad-input")
+    ap.add_argument("--out", default="results/kernels", help="folder for <gpu>.json")
+    ap.add_argument("--git-sha", default=None, help="commit benchmarked (when the machine has no git)")
+    ap.add_argument("--sweep", action="store_true", help="also time launch configs on the 7B shapes")
+    ap.add_argument("--sweep-only", action="store_true", help="only the config sweep (writes <gpu>_sweep.json)")
+    ap.add_argument("--sweep-m", nargs="+", type=int, default=[1, 8, 16, 64, 2048], help="M of the sweep")
+    ap.add_argument("--no-nf4", action="store_true", help="skip bitsandbytes NF4")
+    args = ap.parse_args()
+
+    import triton
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(0)
+    name = props.name
+    gpu = "h100" if "H100" in name else "h200" if "H200" in name else name.lower().replace(" ", "_")
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    bnb_version, bnb_why = None, None
+    if args.no_nf4:
+        bnb_why = "--no-nf4"
+    else:
+        try:
+            import bitsandbytes
+
+            bnb_version = bitsandbytes.__version__
+        except Exception as e:  # noqa: BLE001 - record why NF4 is not measured
+            bnb_why = f"bitsandbytes not importable: {type(e).__name__}: {e}"
+    env = dict(gpu_name=name, sms=props.multi_processor_count, l2_bytes=l2, torch=torch.__version__,
+               triton=triton.__version__, cuda=torch.version.cuda, bitsandbytes=bnb_version,
+               python=platform.python_version())
+    print("env:", json.dumps(env))
+    if bnb_why:
+        print("NF4 not measured:", bnb_why)
+
+    copy_tbps = copy_bandwidth()
+    print(f"copy bandwidth (read + write): {copy_tbps:.3f} TB/s")
+
+    sweep_rows = []
+    if args.sweep or args.sweep_only:
+        sweep(l2, sweep_rows, ms=args.sweep_m)
+    if args.sweep_only:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"{gpu}_sweep.json")
+        with open(path, "w") as f:
+            json.dump(dict(gpu=gpu, git_sha=args.git_sha or git_sha(), env=env, copy_bandwidth_tbps=copy_tbps,
+                           sweep=sweep_rows), f, indent=1)
+        print(f"wrote {path}")
+        return
+
+    rows = []
+    t_start = time.time()
+    for model in args.models:
+        uniq = {}
+        for p, s in linear_shapes(model).items():
+            uniq.setdefault(s, []).append(p)
+        for (n, k), names in uniq.items():
+            bench_shape(model, names, n, k, args.m, args.grad_m, l2, bnb_version is not None, rows)
+            print(f"  {model} {'/'.join(names)} [{n}x{k}] done ({time.time() - t_start:.0f} s)")
+
+    extra = {}
+    if "qwen2.5-7b" in args.models:
+        extra = dict(decode=decode_speed(l2), eager=eager_calls(), splitk=splitk_cost(l2))
+    summary = summarize(rows, copy_tbps, extra)
+    result = dict(gpu=gpu, git_sha=args.git_sha or git_sha(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  env=env, copy_bandwidth_tbps=copy_tbps, nf4_not_measured=bnb_why,
+                  targets=TARGETS, summary=summary, rows=rows)
+    if sweep_rows:
+        result["sweep"] = sweep_rows
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{gpu}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+    print(f"\n{'model':13s} {'proj':18s} {'N':>6s} {'K':>6s} {'M':>5s} {'op':10s} "
+          + " ".join(f"{m + ' ms TB/s':>17s}" for m in COLUMNS))
+    keyed = {}
+    for r in rows:
+        keyed.setdefault((r["model"], r["proj"], r["N"], r["K"], r["M"], r["op"]), {})[r["method"]] = r
+    for (model, proj, n, k, m, op), d in keyed.items():
+        cells = []
+        for meth in COLUMNS:
+            r = d.get(meth)
+            cells.append(f"{r['ms']:9.4f} {r['tbps']:6.2f}" if r else f"{'-':>16s}")
+        print(f"{model:13s} {proj:18s} {n:6d} {k:6d} {m:5d} {op:10s} " + " ".join(cells))
+    print(f"\nwrote {path}")
+    for key, val in summary.items():
+        if key not in TARGETS:
+            print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}")
+            continue
+        op, tgt = TARGETS[key]
+        met = val >= tgt if op == ">=" else val <= tgt
+        status = "n/a" if val is None else ("ok" if met else "MISSED")
+        print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}  target {op} {tgt}  {status}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Write notebooks/{table1,rewards,entropy,speed,experiments,table3,rollout}.ipynb from the cell lists below (nbformat), so
+the notebooks are reproducible and reviewable as code. They read results/ only.
+
+    python -m benchmarks.make_notebooks      # write (outputs empty)
+    python -m benchmarks.run_notebooks       # execute them in place
+"""
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+SETUP = """import pandas as pd
+from IPython.display import Image, display
+from qerl import plots
+pd.set_option("display.precision", 3)
+
+
+def show(name):
+    \"\"\"Display results/figures/<name>.png (qerl.plots draws with the headless Agg backend).\"\"\"
+    display(Image(str(plots.RESULTS / "figures" / f"{name}.png")))"""
+
+CELLS = {
+    "table1": [
+        "# Table 1 at small scale\nSmolLM2-135M-Instruct, built-in `arith` task level 0, "
+        "GRPO for 30 steps; accuracy on the held-out set before and after RL. Untrained rows "
+        "(bf16, nf4, mxfp4, nvfp4) are evaluation only. Reads `results/table1/small/`.",
+        SETUP,
+        "tab = plots.table1()\ntab",
+        "show('table1')",
+    ],
+    "rewards": [
+        "# Reward curves (Fig. 4) and the AQN ablation (Fig. 8)\nMean over seeds, band = +- one "
+        "standard deviation over seeds; rolling mean over 3 steps.",
+        SETUP,
+        "plots.plot_rewards()\nshow('rewards')",
+        "plots.plot_aqn()\nshow('aqn')",
+        "## The figure scripts' runs (experiments.fig4_reward_curves, experiments.fig8_aqn_ablation)\n"
+        "GRPO and DAPO across formats, and NVFP4 LoRA with / without AQN (three seeds each).",
+        "for name in ['fig4_reward_curves', 'fig8_aqn_ablation']:\n"
+        "    if plots.experiment_figure(name) is not None:\n"
+        "        show(name)",
+    ],
+    "entropy": [
+        "# Token entropy during RL (Fig. 5)\n`entropy` is measured in the training forward pass, "
+        "`sampling/entropy` by the rollout sampler.",
+        SETUP,
+        "plots.plot_entropy()\nshow('entropy')",
+        "plots.entropy_early_late()",
+        "## Entropy in the Figure 4 runs (GRPO and DAPO across formats, three seeds)",
+        "FIG4 = 'fig4_reward_curves/small'\n"
+        "if plots.plot_curves(experiment=FIG4, panels='loss_type', keys=('entropy', 'sampling/entropy'),\n"
+        "                     name='fig4_entropy', title='Token entropy across formats (fig4 runs, small)') is not None:\n"
+        "    show('fig4_entropy')",
+        "m = plots.load_metrics(experiment=FIG4, fields=('loss_type',))\n"
+        "if m is not None:\n"
+        "    last = m['step'].max()\n"
+        "    early = m[m['step'] <= 5].groupby(['loss_type', 'method'])['entropy'].mean()\n"
+        "    late = m[m['step'] > last - 5].groupby(['loss_type', 'method'])['entropy'].mean()\n"
+        "    display(pd.DataFrame({'entropy, first 5 steps': early, 'entropy, last 5 steps': late}))",
+    ],
+    "speed": [
+        "# Where time goes\nStep time split into rollout and training (small runs), and the "
+        "H100 kernel benchmark (`results/kernels/h100.json`): bf16 time / 4-bit time for one "
+        "decoder layer's linears (> 1 means the 4-bit kernel is faster).",
+        SETUP,
+        "plots.step_time_table()",
+        "plots.plot_step_time()\nshow('step_time')",
+        "k = plots.kernel_table()\nk.xs('linear', level='op') if k is not None else None",
+        "show('kernels')",
+        "pd.DataFrame({'measured': k.attrs['summary'], 'target': k.attrs['targets']}) "
+        "if k is not None else None",
+    ],
+    "experiments": [
+        "# The paper's other tables and figures (experiments.table2_bigmath, experiments.fig*)\nEach cell "
+        "draws one experiment's figure from `results/<experiment>/small/` (the script's `--profile "
+        "small` run: the embedded SmolLM2-135M-Instruct, not the paper's Qwen2.5 models); an experiment "
+        "without results yet prints a skip note instead.",
+        SETUP,
+        "tab2 = plots.experiment_figure('table2_bigmath')\nif tab2 is not None:\n    show('table2_bigmath')\ntab2",
+        "FIGURES = ['fig4_reward_curves', 'fig5_entropy', 'fig7_training_reward', 'fig8_aqn_ablation',\n"
+        "           'fig9_noise_schedulers', 'fig10_lora_rank', 'fig16_lr_ablation']\n"
+        "for name in FIGURES:\n    if plots.experiment_figure(name) is not None:\n        show(name)",
+        "tables = {n: plots.load_table(experiment=f'{n}/small') for n in FIGURES}\n"
+        "# accuracy after training and mean reward of the last 5 steps, per experiment and run variant\n"
+        "rows = {n: t[t.metric.isin(['accuracy', 'reward_last5'])].groupby(['method', 'dataset', 'metric'])"
+        "['value'].mean().unstack('metric') for n, t in tables.items() if t is not None}\n"
+        "pd.concat(rows) if rows else 'no experiment results under results/ yet'",
+    ],
+}
+
+
+def speed_load(folder: str, columns: str) -> str:
+    """The first code cell of a speed notebook: results/<folder>/<gpu>.json into `runs` and `rows`."""
+    return f"""import os
+from pathlib import Path
+
+import pandas as pd
+from IPython.display import Image, display
+from qerl import plots
+pd.set_option("display.precision", 2)
+
+# QERL_RESULTS points the notebook at another results folder (the tests use it).
+RESULTS = Path(os.environ.get("QERL_RESULTS", "results"))
+runs, rows = plots.speed_results("{folder}", RESULTS)
+rows.reindex(columns=plots.{columns}) if rows is not None else None"""
+
+
+def speed_plot(fn: str, name: str) -> str:
+    return f"""if plots.{fn}(rows, results=RESULTS) is not None:
+    display(Image(str(RESULTS / "figures" / "{name}.png")))"""
+
+
+SPEED_SUMMARY = """for gpu, table in plots.speed_summary(runs).items():
+    display(table)"""
+
+CELLS["table3"] = [
+    "# Table 3: where the GRPO step time goes\nOne full GRPO step (rollout with the fast engine, old "
+    "log-probs, one policy update) for bf16 LoRA, QLoRA (bitsandbytes NF4) and NVFP4 on random-weight "
+    "Qwen2.5 architectures, prompt 256 and fixed-length completions; peak memory, model size, and the "
+    "32B model under an 80 GiB cap. Reads `results/table3/<gpu>.json` from "
+    "`python -m benchmarks.table3_speed_memory` (a missing folder prints a note); `paper_*` columns are the "
+    "paper's values, a reference only.",
+    speed_load("table3", "TABLE3_COLUMNS"),
+    speed_plot("plot_table3_split", "table3_step_split"),
+    SPEED_SUMMARY,
+]
+
+CELLS["rollout"] = [
+    "# Rollout throughput (paper Tables 5-9, Figure 11)\nThe fast engine (static KV cache, CUDA graphs) on "
+    "random-weight Qwen2.5 architectures: bf16 LoRA, bitsandbytes NF4, MXFP4 and NVFP4, plus HF `generate` in "
+    "bf16 (what a user gets without an engine; a shorter completion, a per-token rate). Reads "
+    "`results/rollout/<gpu>.json` from `python -m benchmarks.rollout_throughput`; `paper_*` columns are the "
+    "paper's vLLM numbers, a reference only.",
+    speed_load("rollout", "ROLLOUT_COLUMNS"),
+    speed_plot("plot_rollout_throughput", "rollout_throughput"),
+    SPEED_SUMMARY,
+]
+
+
+def build(name):
+    """The notebook `name` (a key of CELLS) as an nbformat node, with a python3 kernelspec."""
+    if name not in CELLS:
+        raise ValueError(f"unknown notebook {name!r}; allowed: {sorted(CELLS)}")
+    cells = [new_markdown_cell(c) if c.startswith("#") else new_code_cell(c) for c in CELLS[name]]
+    return new_notebook(cells=cells, metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+
+
+def main():
+    NOTEBOOKS.mkdir(exist_ok=True)
+    for name in CELLS:
+        path = NOTEBOOKS / f"{name}.ipynb"
+        nbformat.write(build(name), path)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Helpers shared by the speed experiments (rollout_throughput.py, table3_speed_memory.py).
+
+Random-weight models of the paper's architectures built straight into a format (qerl.models.
+build_quantized_model: layer by layer, never a dense copy), random token prompts, the fast engine
+with a cheap warm-up (every CUDA graph the timed call needs is captured by short calls first),
+OOM-safe phases, and provenance. Speed does not depend on weight values, so random weights time
+exactly what real weights would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import inspect
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from qerl.arch import PAPER_MODELS
+from qerl.config import table_bases
+from qerl.logging import environment
+from qerl.qlinear import QuantLinear
+from qerl.quantize import QuantizeConfig, model_size_bytes
+
+MODELS = {
+    **PAPER_MODELS,  # "qwen2.5-7b" -> "Qwen/Qwen2.5-7B-Instruct" (qerl.arch)
+    # a toy architecture for the scripts' CPU smoke tests (--models tiny-qwen2 --device cpu)
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+                       eos_token_id=2, bos_token_id=1, max_position_embeddings=4096),
+}
+FORMATS = table_bases()  # base weight formats (bf16 and the format registry); LoRA on top of each
+FIRST_SPECIAL_TOKEN = 151643  # Qwen2.5's <|endoftext|>; prompts use ordinary token ids below it
+
+
+# ----------------------------------------------------------------------------------------------
+# provenance
+
+
+def gpu_tag() -> str:
+    """'h100', 'h200', else the device name in lower case ('cpu' without CUDA)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0)
+    return "h100" if "H100" in name else "h200" if "H200" in name else name.lower().replace(" ", "_")
+
+
+def vocab_size(model: str) -> int:
+    from qerl.models import model_config
+
+    return model_config(MODELS[model]).vocab_size
+
+
+def provenance(git_sha: str | None = None) -> dict:
+    """gpu, git_sha, date and the environment (versions, GPU memory, bitsandbytes)."""
+    env = environment()
+    if git_sha:
+        env["git_sha"] = git_sha
+    try:
+        import bitsandbytes
+
+        env["bitsandbytes"] = bitsandbytes.__version__
+    except Exception as e:  # noqa: BLE001 - record why, the nf4 rows will say so too
+        env["bitsandbytes"] = f"not importable: {type(e).__name__}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu_total_gib"] = props.total_memory / 2**30
+        env["cuda"] = torch.version.cuda
+    return {"gpu": gpu_tag(), "git_sha": env.get("git_sha"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "env": env}
+
+
+def copy_bandwidth_tbps(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in TB/s, bytes read plus written (median of ``reps`` copies)."""
+    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times) / 1e12
+
+
+def write_json(result: dict, out_dir: str, gpu: str) -> Path:
+    path = Path(out_dir) / f"{gpu}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+def build(model: str, fmt: str, lora_rank: int, device, seed: int = 0, config=None):
+    """The random-weight model `model` (a key of MODELS, or any config via `config`) with its
+    decoder linears in `fmt` and LoRA rank `lora_rank` (alpha = 2 r, the paper's 32/64), built
+    layer by layer on `device`."""
+    from qerl.models import build_quantized_model
+
+    qc = QuantizeConfig(fmt=fmt, lora_rank=lora_rank, lora_alpha=2.0 * lora_rank)
+    return build_quantized_model(config if config is not None else MODELS[model], qc, device=device, seed=seed)
+
+
+def set_lora_rank(model, rank: int, seed: int = 0) -> None:
+    """Replace every QuantLinear's adapter by a fresh one of rank `rank` (PEFT init, alpha = 2 r),
+    so one built base serves several ranks. Engines must be rebuilt afterwards (their graphs hold
+    the old adapters)."""
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if not isinstance(m, QuantLinear) or m.r == rank:
+            continue
+        dev = (m.weight if m.fmt == "bf16" else m.weight_packed).device
+        dt = m.lora_A.weight.dtype if m.r else torch.float32
+        m.r, m.lora_alpha = rank, 2.0 * rank
+        m.scaling = m.lora_alpha / rank
+        m.lora_A = torch.nn.Linear(m.in_features, rank, bias=False, device=dev, dtype=dt)
+        m.lora_B = torch.nn.Linear(rank, m.out_features, bias=False, device=dev, dtype=dt)
+        if not hasattr(m, "lora_dropout"):
+            m.lora_dropout = torch.nn.Identity()
+        bound = 1 / math.sqrt(m.in_features)  # kaiming_uniform(a=sqrt(5)), as PEFT
+        with torch.no_grad():
+            m.lora_A.weight.copy_((torch.rand(m.lora_A.weight.shape, generator=g) * 2 - 1) * bound)
+            m.lora_B.weight.zero_()
+
+
+def model_bytes(model) -> dict:
+    """Bytes of the model as stored: base (the paper's Model Size), LoRA, embedding, lm_head."""
+    lora = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" in n)
+    head = model.get_output_embeddings().weight
+    emb = model.get_input_embeddings().weight
+    return {"model_size_bytes": model_size_bytes(model), "lora_bytes": lora,
+            "lm_head_bytes": head.numel() * head.element_size(), "embedding_bytes": emb.numel() * emb.element_size(),
+            "tied_embeddings": head is emb}
+
+
+def decode_bytes_per_step(model, batch: int, context: float) -> dict:
+    """HBM bytes one decode step must read, at least (the roofline numerator).
+
+      weights = every decoder-layer tensor (packed base + scales + global scales, biases, LoRA A and
+                B, norms) + final norm + lm_head (read whole for every step)
+                + batch rows of the embedding table (only the looked-up rows are read)
+      kv      = layers * 2 (K and V) * batch * kv_heads * head_dim * context * bytes per element
+    `context` is the mean cache length over the completion (prompt + completion / 2). Activations
+    and the sampled-token bookkeeping are ignored (kilobytes). The fast engine's attention reads a
+    power-of-two window of the cache, not just the valid context; that excess is its overhead and
+    is not counted as useful bytes.
+    """
+    cfg = model.config
+    layers = model.model.layers
+    layer_bytes = sum(t.numel() * t.element_size() for t in list(layers.parameters()) + list(layers.buffers()))
+    norm = model.model.norm.weight
+    head = model.get_output_embeddings().weight
+    emb = model.get_input_embeddings().weight
+    weights = layer_bytes + norm.numel() * norm.element_size() + head.numel() * head.element_size()
+    weights += batch * emb.shape[1] * emb.element_size()
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = len(layers) * 2 * batch * n_kv * head_dim * context * emb.element_size()
+    return {"weight_bytes": int(weights), "kv_bytes": int(kv), "bytes_per_step": int(weights + kv)}
+
+
+def free() -> None:
+    """Collect garbage and return cached blocks to the GPU (after the caller dropped its references)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# engines
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`batch` prompts of exactly `length` ordinary token ids (below any special token)."""
+    hi = min(vocab, FIRST_SPECIAL_TOKEN)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, hi, (batch, length), generator=g).tolist()
+
+
+def make_fast_engine(model, batch: int, max_seq_len: int, kind: str = "fast", cuda_graphs: bool | None = None,
+                     fused: bool | None = None):
+    """qerl.rollout.make_engine for fixed-length rollouts (EOS = the config's, pad 0); keyword
+    arguments this version of the engine does not take are dropped."""
+    from qerl import rollout
+
+    kw = dict(eos_token_ids=[int(getattr(model.config, "eos_token_id", 0) or 0)], pad_id=0,
+              max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, fused=fused)
+    if kind == "fast":
+        accepted = inspect.signature(rollout.FastEngine.__init__).parameters
+        kw = {k: v for k, v in kw.items() if k in accepted}
+    return rollout.make_engine(model, None, kind=kind, **kw)
+
+
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=False, ignore_eos=True)
+
+
+def decode_windows(prompt_len: int, completion_len: int) -> list[int]:
+    """The attention windows (CUDA graphs) FastEngine replays for this prompt/completion (see fast.py)."""
+    try:
+        from qerl.rollout.fast import WINDOW
+    except ImportError:
+        return []
+    L = WINDOW * math.ceil((prompt_len + completion_len) / WINDOW)
+    windows = sorted({min(L, WINDOW * 2 ** i) for i in range(32) if WINDOW * 2 ** (i - 1) < L})
+    return sorted({next(w for w in windows if w > prompt_len + t - 1) for t in range(1, completion_len)})
+
+
+def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, vocab: int) -> float:
+    """Capture every CUDA graph the timed call will replay, without a full-length rollout.
+
+    A 2-token call at the real prompt length allocates the (B, L) buffers and warms the prefill GEMMs
+    (Triton autotuning keys on M). Then each attention window w the timed call uses is captured:
+    directly with FastEngine._graph(w, sampling) where the engine has it (no extra prefill), else
+    with a (w - 2)-token prompt and 2 new tokens (a long prefill: more transient memory). Returns the
+    seconds spent; the timed call checks engine.stats["captures"] did not move.
+    """
+    t0 = time.perf_counter()
+    engine.generate(random_prompts(batch, prompt_len, vocab, seed=1), 2, seed=1, **SAMPLING)
+    windows = decode_windows(prompt_len, completion_len) if getattr(engine, "cuda_graphs", False) else []
+    key = (float(SAMPLING["temperature"]), int(SAMPLING["top_k"]), float(SAMPLING["top_p"]), bool(SAMPLING["greedy"]),
+           bool(SAMPLING["ignore_eos"]))  # FastEngine's graph key for these settings
+    for w in windows:
+        if hasattr(engine, "_graph"):
+            engine._graph(w, key)
+        elif w - 2 != prompt_len:
+            engine.generate(random_prompts(batch, max(1, w - 2), vocab, seed=w), 2, seed=1, **SAMPLING)
+    sync()
+    return time.perf_counter() - t0
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def captures(engine) -> int:
+    return int(getattr(engine, "stats", {}).get("captures", 0))
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+# ----------------------------------------------------------------------------------------------
+# OOM-safe phases
+
+
+class Phases:
+    """Times named phases (synchronizing the GPU around each) and remembers which one was running.
+
+        ph = Phases()
+        with ph("rollout"): ...
+        ph.seconds -> {"rollout": 12.3}; ph.current -> the phase an exception escaped from
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.current: str | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self.current = name
+        sync()
+        t0 = time.perf_counter()
+        yield
+        sync()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        self.current = None
+
+
+def is_oom(e: BaseException) -> bool:
+    """CUDA out-of-memory (torch.OutOfMemoryError, or the same message from another library)."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def apply_memory_cap(cap_gib: float | None) -> float | None:
+    """Cap this process's CUDA allocations at `cap_gib` (the paper's 80 GB H100 on a larger GPU).
+
+    Returns the effective cap in GiB (the device total when that is smaller), None for no cap.
+    """
+    if cap_gib is None or not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib / total), 0)
+    return min(cap_gib, total)
+
+
+def add_run_args(ap, out: str) -> None:
+    """The flags every speed script shares: device, seed, output folder, provenance, merge."""
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test with --models tiny-qwen2")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    ap.add_argument("--out", default=out, help="folder for <gpu>.json")
+    ap.add_argument("--git-sha", default=None, help="commit measured (when the machine has no .git; else QERL_GIT_SHA)")
+    ap.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out (no GPU)")
+
+
+def main_run_or_merge(args, run, merge, script: str) -> dict:
+    """A speed script's main: merge result files (CPU), or run on the GPU; print the summary as the
+    last stdout line (one JSON object) and return the result."""
+    import sys
+
+    if args.merge:
+        result = merge(args.merge, args.out)
+    else:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            sys.exit(f"{script} needs a CUDA GPU (use --merge to combine result files)")
+        result = run(args)
+    print(json.dumps(result["summary"]))
+    return result
+

@@ -1,0 +1,226 @@
+"""The decode kernel (bit-exact against qerl.formats.dequantize), the decode + cuBLAS scratch path
+(large M, grad-input), the per-layer launch plan (eager host overhead), deterministic split-K.
+
+CPU: the kernels under TRITON_INTERPRET=1 (tests/kernels/conftest.py) at small sizes.
+GPU (marker gpu): bit-exactness on large shapes, and a seeded rollout that repeats token for token.
+"""
+
+import pytest
+import torch
+
+from qerl import formats, kernels
+
+INTERPRET = __import__("os").environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRET:
+    import qerl.kernels.fp4  # noqa: F401  (jit while TRITON_INTERPRET=1)
+needs_kernels = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                   reason="needs TRITON_INTERPRET=1 or a GPU")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _same_bits(a, b):
+    """Bit for bit, except that any NaN equals any NaN (payloads may differ)."""
+    return a.shape == b.shape and bool(((_bits(a) == _bits(b)) | (a.isnan() & b.isnan())).all())
+
+
+def _special(t, fmt):
+    """Edge scales: NaN, the smallest E4M3 subnormal, E8M0 2^-127. (Not the E4M3 -0 scale 0x80,
+    which the quantizer never writes: torch's CUDA cast of it gives +0.0, its CPU cast -0.0, so
+    dequantize itself differs by device in the sign of those zeros; the kernel gives -0.0.)"""
+    s = t["weight_scale"].view(torch.uint8)
+    if fmt == "nvfp4":
+        s[1, 1], s[2, 0] = 0x7F, 0x01  # NaN, the smallest subnormal
+    else:
+        s[0, 0], s[1, 1] = 0, 255  # 2^-127, NaN
+    return t
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", [(48, 128), (37, 192), (130, 256)])
+def test_decode_is_dequantize_bit_for_bit(fmt, n, k):
+    from qerl.kernels import fp4
+
+    t = _special(formats.quantize(torch.randn(n, k, device=DEV) * 0.02, fmt), fmt)
+    args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
+    blk = 16 if fmt == "nvfp4" else 32
+    for dt in (torch.bfloat16, torch.float32):
+        ref = formats.dequantize(t, fmt, dtype=dt)
+        assert _same_bits(fp4.decode(*args, dtype=dt), ref)
+        sub = fp4.decode(*args, dtype=dt, rows=(3, n - 1), cols=(blk, k - blk))
+        assert _same_bits(sub, ref[3:n - 1, blk:k - blk])
+    with pytest.raises(ValueError, match="blocks"):
+        fp4.decode(*args, cols=(1, k))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("chunk", [None, 64 * 128 * 4])
+def test_scratch_path_matches_reference_and_reuses_one_buffer(fmt, chunk, monkeypatch):
+    from qerl.kernels import fp4
+
+    monkeypatch.setattr(fp4, "SCRATCH_CHUNK_BYTES", chunk)
+    fp4.release_scratch()
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    n, k = 200, 384
+    t = formats.quantize(torch.randn(n, k, device=DEV) * 0.02, fmt)
+    args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
+    w = formats.dequantize(t, fmt, dtype=torch.float32).double()
+    x = torch.randn(2, 5, k, device=DEV, dtype=dt)
+    dy = torch.randn(2, 5, n, device=DEV, dtype=dt)
+    y = fp4.launch_linear(x, *args, kind="scratch")
+    dx = fp4.launch_grad_input(dy, *args, kind="scratch")
+    tol = 1e-2 if dt == torch.bfloat16 else 1e-6
+    for out, ref in ((y, x.double() @ w.T), (dx, dy.double() @ w)):
+        assert out.shape == ref.shape and out.dtype == dt
+        assert float((out.double() - ref).norm() / ref.norm()) < tol
+    held = fp4.scratch_bytes(DEV)
+    elem = torch.tensor([], dtype=dt).element_size()
+    assert 0 < held <= n * k * elem  # one buffer, at most the whole weight
+    if chunk is not None:
+        assert held < n * k * elem  # chunked: smaller than the weight
+    fp4.launch_linear(x, *args, kind="scratch")
+    assert fp4.scratch_bytes(DEV) == held  # reused, not grown
+    fp4.release_scratch()
+    assert fp4.scratch_bytes(DEV) == 0
+
+
+@needs_kernels
+def test_scratch_is_chosen_by_m(monkeypatch):
+    from qerl.kernels import fp4
+
+    calls = []
+    monkeypatch.setattr(fp4, "scratch_linear", lambda *a: calls.append("linear") or a[-1])
+    monkeypatch.setattr(fp4, "scratch_grad_input", lambda *a: calls.append("grad") or a[-1])
+    t = formats.quantize(torch.randn(64, 128, device=DEV) * 0.02, "nvfp4")
+    args = (t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
+    big = fp4.SCRATCH_MIN_M[("linear", "nvfp4")]
+    fp4.launch_linear(torch.randn(big, 128, device=DEV), *args)
+    fp4.launch_grad_input(torch.randn(fp4.SCRATCH_MIN_M[("grad_input", "nvfp4")], 64, device=DEV), *args)
+    assert calls == ["linear", "grad"]
+    fp4.launch_linear(torch.randn(1, 128, device=DEV), *args)
+    assert calls == ["linear", "grad"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_quantlinear_plan_path(m, monkeypatch):
+    """QuantLinear's cached plan: same output as the dispatch point, autograd only when needed,
+    rebuilt when the buffers are replaced."""
+    from qerl.kernels import fp4
+    from qerl.qlinear import QuantLinear
+
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    lin = torch.nn.Linear(128, 48, bias=True, device=DEV, dtype=dt)
+    q = QuantLinear.from_linear(lin, "nvfp4", backend="triton")
+    x = torch.randn(2, m, 128, device=DEV, dtype=dt)
+    ref = kernels.linear(x, "nvfp4", q.packed_tensors(), 48, 128, backend="triton") + q.bias
+    y = q(x)
+    assert torch.equal(y, ref) and y.grad_fn is not None or not y.requires_grad
+    plan = q.__dict__["_plan_state"][2]
+    assert isinstance(plan, fp4.Plan)
+    q(x)
+    assert q.__dict__["_plan_state"][2] is plan  # cached
+    xg = x.clone().requires_grad_(True)
+    q(xg).float().sum().backward()
+    dx = kernels.grad_input(torch.ones(2, m, 48, device=DEV, dtype=dt), "nvfp4", q.packed_tensors(), 48, 128,
+                            backend="triton")
+    assert torch.allclose(xg.grad.float(), dx.float(), rtol=1e-2, atol=1e-3)
+    q.weight_packed = q.weight_packed.clone()  # a replaced buffer: a new plan
+    q(x)
+    assert q.__dict__["_plan_state"][2] is not plan
+
+
+@needs_kernels
+def test_split_k_is_deterministic():
+    """Default split-K sums the partials in split order: repeated calls agree bit for bit."""
+    from qerl.kernels import fp4
+
+    assert not fp4.SPLITK_ATOMIC
+    n, k = 40, 512
+    t = formats.quantize(torch.randn(n, k, device=DEV) * 0.02, "nvfp4")
+    args = (t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
+    x = torch.randn(3, k, device=DEV)
+    ys = [fp4.launch_linear(x, *args, kind="dot", split_k=4,
+                            config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1))
+          for _ in range(3)]
+    assert all(torch.equal(ys[0], y) for y in ys)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", [(18944, 3584), (3584, 18944), (1000, 4128)])
+def test_decode_bit_exact_gpu(fmt, n, k):
+    from qerl.kernels import fp4
+
+    t = _special(formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt), fmt)
+    args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
+    for dt in (torch.bfloat16, torch.float32):
+        assert _same_bits(fp4.decode(*args, dtype=dt), formats.dequantize(t, fmt, dtype=dt))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("chunk", [None, 1 << 20])
+def test_overlapped_scratch_matches_and_captures(chunk, monkeypatch):
+    """QERL_SCRATCH_OVERLAP: decodes on a side stream into two slots: the same result as the same
+    chunks decoded in line, eagerly and replayed from a CUDA graph."""
+    from qerl.kernels import fp4
+
+    n, k, m = 3000, 1024, 300
+    t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+    args = (t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(fp4, "SCRATCH_CHUNK_BYTES", chunk if chunk else None)
+    ref = [fp4.launch_linear(x, *args, kind="scratch"), fp4.launch_grad_input(dy, *args, kind="scratch")]
+    w = formats.dequantize(t, "nvfp4", dtype=torch.float32)
+    monkeypatch.setattr(fp4, "SCRATCH_OVERLAP", True)
+    outs = [fp4.launch_linear(x, *args, kind="scratch"), fp4.launch_grad_input(dy, *args, kind="scratch")]
+    for o, r, exact in zip(outs, ref, (x.float() @ w.T, dy.float() @ w)):
+        assert float((o.float() - exact).norm() / exact.norm()) < 1e-2
+        if chunk:  # same chunks, same GEMMs: bit for bit
+            assert torch.equal(o, r)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fp4.launch_linear(x, *args, kind="scratch")
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    exact = x.float() @ w.T
+    assert float((y.float() - exact).norm() / exact.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_seeded_rollout_repeats_token_for_token(fmt):
+    """A rollout with a fixed seed gives the same tokens (and log-probs) twice: the 4-bit kernels'
+    split-K reductions run in a fixed order (issue 14)."""
+    import importlib.util
+    from pathlib import Path
+
+    from qerl.quantize import QuantizeConfig, quantize_
+    from qerl.rollout import FastEngine
+
+    spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).parents[1] / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    # wide enough that the decode GEMVs split K over many programs
+    model = conftest.make_tiny_model("qwen2", hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
+                                     num_key_value_heads=2, vocab_size=512).cuda()
+    quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=16))
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20]] * 4
+    for graphs in (False, True):
+        fe = FastEngine(model, eos_token_ids=[2], pad_id=0, cuda_graphs=graphs, max_seq_len=256)
+        a = fe.generate(prompts, 96, temperature=1.0, seed=7, ignore_eos=True)
+        b = fe.generate(prompts, 96, temperature=1.0, seed=7, ignore_eos=True)
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.equal(a.logprobs, b.logprobs)

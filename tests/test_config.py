@@ -1,0 +1,62 @@
+"""Methods are explicit TrainConfig fields (fmt, lora, aqn); method names are only their shorthand.
+QuantizeConfig and AQNConfig come from TrainConfig by one function each."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from qerl import formats
+from qerl.cli_train import add_train_args, config_from_args
+from qerl.config import METHODS, make_config, method_name, methods, parse_method, table_bases
+
+
+def test_every_method_shorthand_round_trips_through_the_fields():
+    assert set(METHODS) <= set(methods())
+    for m in methods():
+        fields = parse_method(m)
+        cfg = make_config("smoke", **fields)
+        assert (cfg.fmt, cfg.lora, cfg.aqn) == (fields["fmt"], fields["lora"], fields["aqn"])
+        assert cfg.method == m == make_config("smoke", method=m).method
+        assert cfg.to_dict()["method"] == m
+    assert parse_method("nvfp4_lora_aqn") == {"fmt": "nvfp4", "lora": True, "aqn": True}
+    assert parse_method("bf16_full") == {"fmt": "bf16", "lora": False, "aqn": False}
+    # Every registered format is a base, with and without AQN.
+    assert set(table_bases()) == {"bf16", *formats.names()}
+    assert {method_name(f, aqn=a) for f in formats.names() for a in (False, True)} <= set(methods())
+
+
+def test_fields_are_validated_and_a_contradicting_shorthand_is_refused():
+    assert make_config("smoke", fmt="mxfp4", aqn=False).method == "mxfp4_lora"
+    with pytest.raises(ValueError, match="contradicts"):
+        make_config("smoke", method="nvfp4_lora", fmt="nf4")
+    with pytest.raises(ValueError, match="full fine-tuning"):
+        make_config("smoke", fmt="nvfp4", lora=False, aqn=False)
+    with pytest.raises(ValueError, match="AQN"):
+        make_config("smoke", fmt="bf16", lora=False, aqn=True)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        make_config("smoke", fmt="int8")
+
+
+def test_quantize_and_aqn_configs_are_built_from_the_train_config():
+    cfg = make_config("smoke", method="nf4_lora_aqn", lora_rank=4, lora_alpha=12.0, lora_dropout=0.1,
+                      backend="reference", sigma_start=2e-2, sigma_end=1e-3, num_stages=4,
+                      noise_schedule="cosine", seed=5)
+    qc = cfg.quantize_config()
+    assert (qc.fmt, qc.lora_rank, qc.lora_alpha, qc.lora_dropout, qc.backend) == ("nf4", 4, 12.0, 0.1, "reference")
+    assert cfg.quantize_config(lora=False).lora_rank == 0
+    aqn = cfg.aqn_config()
+    assert dataclasses.asdict(aqn) == dict(enabled=True, sigma_start=2e-2, sigma_end=1e-3, num_stages=4,
+                                           schedule="cosine", seed=5)
+    assert make_config("smoke", method="nf4_lora").aqn_config().enabled is False
+
+
+def test_cli_method_is_shorthand_for_the_fields():
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    cfg = config_from_args(p.parse_args(["--profile", "smoke", "--method", "bf16_full"]))
+    assert (cfg.fmt, cfg.lora, cfg.aqn) == ("bf16", False, False)
+    cfg = config_from_args(p.parse_args(["--profile", "smoke", "--fmt", "nf4", "--aqn", "false"]))
+    assert cfg.method == "nf4_lora"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--fmt", "int8"])
