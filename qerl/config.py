@@ -35,18 +35,27 @@ def method_name(fmt: str, lora: bool = True, aqn: bool = False) -> str:
     return f"{fmt}_{'lora' if lora else 'full'}" + ("_aqn" if aqn else "")
 
 
+def _shorthands() -> dict[str, dict]:
+    """{method shorthand: its fields}: bf16_full, and <base>_lora[_aqn] for bf16 and each registered format."""
+    table = {method_name("bf16", lora=False): {"fmt": "bf16", "lora": False, "aqn": False}}
+    for base in table_bases():
+        for aqn in (False, True):
+            table[method_name(base, aqn=aqn)] = {"fmt": base, "lora": True, "aqn": aqn}
+    return table
+
+
 def methods() -> tuple[str, ...]:
     """Every method shorthand: bf16_full, and <base>_lora[_aqn] for bf16 and each registered format."""
-    return ("bf16_full",) + tuple(method_name(b, True, aqn) for b in table_bases() for aqn in (False, True))
+    return tuple(_shorthands())
 
 
 def parse_method(method: str) -> dict:
     """The TrainConfig fields {"fmt", "lora", "aqn"} a method shorthand stands for
     (nvfp4_lora_aqn -> nvfp4, LoRA, AQN; bf16_full -> bf16, full fine-tuning, no AQN)."""
-    if method not in methods():
-        raise ValueError(f"unknown method {method!r}; expected one of {methods()}")
-    fmt, kind, *aqn = method.split("_")
-    return {"fmt": fmt, "lora": kind == "lora", "aqn": bool(aqn)}
+    table = _shorthands()
+    if method not in table:
+        raise ValueError(f"unknown method {method!r}; expected one of {tuple(table)}")
+    return dict(table[method])
 
 
 # The rows of the paper's Table 1, in its order.

@@ -60,3 +60,16 @@ def test_cli_method_is_shorthand_for_the_fields():
     assert cfg.method == "nf4_lora"
     with pytest.raises(SystemExit):
         p.parse_args(["--fmt", "int8"])
+
+
+def test_a_registered_format_is_a_method_base_even_with_an_underscore_in_its_name():
+    formats.register(dataclasses.replace(formats.get("nf4"), name="nf4_copy"))
+    try:
+        assert {"nf4_copy_lora", "nf4_copy_lora_aqn"} <= set(methods())
+        assert parse_method("nf4_copy_lora_aqn") == {"fmt": "nf4_copy", "lora": True, "aqn": True}
+        cfg = make_config("smoke", method="nf4_copy_lora")
+        assert (cfg.fmt, cfg.method, cfg.quantize_config().fmt) == ("nf4_copy", "nf4_copy_lora", "nf4_copy")
+    finally:
+        formats.unregister("nf4_copy")
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("nf4_copy_lora")
