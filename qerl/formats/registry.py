@@ -4,7 +4,15 @@ Each format module (qerl/formats/<fmt>.py) declares a :class:`FormatSpec` named 
 qerl.formats registers the built-in ones, and every other module (QuantLinear, the kernel
 dispatch, export, the CLI, the config's method names, the plots) asks the registry instead of
 keeping its own table. A new format is a new module with a SPEC (or, in a test, a SPEC passed
-to :func:`register`); nothing else changes.
+to :func:`register`); nothing else changes:
+
+    1. qerl/formats/<fmt>.py: quantize, dequantize, packed_shapes, export_config and
+       SPEC = FormatSpec(...); add the module to the tuple qerl/formats/__init__.py registers.
+    2. It then runs everywhere on the reference path (CPU and GPU): quantize_, QuantLinear
+       forward/backward, export, `python -m qerl quantize --format <fmt>`, `--method <fmt>_lora`.
+    3. A fast path is a kernel in qerl/kernels (fp4.py dispatches on the format's name) plus
+       that kernel's name in SPEC.kernels; declaring one without implementing it is an error at
+       the first matmul, never a silent fallback.
 """
 
 from __future__ import annotations
