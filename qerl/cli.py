@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import sys
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add_args, _) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("--debug", action="store_true", help="show the full traceback of an error")
         try:
             add_args(sp)
         except ImportError as exc:  # a broken optional stack must not take `quantize` down
@@ -80,8 +83,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """`--flag -1e-4` -> `--flag=-1e-4`: argparse reads a negative number in scientific notation as
+    an option, so a negative value would fail as an unknown flag instead of reaching the range check."""
+    out: list[str] = []
+    for tok in argv:
+        if _NUMBER.match(tok) and out and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as one line: the message's first non-empty line, with the type for unexpected errors."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if not isinstance(exc, (ValueError, OSError)) or not msg:
+        msg = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+    return msg
+
+
+def _interrupted(args: argparse.Namespace, argv: list[str]) -> str:
+    """What a Ctrl-C leaves behind: the last checkpoint of a training run and the command that resumes it."""
+    if args.command != "train":
+        return f"interrupted: `{args.command}` stopped before it finished; nothing was written"
+    from pathlib import Path
+
+    from qerl.cli_train import config_from_args
+    from qerl.train import latest_checkpoint
+
+    try:
+        out = Path(config_from_args(args).output_dir)
+    except ValueError:
+        return "interrupted"
+    ck = latest_checkpoint(out) if (out / "checkpoints").is_dir() else None
+    keep, skip = [], False
+    for tok in argv:  # the same command, without --resume-from / --overwrite
+        if skip:
+            skip = False
+            continue
+        name = tok.split("=")[0]
+        if name in ("--resume-from", "--overwrite"):
+            skip = "=" not in tok and name == "--resume-from"
+            continue
+        keep.append(tok)
+    resume = "python -m qerl " + shlex.join(keep + ["--resume-from", "auto"])
+    if ck is None:
+        return (f"interrupted: no checkpoint in {out} yet (--save-every N saves one every N steps); "
+                f"{resume} starts it again")
+    return f"interrupted: the last checkpoint is {ck}; resume with: {resume}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status. Expected errors print one line, not a traceback."""
+    """Entry point; returns the exit status. Every error prints one line on stderr (no traceback
+    unless --debug) and exits non-zero: 2 for bad input, 1 for anything else, 130 for Ctrl-C."""
+    argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     if getattr(args, "_unavailable", None):
         print(f"error: {args._unavailable}", file=sys.stderr)
@@ -89,9 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     _, _, run = COMMANDS[args.command]
     try:
         return run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"\n{_interrupted(args, argv)}", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns errors into one line
+        if args.debug:
+            raise
+        hint = "" if isinstance(exc, (ValueError, OSError)) else " (rerun with --debug for the traceback)"
+        print(f"error: {_one_line(exc)}{hint}", file=sys.stderr)
+        return 2 if isinstance(exc, (ValueError, OSError)) else 1
 
 
 if __name__ == "__main__":

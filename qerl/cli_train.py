@@ -40,28 +40,54 @@ def _bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+def _field_docs() -> dict[str, str]:
+    """Each TrainConfig field's trailing comment in qerl/config.py: the flags' help texts."""
+    import inspect
+    import re
+
+    docs = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+= .*?\s+#\s+(.*)$", line)
+        if m:
+            docs[m.group(1)] = m.group(2)
+    return docs
+
+
+def _field_help(f: dataclasses.Field, docs: dict[str, str]) -> str:
+    """Help text of a training flag: the field's comment, its default, and the profiles that change it."""
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    show = lambda v: " ".join(map(str, v)) if isinstance(v, (tuple, list)) else v  # noqa: E731
+    by_profile = [f"{p} {show(v[f.name])}" for p, v in PROFILES.items() if f.name in v]
+    text = f"{docs.get(f.name, f.name.replace('_', ' '))} (default: {show(default)}"
+    text += f"; profiles: {', '.join(by_profile)})" if by_profile else ")"
+    return text.replace("%", "%%")
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", default="small", choices=tuple(PROFILES), help="base settings; flags override")
+    p.add_argument("--profile", default="small", choices=tuple(PROFILES), help="base settings; flags override (default: small)")
     p.add_argument("--method", default=None, choices=methods(),
-                   help="shorthand for --fmt, --lora and --aqn (nvfp4_lora_aqn = nvfp4 base, LoRA, AQN)")
+                   help="shorthand for --fmt, --lora and --aqn (nvfp4_lora_aqn = nvfp4 base, LoRA, AQN; "
+                        "default: the profile's, else nvfp4_lora_aqn)")
     hints = typing.get_type_hints(TrainConfig)
+    docs = _field_docs()
     for f in dataclasses.fields(TrainConfig):
         if f.name == "profile":
             continue
         flag = "--" + f.name.replace("_", "-")
+        help_ = _field_help(f, docs)
         t = hints[f.name]
         origin = typing.get_origin(t)
         if t is bool:  # `--flag` alone means true; `--flag false` turns a profile's true off
-            p.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL")
+            p.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_)
         elif origin is tuple:
             inner = typing.get_args(t)[0]
-            p.add_argument(flag, type=inner, nargs="+", default=None)
+            p.add_argument(flag, type=inner, nargs="+", default=None, help=help_)
         elif t in (int, float, str):
             kw = {"choices": table_bases()} if f.name == "fmt" else {"choices": REWARDS} if f.name == "reward" else {}
-            p.add_argument(flag, type=t, default=None, **kw)
+            p.add_argument(flag, type=t, default=None, help=help_, **kw)
         else:  # Optional[str], Optional[float]: the inner type
             inner = next((a for a in typing.get_args(t) if a is not type(None)), str)
-            p.add_argument(flag, type=inner, default=None)
+            p.add_argument(flag, type=inner, default=None, help=help_)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -74,11 +100,16 @@ def run_train(args: argparse.Namespace) -> int:
     from qerl.train import NonFiniteError, RolloutGapError, train
 
     try:
-        summary = train(config_from_args(args))
+        cfg = config_from_args(args)
+        summary = train(cfg)
     except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 3
     print(json.dumps(summary, default=str))
+    if summary.get("status") == "ok":
+        from qerl.logging import run_report
+
+        print(f"done: {run_report(cfg.output_dir)}")
     return 0 if summary.get("status") == "ok" else 1
 
 

@@ -62,6 +62,36 @@ def parse_method(method: str) -> dict:
 METHODS = ("bf16_full",) + tuple(method_name(b) for b in table_bases()) + (method_name(QERL_FORMAT, aqn=True),)
 
 
+# Allowed values of the numeric fields: name -> (low, low inclusive, high, high inclusive); None = unbounded.
+RANGES: dict[str, tuple] = {
+    "lora_rank": (0, True, None, False), "lora_alpha": (0, False, None, False), "lora_dropout": (0, True, 1, False),
+    "max_prompt_length": (1, True, None, False), "num_generations": (2, True, None, False),
+    "prompts_per_step": (1, True, None, False), "max_completion_length": (1, True, None, False),
+    "temperature": (0, False, None, False), "top_p": (0, False, 1, True), "top_k": (0, True, None, False),
+    "max_steps": (1, True, None, False), "num_iterations": (1, True, None, False), "mini_batch_size": (0, True, None, False),
+    "micro_batch_size": (1, True, None, False), "learning_rate": (0, False, None, False),
+    "weight_decay": (0, True, None, False), "warmup_ratio": (0, True, 1, True), "max_grad_norm": (0, False, None, False),
+    "beta": (0, True, None, False), "epsilon": (0, True, 1, True), "epsilon_high": (0, True, None, False),
+    "sigma_start": (0, False, None, False), "sigma_end": (0, False, None, False), "num_stages": (2, True, None, False),
+    "eval_limit": (0, True, None, False), "eval_samples": (1, True, None, False), "eval_temperature": (0, False, None, False),
+    "eval_top_p": (0, False, 1, True), "eval_every": (0, True, None, False), "eval_max_completion_length": (0, True, None, False),
+    "seed": (0, True, None, False), "save_every": (0, True, None, False),
+}
+
+
+def check_ranges(cfg) -> None:
+    """ValueError naming the field (and its flag) for a value outside RANGES."""
+    for name, (lo, lo_in, hi, hi_in) in RANGES.items():
+        v = getattr(cfg, name, None)
+        if v is None or isinstance(v, bool):
+            continue
+        bad = (lo is not None and (v < lo if lo_in else v <= lo)) or (hi is not None and (v > hi if hi_in else v >= hi))
+        if bad or v != v:  # v != v: NaN
+            want = " and ".join(([f"{'>=' if lo_in else '>'} {lo}"] if lo is not None else [])
+                                + ([f"{'<=' if hi_in else '<'} {hi}"] if hi is not None else []))
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {want}, got {v}")
+
+
 @dataclass
 class TrainConfig:
     # ---- model
@@ -70,14 +100,14 @@ class TrainConfig:
     fmt: str = "nvfp4"  # base weight format: bf16 or a registered 4-bit format (qerl.formats.names())
     lora: bool = True  # LoRA adapters on a frozen base; False = full fine-tuning (bf16 base only)
     aqn: bool = True  # adaptive quantization noise on the norms (paper section 3.3; LoRA only)
-    lora_rank: int = 32  # r (paper Table 4: 32; official scripts: 16)
+    lora_rank: int = 32  # LoRA rank r (paper Table 4: 32; official scripts: 16)
     lora_alpha: float = 64.0  # LoRA scaling numerator
-    lora_dropout: float = 0.0
+    lora_dropout: float = 0.0  # dropout on the LoRA input (0 = none)
     train_norms: bool = False  # official --ln: input/post_attention_layernorm weights trainable (fp32), saved with the adapter
     dtype: str = "bfloat16"  # activation / 16-bit weight dtype
     backend: str = "auto"  # 4-bit matmul dispatch: auto | triton | reference | bitsandbytes (nf4)
     engine: str = "auto"  # rollout engine: auto (fast where supported) | fast (static cache + CUDA graphs) | hf (reference)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward (less memory, slower)
     # ---- data
     dataset: str = "arith"  # training set: arith | gsm8k | bigmath (see qerl.data.DATASETS)
     arith_levels: tuple[int, ...] = (0, 1)  # levels of the built-in arith set (qerl.data.ARITH_LEVELS)
@@ -87,29 +117,29 @@ class TrainConfig:
     # ---- rollout (TRL names)
     num_generations: int = 8  # G, completions per prompt (paper Table 4: 8 on GSM8K)
     prompts_per_step: int = 16  # prompts per rollout step
-    max_completion_length: int = 256  # paper: 4096 (GSM8K)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_completion_length: int = 256  # max tokens per completion (paper: 4096 on GSM8K)
+    temperature: float = 1.0  # rollout sampling temperature
+    top_p: float = 1.0  # rollout nucleus sampling (1 = off)
+    top_k: int = 0  # rollout top-k sampling (0 = off)
     # ---- optimisation
     max_steps: int = 100  # rollout steps
     num_iterations: int = 1  # policy updates per rollout (paper: 4 on GSM8K, 1 on BigMath)
     mini_batch_size: int = 0  # completions per optimizer step; 0 = the whole rollout
     micro_batch_size: int = 16  # completions per forward/backward (gradient accumulation inside a mini-batch)
-    learning_rate: float = 1e-5  # paper Table 4: 1e-5 (4-bit), 5e-6 (bf16 LoRA)
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.05
+    learning_rate: float = 1e-5  # AdamW learning rate; paper Table 4: 1e-5 (4-bit), 5e-6 (bf16 LoRA)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_ratio: float = 0.05  # fraction of the optimizer steps with a linear learning-rate warm-up
     lr_scheduler: str = "cosine"  # cosine | constant
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # gradient clipping (global L2 norm)
     adam_beta2: float = 0.999  # AdamW beta2 (beta1 0.9); official scripts: 0.99
     optim: str = "adamw"  # adamw | adamw_8bit (bitsandbytes, CUDA only; paper Table 4)
     # ---- loss (TRL semantics)
     loss_type: str = "bnpo"  # grpo | bnpo | dr_grpo | dapo ; the paper's "DAPO" = bnpo, beta 0, epsilon_high 0.28
     beta: float = 0.0  # KL coefficient to the reference policy (adapters disabled)
-    epsilon: float = 0.2
-    epsilon_high: float = 0.28
+    epsilon: float = 0.2  # PPO clip range below (ratio >= 1 - epsilon)
+    epsilon_high: float = 0.28  # PPO clip range above (ratio <= 1 + epsilon_high; DAPO's clip-higher)
     scale_rewards: str = "group"  # group | batch | none
-    mask_truncated_completions: bool = False
+    mask_truncated_completions: bool = False  # no loss on completions cut at max_completion_length
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no resampling here; counted)
     reward: str = "math_verify"  # math_verify | official_exact (the official GSM8K reward; qerl.rewards)
     format_reward_weight: float | None = None  # reward = accuracy + w * format; None: 0 (math_verify), 0.2 (official_exact)
@@ -117,30 +147,32 @@ class TrainConfig:
     max_logprob_gap: float = 0.2  # nats, mean |rollout - training| log-prob over completion tokens
     max_logprob_gap_steps: int = 3  # consecutive steps above it before stopping; 0 = no check
     # ---- AQN (paper section 3.3 / Algorithm 1); enabled by method nvfp4_lora_aqn
-    sigma_start: float = 1e-2  # paper Table 4: 1e-2 (section 4.1 says 5e-2; official scripts 1e-2)
-    sigma_end: float = 5e-4  # paper Table 4: 5e-4 (official scripts 1e-4)
-    num_stages: int = 10  # K
-    noise_schedule: str = "exponential"
+    sigma_start: float = 1e-2  # AQN noise std of the first noisy stage; paper Table 4: 1e-2 (section 4.1 says 5e-2; official scripts 1e-2)
+    sigma_end: float = 5e-4  # AQN noise std of the last stage; paper Table 4: 5e-4 (official scripts 1e-4)
+    num_stages: int = 10  # AQN stages K (stage 0 is noise-free)
+    noise_schedule: str = "exponential"  # AQN sigma decay: exponential | linear | cosine | logarithmic
     # ---- evaluation
-    eval_datasets: tuple[str, ...] = ("arith",)
+    eval_datasets: tuple[str, ...] = ("arith",)  # evaluated before and after training (none: no evaluation)
     eval_limit: int = 200  # problems per eval dataset (0 = all)
     eval_samples: int = 1  # n samples per problem for pass@1
-    eval_temperature: float = 0.6
-    eval_top_p: float = 0.95
-    eval_greedy: bool = False
+    eval_temperature: float = 0.6  # evaluation sampling temperature (paper: 0.6)
+    eval_top_p: float = 0.95  # evaluation nucleus sampling (paper: 0.95)
+    eval_greedy: bool = False  # greedy decoding for evaluation (one sample per problem)
     eval_every: int = 0  # steps; 0 = only before and after training
     eval_max_completion_length: int = 0  # 0 = max_completion_length
     # ---- bookkeeping
-    seed: int = 0
-    output_dir: str = "runs/default"
+    seed: int = 0  # seeds prompts, sampling, noise and LoRA init
+    output_dir: str = "runs/default"  # run folder: config.json, metrics.jsonl, summary.json, checkpoints/, reward.png, wandb/
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
     resume_from: str | None = None  # a checkpoint folder, or "auto" = the latest in output_dir
     wandb_mode: str = "offline"  # offline | online | disabled
-    wandb_project: str = "qerl"
-    wandb_group: str | None = None
+    wandb_project: str = "qerl"  # W&B project
+    wandb_group: str | None = None  # W&B group (experiment scripts set it)
+    overwrite: bool = False  # replace a run already in output_dir (without it such a run is refused; --resume-from auto continues it)
     profile: str = "custom"
 
     def __post_init__(self):
+        check_ranges(self)
         if self.fmt not in table_bases():
             raise ValueError(f"fmt must be one of {table_bases()}, got {self.fmt!r}")
         if not self.lora and self.fmt != "bf16":

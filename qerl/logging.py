@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import subprocess
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class RunLogger:
         self.metrics_path = self.dir / "metrics.jsonl"
         if not resume and self.metrics_path.exists():
             self.metrics_path.unlink()
+        self.resume = resume
         self.wandb = DummyWandb()
         if wandb_mode != "disabled":
             try:
@@ -91,8 +93,15 @@ class RunLogger:
                 print("[qerl] wandb is not installed: W&B logging off (metrics.jsonl is still written)")
             else:
                 os.environ.setdefault("WANDB_SILENT", "true")
+                # One W&B run per run folder: its id is kept in wandb_run_id, and a resumed run continues it.
+                id_file = self.dir / "wandb_run_id"
+                run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+                if run_id is None:
+                    run_id = secrets.token_hex(4)  # W&B's own ids are 8 characters of [a-z0-9]
+                    id_file.write_text(run_id + "\n")
                 self.wandb = wandb.init(project=project, group=group, name=name or self.dir.name, dir=str(self.dir),
-                                        mode=wandb_mode, config=self.config, reinit="finish_previous")
+                                        mode=wandb_mode, config=self.config, reinit="finish_previous", id=run_id,
+                                        resume="allow" if resume else None)
 
     def log(self, metrics: dict, step: int):
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -102,11 +111,75 @@ class RunLogger:
 
     def finish(self, summary: dict):
         summary = {k: _clean(v) for k, v in summary.items()}
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        path = self.dir / "summary.json"
+        if self.resume and path.is_file():  # a resumed run keeps what its first part recorded (eval_before, ...)
+            summary = {**json.loads(path.read_text()), **summary}
+        path.write_text(json.dumps(summary, indent=2, default=str))
+        if self.metrics_path.is_file():
+            try:
+                plot_run_reward(self.dir)
+            except Exception as exc:  # noqa: BLE001 - a figure must not fail a finished run; say so
+                print(f"[qerl] warning: could not draw {self.dir / 'reward.png'}: {exc}")
         for k, v in summary.items():
             if isinstance(v, (int, float)) and v is not None:
                 self.wandb.summary[k] = v
         self.wandb.finish()
+
+
+def plot_run_reward(run_dir: str | os.PathLike) -> Path:
+    """<run_dir>/reward.png: the reward of every step (and its 3-step mean), with the evaluations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    steps = [r for r in rows if r.get("reward") is not None]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if steps:
+        x, y = [r["step"] for r in steps], [r["reward"] for r in steps]
+        ax.plot(x, y, "o-", ms=3, lw=1, alpha=0.5, label="reward (per step)")
+        k = 3
+        if len(y) >= k:
+            ax.plot(x[k - 1:], [sum(y[i - k + 1:i + 1]) / k for i in range(k - 1, len(y))], lw=2,
+                    label=f"reward ({k}-step mean)")
+    for key in sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")}):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", label=key.removeprefix("eval/"))
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_title(run_dir.name)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = run_dir / "reward.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def run_report(run_dir: str | os.PathLike) -> str:
+    """One line: accuracy before -> after per eval dataset and reward first -> last, from the run folder."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    parts = []
+    for key in sorted(k for k in summary if k.startswith("eval/") and k.endswith("/accuracy")):
+        d = key.split("/")[1]
+        before = summary.get(f"eval_before/{d}/accuracy")
+        n = summary.get(f"eval/{d}/num_problems")
+        parts.append(f"{d} accuracy {before:.3f} -> {summary[key]:.3f}" if before is not None
+                     else f"{d} accuracy after {summary[key]:.3f}")
+        parts[-1] += f" ({n} problems)" if n else ""
+    rewards = [r["reward"] for r in read_metrics(run_dir) if r.get("reward") is not None] \
+        if (run_dir / "metrics.jsonl").is_file() else []
+    if rewards:
+        k = min(3, len(rewards))
+        parts.append(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f} (step 1 -> {len(rewards)}; mean of the first "
+                     f"{k} steps {sum(rewards[:k]) / k:.3f} -> last {k} {sum(rewards[-k:]) / k:.3f})")
+    if (run_dir / "reward.png").is_file():
+        parts.append(f"plot {run_dir / 'reward.png'}")
+    return "; ".join(parts) if parts else f"{run_dir}: no evaluation or reward recorded"
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -291,6 +292,31 @@ def load_checkpoint(path: Path, model, opt, sched) -> int:
     return int(st["step"])
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "wandb", "wandb_run_id", "reward.png")
+
+
+def check_output_dir(cfg: TrainConfig, clear: bool = True) -> None:
+    """Refuse an output_dir that already holds a run, unless cfg.overwrite (its run files are deleted
+    when ``clear``) or cfg.resume_from (the run is continued). Other files in the folder are left alone."""
+    out = Path(cfg.output_dir)
+    found = [n for n in RUN_FILES if (out / n).exists()]
+    if not found or cfg.resume_from:
+        return
+    if not cfg.overwrite:
+        status = "a"
+        if (out / "summary.json").is_file():
+            try:
+                status = "a finished" if json.loads((out / "summary.json").read_text()).get("status") == "ok" else "an unfinished"
+            except ValueError:
+                pass
+        raise FileExistsError(f"{out} already holds {status} run ({', '.join(found)}): pass --overwrite to replace it, "
+                              f"--resume-from auto to continue it, or another --output-dir")
+    if clear:
+        for n in found:
+            p = out / n
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     cks = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     return cks[-1] if cks else None
@@ -355,6 +381,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     owns_group = qdist.init()  # torchrun's env -> process group; nothing in a single process
     rank, world = qdist.world()
     main = rank == 0
+    check_output_dir(cfg, clear=main)
     if cfg.prompts_per_step < world:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} < world size {world}: every rank needs a prompt")
     device = pick_device()
