@@ -105,6 +105,30 @@ def _resolve_data_dir(data_dir) -> Path | None:
     return Path(data_dir).expanduser() if data_dir is not None else None
 
 
+def _checked_jsonl(path: Path, name: str, split: str) -> list[dict]:
+    """The rows of a JSONL file; a line that is not a usable JSON object is a ValueError naming file:line."""
+    rows = []
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); expected JSON lines") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+        try:
+            _normalise(row, name, split, len(rows))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: {exc}") from None
+        rows.append(row)
+    return rows
+
+
 def _local_rows(name: str, split: str, data_dir: Path, config: str | None) -> list[dict]:
     folder = data_dir / name / config if name == "bigmath" else data_dir / name
     path = folder / f"{split}.jsonl"
@@ -115,11 +139,12 @@ def _local_rows(name: str, split: str, data_dir: Path, config: str | None) -> li
             f"Expected the layout <data_dir>/<dataset>/<split>.jsonl described in "
             f"../shared/data/README.md."
         )
+    rows = _checked_jsonl(path, name, split)
     try:
         import datasets
     except ImportError:  # a bare GPU box: same rows, read line by line (no change to the data)
         logger.warning("the `datasets` package is not installed: reading %s with the json module", path)
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return rows
 
     # The "Generating train split" bar is noise for files this small.
     bars_were_off = datasets.utils.are_progress_bars_disabled()

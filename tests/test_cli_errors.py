@@ -1,0 +1,170 @@
+"""Bad input at the command line: one clear line on stderr, a non-zero exit, no traceback (unless
+--debug). Fast: tiny models, in-process CLI calls, one real Ctrl-C on a subprocess (CI runs this file).
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qerl.cli import build_parser, join_negative_values, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc, err, *needles):
+    assert rc != 0
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag,value,field", [
+    ("--learning-rate", "-1e-4", "learning_rate"), ("--learning-rate", "0", "learning_rate"),
+    ("--top-p", "1.5", "top_p"), ("--temperature", "-0.5", "temperature"), ("--seed", "-3", "seed"),
+    ("--num-generations", "1", "num_generations"), ("--warmup-ratio", "2", "warmup_ratio"),
+    ("--max-steps", "0", "max_steps"), ("--lora-dropout", "1.0", "lora_dropout"), ("--eval-limit", "-1", "eval_limit"),
+])
+def test_values_out_of_range(capsys, tmp_path, flag, value, field):
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", flag, value, "--output-dir", tmp_path / "r")
+    line = assert_one_line_error(rc, err, field, flag, "must be")
+    assert rc == 2 and float(line.rsplit("got ", 1)[1]) == float(value)
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_negative_numbers_are_values_not_flags():
+    assert join_negative_values(["--learning-rate", "-1e-4", "--seed", "-3", "--top-k", "5"]) == [
+        "--learning-rate=-1e-4", "--seed=-3", "--top-k", "5"]
+    assert join_negative_values(["--x", "-.5", "--y", "-inf", "-h"]) == ["--x=-.5", "--y=-inf", "-h"]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="learning_rate"):
+        main(["train", "--learning-rate", "-1", "--debug", "--output-dir", str(tmp_path / "r")])
+
+
+def test_every_train_flag_has_help_with_default():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    train = sub.choices["train"]
+    flags = [a for a in train._actions if a.option_strings and a.dest not in ("help", "debug")]
+    assert len(flags) > 40
+    missing = [a.option_strings[0] for a in flags if not a.help or "default" not in a.help]
+    assert not missing, missing
+    lr = next(a for a in flags if a.dest == "learning_rate")
+    assert "learning rate" in lr.help and "smoke" in lr.help  # the profiles' values too
+    train.format_help()  # every help string formats (no stray %)
+
+
+def _corrupt_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated mid-tensor
+    return dst
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_truncated_safetensors(capsys, tmp_path, tiny_llama_dir, command):
+    bad = _corrupt_copy(tiny_llama_dir, tmp_path / "bad")
+    extra = ["--output-dir", tmp_path / "r", "--fmt", "bf16"] if command == "train" else ["--method", "bf16_lora"]
+    rc, _, err = run_cli(capsys, command, "--model", bad, *extra)
+    assert_one_line_error(rc, err, str(bad), "truncated or corrupt")
+
+
+def test_header_only_safetensors(capsys, tmp_path, tiny_llama_dir):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_llama_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    rc, _, err = run_cli(capsys, "train", "--model", bad, "--fmt", "bf16", "--output-dir", tmp_path / "r")
+    assert_one_line_error(rc, err, str(bad), "truncated or corrupt")
+
+
+def test_corrupt_gguf(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(200))
+    rc, _, err = run_cli(capsys, "train", "--model", bad, "--output-dir", tmp_path / "r")
+    assert_one_line_error(rc, err, str(bad), "truncated or corrupt")
+    # the embedded model read from QERL_SMOLLM2_GGUF (a GPU machine's copy): the same clear line
+    monkeypatch.setenv("QERL_SMOLLM2_GGUF", str(bad))
+    rc, _, err = run_cli(capsys, "eval", "--model", "smollm2-135m-instruct")
+    assert_one_line_error(rc, err, str(bad), "QERL_SMOLLM2_GGUF")
+    monkeypatch.setenv("QERL_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    rc, _, err = run_cli(capsys, "eval", "--model", "smollm2-135m-instruct")
+    assert_one_line_error(rc, err, "QERL_SMOLLM2_GGUF", "no such file")
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('{"question": "What is 1 + 1?", "answer": "#### 2"', "not valid JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"answer": "#### 2"}', "no question"),
+    ('{"question": "What is 1 + 1?", "answer": "2, no marker"}', "####"),
+])
+def test_malformed_data_row_names_file_and_line(capsys, tmp_path, tiny_llama_dir, line, needle):
+    data = tmp_path / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    good = '{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\\n#### 5"}'
+    (data / "train.jsonl").write_text("\n".join([good, good, "", line, good]) + "\n")
+    rc, _, err = run_cli(capsys, "train", "--model", tiny_llama_dir, "--fmt", "bf16", "--dataset", "gsm8k",
+                         "--data-dir", tmp_path / "data", "--output-dir", tmp_path / "r", "--max-prompt-length", "512")
+    assert_one_line_error(rc, err, f"{data / 'train.jsonl'}:4", needle)
+
+
+def test_finished_run_refused_by_the_cli(capsys, tmp_path):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "summary.json").write_text('{"status": "ok"}')
+    (out / "metrics.jsonl").write_text("")
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--output-dir", out)
+    assert_one_line_error(rc, err, str(out), "finished run", "--overwrite", "--resume-from auto")
+
+
+def test_unexpected_errors_are_one_line_too(capsys, monkeypatch, tmp_path):
+    import qerl.train
+
+    def boom(cfg):
+        raise RuntimeError("something deep\nand its second line")
+
+    monkeypatch.setattr(qerl.train, "train", boom)
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--output-dir", tmp_path / "r")
+    line = assert_one_line_error(rc, err, "RuntimeError: something deep", "--debug")
+    assert rc == 1 and "second line" not in line
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path, tiny_llama_dir):
+    """A real SIGINT to a training process on a tiny model, after its first checkpoint."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "qerl", "train", "--profile", "smoke", "--model", str(tiny_llama_dir),
+           "--fmt", "bf16", "--max-steps", "100000", "--save-every", "1", "--wandb-mode",
+           "disabled", "--max-prompt-length", "512", "--max-completion-length", "4", "--output-dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not (out / "checkpoints" / "step-2" / "state.pt").exists():
+            assert p.poll() is None, p.communicate()[1][-2000:]
+            assert time.time() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    line = next(ln for ln in err.splitlines() if ln.startswith("interrupted"))
+    assert f"{out / 'checkpoints'}/step-" in line and "--resume-from auto" in line and "python -m qerl train" in line
