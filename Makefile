@@ -12,7 +12,7 @@ define EXP
 $(PY) -m experiments.$(1) --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
 endef
 
-.PHONY: help setup test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
+.PHONY: help setup quickstart test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
 	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
 	train-ddp dist-check
 
@@ -33,6 +33,9 @@ test-all: ## every test, GPU tests included
 
 lint: ## ruff
 	$(PY) -m ruff check qerl tests experiments benchmarks
+
+quickstart: setup ## install, then the main job: GRPO (bf16 LoRA) on the embedded model, ~6 min on 2 CPU cores -> runs/quickstart
+	$(PY) -m qerl train --profile quickstart --output-dir runs/quickstart --overwrite $(ARGS)
 
 train-smoke: ## a full RL run on the embedded model, on the CPU, in minutes
 	$(PY) -m qerl train --profile smoke --output-dir runs/smoke
