@@ -12,7 +12,7 @@ define EXP
 $(PY) -m experiments.$(1) --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
 endef
 
-.PHONY: help setup quickstart test test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
+.PHONY: help setup quickstart test test-gpu test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
 	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
 	train-ddp dist-check
 
@@ -27,6 +27,30 @@ setup: ## install torch (CPU build without CUDA; it says which), the requirement
 
 test: ## the CPU test suite (what CI runs)
 	$(PY) -m pytest -m "not gpu" -q
+
+# GPU tests (tests/GPU.md): every gpu-marked test. The embedded-model tests fail instead of skipping here; on a
+# machine without network the model comes from scripts/prepare_gpu_model.sh (QERL_SMOLLM2_GGUF is set to it).
+GGUF_LOCAL := $(wildcard .cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf)
+GPU_ENV = QERL_GPU_TESTS_STRICT=1 $(if $(GGUF_LOCAL),QERL_SMOLLM2_GGUF=$${QERL_SMOLLM2_GGUF:-$(abspath $(GGUF_LOCAL))})
+GPU_TESTS_formats = tests/formats tests/kernels/test_bnb.py
+GPU_TESTS_kernels = tests/kernels/test_kernels_gpu.py tests/kernels/test_scratch.py tests/kernels/test_workspace.py
+GPU_TESTS_engine = tests/test_fused.py tests/test_rollout.py tests/test_step.py
+GPU_LOG ?= results/gpu_tests/gpu_tests.log
+GPU_SHA = $$(git rev-parse HEAD 2>/dev/null || echo $${QERL_GIT_SHA:-unknown})
+
+test-gpu test-gpu-formats test-gpu-kernels test-gpu-engine: SHELL := /bin/bash
+test-gpu test-gpu-formats test-gpu-kernels test-gpu-engine: .SHELLFLAGS := -o pipefail -c
+
+test-gpu: ## every gpu-marked test on one GPU (H100: < 8 min), output with the git sha in GPU_LOG
+	@mkdir -p $(dir $(GPU_LOG))
+	{ echo "make test-gpu: git $(GPU_SHA), $$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $$(date -u +%FT%TZ)"; \
+	  $(GPU_ENV) $(PY) -m pytest -m gpu -rA --durations=25 -p no:cacheprovider tests; } 2>&1 | tee $(GPU_LOG)
+
+test-gpu-%: ## one group of the GPU tests (formats | kernels | engine), for machines with shorter calls
+	@mkdir -p $(dir $(GPU_LOG))
+	{ echo "make $@: git $(GPU_SHA), $$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"; \
+	  $(GPU_ENV) $(PY) -m pytest -m gpu -rA --durations=15 -p no:cacheprovider $(GPU_TESTS_$*); } 2>&1 \
+	  | tee $(basename $(GPU_LOG))-$*.log
 
 test-all: ## every test, GPU tests included
 	$(PY) -m pytest -q

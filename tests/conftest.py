@@ -114,3 +114,52 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture
 def tiny_qwen2_dir(tmp_path_factory):
     return _saved(tmp_path_factory, "qwen2")
+
+
+# ---------------------------------------------------------------------------------- greedy decodes
+def assert_greedy_close(a, b, tol: float):
+    """Two greedy decodes of the same prompts (RolloutOutput-like: completion_ids, completion_mask,
+    logprobs of the chosen tokens) by two computation paths of one model agree up to rounding.
+
+    Not "the same tokens": in bf16 two paths that differ only in rounding may break a near tie
+    differently, and a row then continues differently. What is deterministic: on each row's common
+    prefix the chosen tokens' log-probs differ by < tol, and where a row parts, both chosen tokens
+    (each path's argmax) have log-probs within tol of each other: a near tie, not a different
+    distribution. Returns the per-row common-prefix lengths.
+    """
+    la, lb = a.completion_mask.sum(1), b.completion_mask.sum(1)
+    prefixes = []
+    for r in range(a.completion_ids.shape[0]):
+        n = int(min(la[r], lb[r]))
+        ia, ib = a.completion_ids[r, :n].cpu(), b.completion_ids[r, :n].cpu()
+        p = int((ia == ib).long().cumprod(0).sum())
+        pa, pb = a.logprobs[r].float().cpu(), b.logprobs[r].float().cpu()
+        if p:
+            d = float((pa[:p] - pb[:p]).abs().max())
+            assert d < tol, f"row {r}: chosen-token log-probs differ by {d:.4f} on the common prefix ({p} tokens; tol {tol})"
+        if p < n:
+            gap = abs(float(pa[p] - pb[p]))
+            assert gap < tol, (f"row {r} parts at token {p} (ids {int(ia[p])} vs {int(ib[p])}) with log-probs "
+                               f"{float(pa[p]):.4f} vs {float(pb[p]):.4f}: not a near tie (tol {tol})")
+        prefixes.append(p)
+    return torch.tensor(prefixes)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None):
+    """HF generate's greedy decode of one prompt as (completion_ids, completion_mask, logprobs) [1, T],
+    the log-probs of its chosen tokens from its own logits (for assert_greedy_close)."""
+    from types import SimpleNamespace
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, eos_token_id=eos_token_id)
+    comp = out.sequences[:, len(prompt_ids):]
+    logits = torch.stack(out.logits, 1).float()
+    lp = torch.log_softmax(logits, -1).gather(-1, comp[..., None]).squeeze(-1)
+    return SimpleNamespace(completion_ids=comp, completion_mask=torch.ones_like(comp), logprobs=lp)
+
+
+@pytest.fixture
+def greedy_close():
+    return assert_greedy_close

