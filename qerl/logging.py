@@ -146,7 +146,7 @@ def plot_run_reward(run_dir: str | os.PathLike) -> Path:
                     label=f"reward ({k}-step mean)")
     for key in sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")}):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", label=key.removeprefix("eval/"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", label=f"evaluation: {key.removeprefix('eval/')}")
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax.set_title(run_dir.name)

@@ -244,6 +244,18 @@ def read_checkpoint_config(path) -> dict:
                             f"in its run folder) nor a PEFT adapter folder (adapter_config.json)")
 
 
+def _read_checkpoint_file(load, f: Path):
+    """``load(f)``; a file that exists but cannot be read is a ValueError naming it (not a reader's traceback)."""
+    try:
+        return load(f)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors / pickle errors of a truncated or corrupt file
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        raise ValueError(f"cannot read {f} ({type(exc).__name__}: {lines[0] if lines else ''}): the file is truncated "
+                         f"or corrupt; use another checkpoint (--resume-from {f.parent.parent}/step-N)") from exc
+
+
 def load_trainable(path, model) -> dict:
     """Load a checkpoint's trainable tensors (LoRA, trained norms, or all weights for bf16_full) into the
     model (cast to its dtypes) and return them as stored; ``path`` may also be a PEFT adapter folder
@@ -253,10 +265,11 @@ def load_trainable(path, model) -> dict:
     path = Path(path)
     f = path / "trainable.safetensors"
     if f.exists():
-        state = load_file(str(f))
+        state = _read_checkpoint_file(lambda p: load_file(str(p)), f)
     elif (path / "adapter_model.safetensors").exists():
         prefix = "base_model.model."
-        state = {k.removeprefix(prefix): v for k, v in load_file(str(path / "adapter_model.safetensors")).items()}
+        raw = _read_checkpoint_file(lambda p: load_file(str(p)), path / "adapter_model.safetensors")
+        state = {k.removeprefix(prefix): v for k, v in raw.items()}
     else:
         raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N) "
                                 "or a PEFT adapter folder (adapter_model.safetensors)")
@@ -282,7 +295,7 @@ def load_checkpoint(path: Path, model, opt, sched) -> int:
         with torch.no_grad():
             for n, t in state.items():
                 master.master_of(params[n]).copy_(t.to(params[n].device))
-    st = torch.load(path / "state.pt", weights_only=False)
+    st = _read_checkpoint_file(lambda p: torch.load(p, weights_only=False), path / "state.pt")
     opt.load_state_dict(st["optimizer"])
     sched.load_state_dict(st["scheduler"])
     torch.set_rng_state(st["rng"]["torch"])

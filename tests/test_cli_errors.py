@@ -168,3 +168,17 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path, tiny_
     assert "Traceback" not in err
     line = next(ln for ln in err.splitlines() if ln.startswith("interrupted"))
     assert f"{out / 'checkpoints'}/step-" in line and "--resume-from auto" in line and "python -m qerl train" in line
+
+
+@pytest.mark.parametrize("name", ["trainable.safetensors", "state.pt"])
+def test_truncated_checkpoint_on_resume(capsys, tmp_path, tiny_llama_dir, name):
+    out = tmp_path / "r"
+    argv = ["train", "--profile", "smoke", "--model", tiny_llama_dir, "--fmt", "bf16", "--max-steps", "2",
+            "--save-every", "1", "--wandb-mode", "disabled", "--max-prompt-length", "512",
+            "--max-completion-length", "4", "--output-dir", out]
+    rc, _, err = run_cli(capsys, *argv, "--max-steps", "1")
+    assert rc == 0, err[-2000:]
+    f = out / "checkpoints" / "step-1" / name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    rc, _, err = run_cli(capsys, *argv, "--resume-from", "auto")
+    assert_one_line_error(rc, err, str(f), "truncated or corrupt")
