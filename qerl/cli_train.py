@@ -159,11 +159,25 @@ def eval_flags(settings: dict) -> list[str]:
     return out
 
 
+# eval flag -> (lowest value, inclusive): checked before any model is loaded
+EVAL_RANGES = {"limit": (0, True), "samples": (1, True), "temperature": (0, False), "top_p": (0, False),
+               "max_new_tokens": (1, True), "max_prompt_length": (1, True), "batch_size": (1, True), "seed": (0, True)}
+
+
+def check_eval_ranges(args: argparse.Namespace) -> None:
+    for name, (lo, inclusive) in EVAL_RANGES.items():
+        v = getattr(args, name, None)
+        if v is not None and (v < lo if inclusive else v <= lo) or (name == "top_p" and v is not None and v > 1):
+            want = f"{'>=' if inclusive else '>'} {lo}" + (" and <= 1" if name == "top_p" else "")
+            raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {v}")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from qerl.evaluate import evaluate_datasets, write_results
     from qerl.logging import environment
     from qerl.train import build_policy, load_trainable, read_checkpoint_config
 
+    check_eval_ranges(args)
     ck = read_checkpoint_config(args.adapter) if args.adapter else {}
     if args.adapter and not (args.method or ck.get("method")):
         raise ValueError(f"{args.adapter} does not record its method (a PEFT adapter folder): pass --method, "

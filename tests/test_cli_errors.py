@@ -46,6 +46,13 @@ def test_values_out_of_range(capsys, tmp_path, flag, value, field):
     assert not (tmp_path / "r").exists()  # nothing written
 
 
+@pytest.mark.parametrize("flag,value", [("--limit", "-1"), ("--samples", "0"), ("--temperature", "-1e-3"),
+                                        ("--top-p", "1.5"), ("--max-new-tokens", "0")])
+def test_eval_values_out_of_range(capsys, flag, value):
+    rc, _, err = run_cli(capsys, "eval", flag, value)
+    assert_one_line_error(rc, err, flag, "must be")
+
+
 def test_negative_numbers_are_values_not_flags():
     assert join_negative_values(["--learning-rate", "-1e-4", "--seed", "-3", "--top-k", "5"]) == [
         "--learning-rate=-1e-4", "--seed=-3", "--top-k", "5"]
