@@ -330,6 +330,15 @@ def check_output_dir(cfg: TrainConfig, clear: bool = True) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def _finished_summary(out: Path) -> dict | None:
+    """summary.json of a run folder whose run finished (status ok), else None."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status") == "ok" else None
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     cks = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     return cks[-1] if cks else None
@@ -421,6 +430,12 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
         if resume is not None:
             start = load_checkpoint(resume, model, opt, sched)
             qdist.print0(f"[qerl] resumed from {resume} at step {start}")
+            finished = _finished_summary(out) if start >= cfg.max_steps else None
+            if finished is not None:  # nothing left to train: no second final checkpoint or evaluation
+                qdist.print0(f"[qerl] {out} already finished ({start} of {cfg.max_steps} steps); nothing to do")
+                if owns_group:
+                    qdist.cleanup()
+                return finished
     qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
     if opt.qerl_master is not None:
         opt.qerl_master.copy_back()

@@ -51,3 +51,12 @@ def test_resume_continues_wandb_run_and_keeps_summary(tmp_path, text_rewards):
     assert (out / "reward.png").stat().st_size > 1000
     line = run_report(out)
     assert "reward" in line and "step 1 -> 3" in line and "reward.png" in line
+
+
+def test_resuming_a_finished_run_does_nothing(tmp_path, text_rewards):
+    out = tmp_path / "done"
+    first = train(tiny_cfg(out), model=make_tiny_model("llama"), tokenizer=make_tiny_tokenizer())
+    metrics = (out / "metrics.jsonl").read_text()
+    again = train(tiny_cfg(out, resume_from="auto"), model=make_tiny_model("llama"), tokenizer=make_tiny_tokenizer())
+    assert again["status"] == "ok" and again["steps"] == first["steps"] == 3
+    assert (out / "metrics.jsonl").read_text() == metrics  # no duplicate rows, no second evaluation
