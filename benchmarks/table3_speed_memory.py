@@ -264,7 +264,8 @@ def _train_s(r: dict) -> float:
 
 
 def _same_setup(a: dict, b: dict) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("completion_len", "micro_batch", "prompt_len")) and \
+    """Comparable rows: same lengths and micro-batch, same old-log-prob mode, measured at the same commit."""
+    return all(a.get(k) == b.get(k) for k in ("completion_len", "micro_batch", "prompt_len", "git_sha")) and \
         a.get("old_logprobs", "forward") == b.get("old_logprobs", "forward")
 
 
@@ -325,6 +326,8 @@ def merge(paths, out):
     keyed = {}
     for f in files:
         for r in f["rows"]:
+            r.setdefault("git_sha", f.get("git_sha"))  # each row keeps the commit that measured it
+            r.setdefault("date", f.get("date"))
             keyed[(r.get("model"), r.get("method"), r.get("batch"), r.get("grad_ckpt"), r.get("completion_len"),
                    r.get("memory_cap_gib"), r.get("micro_batch"), r.get("old_logprobs", "forward"))] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
