@@ -4,4 +4,8 @@ import sys
 
 from qerl.cli import main
 
-sys.exit(main())
+try:
+    code = main()
+except KeyboardInterrupt:  # Ctrl-C before the command started (argument parsing, imports)
+    code = 130
+sys.exit(code)

@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import shlex
+import signal
 import sys
 
 # ---------------------------------------------------------------------------------------------
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the message or the exit
         print(f"\n{_interrupted(args, argv)}", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns errors into one line
