@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import speed_common as sc
+from qerl import kernels as qkernels
 from qerl import step as qstep
 from qerl.config import QERL_FORMAT, QLORA_FORMAT, TrainConfig, method_name, parse_method, table_bases
 from qerl.quantize import lora_parameters
@@ -232,7 +233,8 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
         s = timed.seconds
         row.update(rollout_s=s["rollout"], logprob_s=s["logprob"], update_s=s["update"],
                    train_s=s["logprob"] + s["update"], step_s=step, rollout_share=s["rollout"] / step,
-                   peak_gib=sc.peak_gib(), rollout_tokens_per_s=spec.batch * spec.completion / s["rollout"], **info)
+                   peak_gib=sc.peak_gib(), rollout_tokens_per_s=spec.batch * spec.completion / s["rollout"],
+                   scratch_gib=qkernels.scratch_bytes() / 2**30, **info)  # 4-bit decode scratch (in peak)
     except Exception as e:  # noqa: BLE001 - a row must never take the run down
         row["oom"] = sc.is_oom(e)
         row["oom_phase" if row["oom"] else "failed_phase"] = ph.current
