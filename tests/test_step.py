@@ -98,24 +98,11 @@ def test_chunked_logprobs_peak_memory_on_gpu():
 
 
 # ----------------------------------------------------------------------------- the trainer
-import zlib  # noqa: E402
 
-from qerl import rewards as qrewards  # noqa: E402
 from qerl import step as qstep  # noqa: E402
 from qerl import train as qtrain  # noqa: E402
 from qerl.config import make_config  # noqa: E402
 from qerl.logging import read_metrics  # noqa: E402
-
-
-@pytest.fixture
-def text_rewards(monkeypatch):
-    """Reward a hash of the text, so the advantages of a random tiny model are not all zero."""
-
-    def fake(completions, golds, **kw):
-        r = [float(zlib.crc32(c.encode()) % 2) for c in completions]
-        return qrewards.RewardResult(rewards=r, format=[0.0] * len(r), unparsed=0, sources=["none"] * len(r))
-
-    monkeypatch.setattr(qrewards, "score_batch", fake)
 
 
 def tiny_cfg(out, **kw):

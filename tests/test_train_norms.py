@@ -8,13 +8,11 @@ Run: python -m pytest tests/test_train_norms.py -q      (tiny random Llama, CPU,
 import argparse
 import importlib.util
 import json
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
-from qerl import rewards as qrewards
 from qerl import train as qtrain
 from qerl.cli_train import add_train_args, config_from_args
 from qerl.config import make_config
@@ -27,13 +25,6 @@ _spec.loader.exec_module(_conftest)
 make_tiny_model = _conftest.make_tiny_model
 
 
-@pytest.fixture
-def text_rewards(monkeypatch):
-    def fake(completions, golds, **kw):
-        r = [float(zlib.crc32(c.encode()) % 2) for c in completions]
-        return qrewards.RewardResult(rewards=r, format=[0.0] * len(r), unparsed=0, sources=["none"] * len(r))
-
-    monkeypatch.setattr(qrewards, "score_batch", fake)
 
 
 def _norms(model):
