@@ -116,7 +116,9 @@ def names() -> tuple[str, ...]:
 
 
 # The spec of a name, or None: one dict lookup (the kernel dispatch calls it on every matmul).
-lookup: Callable[[str], FormatSpec | None] = _REGISTRY.get
+def lookup(name: str) -> FormatSpec | None:
+    """The spec registered under `name`, or None (a plain function: torch.compile traces it)."""
+    return _REGISTRY.get(name)
 
 
 def get(name: str) -> FormatSpec:
