@@ -36,6 +36,9 @@ GPU_TESTS_formats = tests/formats tests/kernels/test_bnb.py
 GPU_TESTS_kernels = tests/kernels/test_kernels_gpu.py tests/kernels/test_scratch.py tests/kernels/test_workspace.py
 GPU_TESTS_engine = tests/test_fused.py tests/test_rollout.py tests/test_step.py
 GPU_LOG ?= results/gpu_tests/gpu_tests.log
+# pytest-xdist workers sharing the one GPU: most of a cold run is Triton compiling kernels on the CPU
+GPU_WORKERS ?= 4
+GPU_XDIST = $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS)")
 GPU_SHA = $$(git rev-parse HEAD 2>/dev/null || echo $${QERL_GIT_SHA:-unknown})
 
 test-gpu test-gpu-formats test-gpu-kernels test-gpu-engine: SHELL := /bin/bash
@@ -44,12 +47,12 @@ test-gpu test-gpu-formats test-gpu-kernels test-gpu-engine: .SHELLFLAGS := -o pi
 test-gpu: ## every gpu-marked test on one GPU (H100: < 8 min), output with the git sha in GPU_LOG
 	@mkdir -p $(dir $(GPU_LOG))
 	{ echo "make test-gpu: git $(GPU_SHA), $$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $$(date -u +%FT%TZ)"; \
-	  $(GPU_ENV) $(PY) -m pytest -m gpu -rA --durations=25 -p no:cacheprovider tests; } 2>&1 | tee $(GPU_LOG)
+	  $(GPU_ENV) $(PY) -m pytest -m gpu $(GPU_XDIST) -rA --durations=25 -p no:cacheprovider tests; } 2>&1 | tee $(GPU_LOG)
 
 test-gpu-%: ## one group of the GPU tests (formats | kernels | engine), for machines with shorter calls
 	@mkdir -p $(dir $(GPU_LOG))
 	{ echo "make $@: git $(GPU_SHA), $$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"; \
-	  $(GPU_ENV) $(PY) -m pytest -m gpu -rA --durations=15 -p no:cacheprovider $(GPU_TESTS_$*); } 2>&1 \
+	  $(GPU_ENV) $(PY) -m pytest -m gpu $(GPU_XDIST) -rA --durations=15 -p no:cacheprovider $(GPU_TESTS_$*); } 2>&1 \
 	  | tee $(basename $(GPU_LOG))-$*.log
 
 test-all: ## every test, GPU tests included

@@ -18,6 +18,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from benchmarks.bench_kernels import n_copies, time_graph
 from qerl import formats, kernels
@@ -78,6 +80,9 @@ def decode_speed(res, l2):
             dict(BLOCK_N=32, NBK=16, num_warps=8), dict(BLOCK_N=64, NBK=8, num_warps=8),
             dict(BLOCK_N=8, NBK=16, num_warps=4), dict(BLOCK_N=16, NBK=16, num_warps=4),
             dict(BLOCK_N=4, NBK=32, num_warps=4)]
+    # the int32 pair-store kernel (PAIRS) on the same tiles and a few wider ones
+    cfgs = [dict(c, PAIRS=False) for c in cfgs] + [dict(c, PAIRS=True) for c in cfgs] + [
+        dict(BLOCK_N=16, NBK=32, num_warps=8, PAIRS=True), dict(BLOCK_N=32, NBK=32, num_warps=8, PAIRS=True)]
     for fmt in formats.with_kernel("triton"):
         bpw = formats.bits_per_weight(fmt) / 8
         for n, k in [(18944, 3584), (3584, 18944), (3584, 3584)]:
@@ -182,6 +187,11 @@ def splitk_cost(res, l2):
     res["splitk"] = out
 
 
+@triton.jit
+def _noop16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, n, k, s0, s1, A: tl.constexpr, B: tl.constexpr):
+    pass
+
+
 def eager_calls(res):
     n, k, calls = 1024, 4096, 1000
     q = QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16), "nvfp4")
@@ -189,9 +199,13 @@ def eager_calls(res):
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     t = q.packed_tensors()
     plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
+    args16 = [x] * 12 + [n, k, 1, 1]
     fns = {"bf16": lambda: F.linear(x, w), "nvfp4": lambda: q(x),
            "nvfp4_dispatch": lambda: kernels.linear(x, "nvfp4", t, n, k, backend="triton"),
-           "nvfp4_plan": lambda: plan.linear(x)}
+           "nvfp4_plan": lambda: plan.linear(x),
+           # floors: a Triton launch of an empty kernel with as many arguments, and torch.empty
+           "triton_noop_16args": lambda: _noop16[(64, 2)](*args16, A=1, B=2, num_warps=4),
+           "torch_empty": lambda: torch.empty((1, n), dtype=x.dtype, device=x.device)}
     ref = F.linear(x, q.dequantized_weight())
     out = {}
     for rep in range(3):
@@ -214,6 +228,10 @@ def eager_calls(res):
     for name, v in out.items():
         print(f"eager {name:16s} {v:7.2f} us/call")
     res["eager_call_us"] = out
+    # the GPU time of the same calls (graph replays): a back-to-back loop is host-bound only if this is smaller
+    gpu = {name: time_graph([fns[name]], target_s=0.05)[0] * 1e6 for name in ("bf16", "nvfp4_plan")}
+    print("gpu time per call (us):", {k: round(v, 2) for k, v in gpu.items()})
+    res["eager_gpu_us"] = gpu
 
 
 def main():

@@ -391,6 +391,57 @@ def _decode_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, KH, row0, col0, n_rows, n_cols
         tl.store(o_ptrs, w, mask=(r < n_rows)[:, None] & (c < n_cols)[None, :])
 
 
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> the 16 bits of bf16 by round-to-nearest-even (as torch's cast), NaN -> 0x7FC0, in
+    the low half of an int32 (the high half is garbage from the arithmetic shift: mask or shift it off)."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, r)
+
+
+@triton.jit
+def _decode_pairs_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, KH, row0, col0, n_rows, n_cols, stride_on,
+                         IS_NV: tl.constexpr, BLOCK_N: tl.constexpr, NBK: tl.constexpr, EVEN: tl.constexpr):
+    """_decode_kernel for bf16 output, writing each packed byte's two weights as one int32 word
+    (low nibble's bf16 in the low half: the little-endian order of the pair) into out viewed as
+    int32, so a thread's HB words of a block are one contiguous run: no interleave of the two
+    nibble tensors (tl.join + reshape) before the store. ``stride_on`` and ``n_cols`` count int32
+    words (pairs of weights); the values are bit for bit those of _decode_kernel."""
+    HB: tl.constexpr = 8 if IS_NV else 16  # packed bytes (= output words) per scale block
+    NB = KH // HB
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = pid_k * NBK + tl.arange(0, NBK)
+    j = tl.arange(0, HB)
+    rows = (row0 + r).to(tl.int64)
+    blk_in = (col0 // (2 * HB)) + blk
+    w_ptrs = w_ptr + rows[:, None, None] * KH + blk_in[None, :, None] * HB + j[None, None, :]
+    s_ptrs = s_ptr + rows[:, None] * NB + blk_in[None, :]
+    if EVEN:
+        b = tl.load(w_ptrs).to(tl.int32)
+        s = tl.load(s_ptrs).to(tl.int32)
+    else:
+        m2 = (r < n_rows)[:, None] & (blk < n_cols // HB)[None, :]
+        b = tl.load(w_ptrs, mask=m2[:, :, None], other=0).to(tl.int32)
+        s = tl.load(s_ptrs, mask=m2, other=0).to(tl.int32)
+    if IS_NV:
+        gs = tl.load(gs_ptr)
+    else:
+        gs = 1.0
+    step = _block_step(s, gs, IS_NV)[:, :, None]
+    lo = _bf16_bits(_e2m1_value(b & 0xF) * step)
+    hi = _bf16_bits(_e2m1_value(b >> 4) * step)
+    word = (lo & 0xFFFF) | (hi << 16)
+    c = blk[None, :, None] * HB + j[None, None, :]  # output word within the chunk's columns
+    o_ptrs = out_ptr + r.to(tl.int64)[:, None, None] * stride_on + c
+    if EVEN:
+        tl.store(o_ptrs, word)
+    else:
+        tl.store(o_ptrs, word, mask=(r < n_rows)[:, None, None] & (c < n_cols))
+
+
 # ----------------------------------------------------------------------------------------------
 # GEMV decode (M <= 16): packed integer decode, two weights per 32-bit op
 #
@@ -848,6 +899,15 @@ def _decode_into(out, packed, scale_u8, gs_arg, is_nv, r0, c0, n_rows, n_cols, c
     tile_c = nbk * 2 * hb
     even = n_rows % bn == 0 and n_cols % tile_c == 0
     grid = (triton.cdiv(n_rows, bn), triton.cdiv(n_cols, tile_c))
+    # bf16 out as int32 words (pairs of weights) when its rows allow the view (column bounds are
+    # whole scale blocks, so the pair count is whole); else one bf16 / fp32 element at a time
+    if cfg.get("PAIRS", False) and out.dtype == torch.bfloat16 and out.stride(0) % 2 == 0 \
+            and out.storage_offset() % 2 == 0:
+        out32 = out.view(torch.int32)
+        _decode_pairs_kernel[grid](packed, scale_u8, gs_arg, out32, packed.shape[1], r0, c0, n_rows, n_cols // 2,
+                                   out32.stride(0), IS_NV=is_nv, BLOCK_N=bn, NBK=nbk, EVEN=even,
+                                   num_warps=cfg["num_warps"])
+        return
     _decode_kernel[grid](packed, scale_u8, gs_arg, out, packed.shape[1], r0, c0, n_rows, n_cols, out.stride(0),
                          IS_NV=is_nv, BLOCK_N=bn, NBK=nbk, EVEN=even, num_warps=cfg["num_warps"])
 

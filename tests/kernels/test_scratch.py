@@ -39,20 +39,35 @@ def _special(t, fmt):
     return t
 
 
+def _decode_configs(fmt):
+    """Both decode kernels: element stores (PAIRS off) and int32 pair stores (PAIRS on, bf16 only)."""
+    from qerl.kernels import fp4
+
+    base = fp4.DECODE_CONFIG[fmt == "nvfp4"]
+    return [dict(base, PAIRS=False), dict(base, PAIRS=True)]
+
+
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k", [(48, 128), (37, 192), (130, 256)])
-def test_decode_is_dequantize_bit_for_bit(fmt, n, k):
+@pytest.mark.parametrize("pairs", [False, True])
+def test_decode_is_dequantize_bit_for_bit(fmt, n, k, pairs):
     from qerl.kernels import fp4
 
     t = _special(formats.quantize(torch.randn(n, k, device=DEV) * 0.02, fmt), fmt)
     args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
     blk = 16 if fmt == "nvfp4" else 32
+    cfg = _decode_configs(fmt)[pairs]
     for dt in (torch.bfloat16, torch.float32):
         ref = formats.dequantize(t, fmt, dtype=dt)
-        assert _same_bits(fp4.decode(*args, dtype=dt), ref)
-        sub = fp4.decode(*args, dtype=dt, rows=(3, n - 1), cols=(blk, k - blk))
+        assert _same_bits(fp4.decode(*args, dtype=dt, config=cfg), ref)
+        sub = fp4.decode(*args, dtype=dt, rows=(3, n - 1), cols=(blk, k - blk), config=cfg)
         assert _same_bits(sub, ref[3:n - 1, blk:k - blk])
+        # into a strided slice of a wider buffer (the scratch's column chunks are such views)
+        wide = torch.full((n, k + 2 * blk), float("nan"), dtype=dt, device=DEV)
+        fp4.decode(*args, dtype=dt, cols=(blk, k), out=wide[:, 2 * blk:k + blk], config=cfg)
+        assert _same_bits(wide[:, 2 * blk:k + blk], ref[:, blk:])
+        assert wide[:, :2 * blk].isnan().all() and wide[:, k + blk:].isnan().all()  # nothing written outside
     with pytest.raises(ValueError, match="blocks"):
         fp4.decode(*args, cols=(1, k))
 
@@ -163,7 +178,9 @@ def test_decode_bit_exact_gpu(fmt, n, k):
     t = _special(formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt), fmt)
     args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
     for dt in (torch.bfloat16, torch.float32):
-        assert _same_bits(fp4.decode(*args, dtype=dt), formats.dequantize(t, fmt, dtype=dt))
+        ref = formats.dequantize(t, fmt, dtype=dt)
+        for cfg in _decode_configs(fmt):
+            assert _same_bits(fp4.decode(*args, dtype=dt, config=cfg), ref), cfg
 
 
 @pytest.mark.gpu
