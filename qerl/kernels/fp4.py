@@ -825,9 +825,12 @@ SCRATCH_MIN_M = {("linear", "nvfp4"): 128, ("linear", "mxfp4"): 128,
 # dtype). Chunks are sized to whole multiples of 128. On the H100 chunks of 16 / 32 / 64 MiB were
 # 2-20% slower than one chunk at every M (smaller GEMMs; the decode did not speed up from L2).
 SCRATCH_CHUNK_BYTES: int | None = None
-# Decode tiles (BLOCK_N rows x NBK scale blocks), the H100 sweep's best on the 7B MLP matrices:
-# nvfp4 16 x 16 (1.95 TB/s read + write), mxfp4 8 x 16 (2.09-2.12 TB/s).
-DECODE_CONFIG = {True: dict(BLOCK_N=16, NBK=16, num_warps=4), False: dict(BLOCK_N=8, NBK=16, num_warps=4)}
+# Decode tiles (BLOCK_N rows x NBK scale blocks) and the store (PAIRS: bf16 out as int32 pairs),
+# the H100 sweep's best on the 7B MLP matrices (benchmarks/kernel_probe.py, read + write TB/s):
+# nvfp4 16 x 16 pairs 2.19 / 2.11 (element stores 1.95 / 1.94), mxfp4 32 x 16 pairs, 8 warps,
+# 2.13 / 2.13 (element stores 8 x 16: 2.10 / 2.12). fp32 output always takes element stores.
+DECODE_CONFIG = {True: dict(BLOCK_N=16, NBK=16, num_warps=4, PAIRS=True),
+                 False: dict(BLOCK_N=32, NBK=16, num_warps=8, PAIRS=True)}
 
 _SCRATCH: dict = {}
 _SCRATCH_CAPTURED: set = set()
