@@ -1155,7 +1155,8 @@ class Plan:
     ``grad_input`` skip the per-call checks and the custom-op dispatch (eager calls; under
     torch.compile the custom ops are used instead)."""
 
-    __slots__ = ("packed", "scale", "gs", "is_nv", "N", "K", "w32", "scale_u8", "gs_arg", "device", "_launch")
+    __slots__ = ("packed", "scale", "gs", "is_nv", "N", "K", "w32", "scale_u8", "gs_arg", "device", "_launch",
+                 "_decode", "_min_m")
     autograd_fn = None  # PlannedLinear, set below
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, is_nv: bool):
@@ -1169,6 +1170,36 @@ class Plan:
         self.gs_arg = gs if gs is not None else packed
         self.device = packed.device
         self._launch: dict = {}
+        self._decode: dict = {}  # dtype -> (decode launcher, its constexpr kwargs, pair stores)
+        fmt = "nvfp4" if is_nv else "mxfp4"
+        self._min_m = (SCRATCH_MIN_M[("linear", fmt)], SCRATCH_MIN_M[("grad_input", fmt)])
+
+    def decoded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight decoded into the device's scratch (one decode launch); valid until the
+        next decode into that scratch. The launcher and its constant arguments are kept per dtype
+        (host time of the training path: every large-M forward and grad-input); no tensor is kept,
+        so release_scratch() frees the scratch."""
+        N, K = self.N, self.K
+        w = _scratch(self.device, dtype, N * K)[: N * K].view(N, K)
+        st = self._decode.get(dtype)
+        if st is None:
+            cfg = DECODE_CONFIG[self.is_nv]
+            hb = 8 if self.is_nv else 16
+            even = N % cfg["BLOCK_N"] == 0 and K % (cfg["NBK"] * 2 * hb) == 0
+            grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(K, cfg["NBK"] * 2 * hb))
+            kw = dict(IS_NV=self.is_nv, BLOCK_N=cfg["BLOCK_N"], NBK=cfg["NBK"], EVEN=even, num_warps=cfg["num_warps"])
+            pairs = bool(cfg.get("PAIRS", False)) and dtype == torch.bfloat16
+            st = self._decode[dtype] = ((_decode_pairs_kernel if pairs else _decode_kernel)[grid], kw, pairs)
+        fn, kw, pairs = st
+        if pairs:
+            w32 = w.view(torch.int32)
+            fn(self.packed, self.scale_u8, self.gs_arg, w32, K // 2, 0, 0, N, K // 2, K // 2, **kw)
+        else:
+            fn(self.packed, self.scale_u8, self.gs_arg, w, K // 2, 0, 0, N, K, K, **kw)
+        return w
+
+    def _one_chunk(self) -> bool:
+        return SCRATCH_CHUNK_BYTES is None and not SCRATCH_OVERLAP
 
     def matches(self, packed, scale, gs) -> bool:
         return packed is self.packed and scale is self.scale and gs is self.gs
@@ -1184,8 +1215,11 @@ class Plan:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         if M == 0:
             pass
-        elif _use_scratch("linear", self.is_nv, M):
-            scratch_linear(x2, self.packed, self.scale_u8, self.gs_arg, self.is_nv, out)
+        elif M >= self._min_m[0]:
+            if self._one_chunk():  # decode + cuBLAS with the launch kept in the plan
+                torch.mm(x2, self.decoded(x2.dtype).t(), out=out)
+            else:
+                scratch_linear(x2, self.packed, self.scale_u8, self.gs_arg, self.is_nv, out)
         else:
             key = (M, SPLITK_ATOMIC)
             launch = self._launch.get(key)
@@ -1198,6 +1232,16 @@ class Plan:
         return out.view(*x.shape[:-1], N)
 
     def grad_input(self, dy: torch.Tensor) -> torch.Tensor:
+        N = self.N
+        if dy.shape[-1] == N and dy.dtype in (torch.bfloat16, torch.float32) and dy.device == self.device \
+                and self._one_chunk():
+            dy2 = dy.reshape(-1, N)
+            if dy2.stride(-1) != 1:
+                dy2 = dy2.contiguous()
+            if dy2.shape[0] >= self._min_m[1]:
+                dx = torch.empty((dy2.shape[0], self.K), dtype=dy.dtype, device=dy.device)
+                torch.mm(dy2, self.decoded(dy2.dtype), out=dx)
+                return dx.view(*dy.shape[:-1], self.K)
         return launch_grad_input(dy, self.packed, self.scale, self.gs, self.is_nv)
 
 

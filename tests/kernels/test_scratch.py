@@ -241,3 +241,27 @@ def test_seeded_rollout_repeats_token_for_token(fmt):
         b = fe.generate(prompts, 96, temperature=1.0, seed=7, ignore_eos=True)
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.logprobs, b.logprobs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_plan_scratch_fast_path_equals_scratch_path(fmt):
+    """Plan.linear / Plan.grad_input at large M keep the decode launch in the plan: bitwise the
+    results of the scratch path, the decoded weight is dequantize's, and no scratch is held
+    by the plan (release_scratch frees it; the next call decodes into a new one)."""
+    from qerl.kernels import fp4
+
+    n, k = 256, 384
+    t = formats.quantize(torch.randn(n, k, device=DEV) * 0.02, fmt)
+    args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
+    plan = fp4.Plan(*args)
+    for dt in (torch.float32, torch.bfloat16):
+        m = max(fp4.SCRATCH_MIN_M[("linear", fmt)], 130)
+        x, dy = torch.randn(m, k, device=DEV).to(dt), torch.randn(m, n, device=DEV).to(dt)
+        assert torch.equal(plan.linear(x), fp4.launch_linear(x, *args, kind="scratch"))
+        assert torch.equal(plan.grad_input(dy), fp4.launch_grad_input(dy, *args, kind="scratch"))
+        assert _same_bits(plan.decoded(dt), formats.dequantize(t, fmt, dtype=dt))
+        fp4.release_scratch()
+        assert fp4.scratch_bytes(DEV) == 0
+        assert torch.equal(plan.linear(x), fp4.launch_linear(x, *args, kind="scratch"))
+    fp4.release_scratch()
