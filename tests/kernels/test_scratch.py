@@ -265,3 +265,45 @@ def test_plan_scratch_fast_path_equals_scratch_path(fmt):
         assert fp4.scratch_bytes(DEV) == 0
         assert torch.equal(plan.linear(x), fp4.launch_linear(x, *args, kind="scratch"))
     fp4.release_scratch()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_plan_direct_launches_gpu(fmt):
+    """The plan's DirectLaunch (second and later calls skip Triton's launch path): bitwise the normal
+    launch at every small-M kind, with fresh inputs each call, a misaligned input (falls back), under
+    CUDA-graph capture, and for the decode of the large-M path across release_scratch()."""
+    from qerl.kernels import fp4
+
+    n, k = 1000, 4128
+    t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+    args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
+    plan = fp4.Plan(*args)
+    for m in (1, 2, 8, 16, 64):
+        for _ in range(3):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(plan.linear(x), fp4.launch_linear(x, *args)), m
+        assert any(key[0] == m and d is not None for key, d in plan._direct.items()), m
+        big = torch.randn(m * k + 1, device="cuda", dtype=torch.bfloat16)
+        xm = big[1:].view(m, k)  # 2-byte offset: not 16-byte aligned -> the normal launch
+        assert torch.equal(plan.linear(xm), fp4.launch_linear(xm.contiguous(), *args))
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    plan.linear(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = plan.linear(x)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, fp4.launch_linear(x, *args))
+    del g
+    xb = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(plan.linear(xb), fp4.launch_linear(xb, *args, kind="scratch"))
+        assert torch.equal(plan.grad_input(dy), fp4.launch_grad_input(dy, *args, kind="scratch"))
+        fp4.release_scratch()
+        assert fp4.scratch_bytes("cuda") == 0 and not plan._decode
