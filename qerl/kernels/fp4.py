@@ -1069,7 +1069,7 @@ def _linear_call(x2, packed, w32, scale_u8, gs_arg, out, launch) -> tuple:
         x32 = x2
         if not acc_f32:
             if x2.stride(0) % 2 or x2.storage_offset() % 2:
-                x2 = x2.contiguous()
+                x2 = x2.clone(memory_format=torch.contiguous_format)  # contiguous() keeps an odd offset
             x32 = x2.view(torch.int32)
         args = (x2, x32, w32, scale_u8, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), x32.stride(0), out.stride(0),
                 w32.stride(0), tps)
