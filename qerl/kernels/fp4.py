@@ -351,19 +351,16 @@ def _round_to(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, KH, row0, col0, n_rows, n_cols, stride_on,
-                   IS_NV: tl.constexpr, BLOCK_N: tl.constexpr, NBK: tl.constexpr, EVEN: tl.constexpr):
-    """out[r, c] = W[row0 + r, col0 + c] for r < n_rows, c < n_cols (col0 and n_cols multiples of
-    the scale block), in out's dtype, equal bit for bit to qerl.formats.dequantize: value * step
-    in fp32, one rounding to the output dtype. Grid (cdiv(n_rows, BLOCK_N), cdiv(n_cols, NBK * B)).
-    A tile is BLOCK_N rows x NBK scale blocks, loaded as [BLOCK_N, NBK, HB] bytes (HB bytes of one
-    block contiguous in a thread) with its [BLOCK_N, NBK] scales."""
-    HB: tl.constexpr = 8 if IS_NV else 16  # packed bytes per scale block
+def _decode_tile(w_ptr, s_ptr, gs_ptr, KH, row0, col0, n_rows, n_blocks, IS_NV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 NBK: tl.constexpr, EVEN: tl.constexpr):
+    """The tile of program (program_id 0, program_id 1) of the decode kernels: its rows r (relative to
+    row0), scale blocks blk (relative to col0's block), packed bytes b [BLOCK_N, NBK, HB] (int32; HB
+    bytes of one block contiguous in a thread) and their fp32 steps [BLOCK_N, NBK, 1]. ``n_blocks``:
+    scale blocks in the decoded column range (masks when not EVEN)."""
+    HB: tl.constexpr = 8 if IS_NV else 16
     NB = KH // HB
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk = pid_k * NBK + tl.arange(0, NBK)
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1) * NBK + tl.arange(0, NBK)
     j = tl.arange(0, HB)
     rows = (row0 + r).to(tl.int64)
     blk_in = (col0 // (2 * HB)) + blk
@@ -373,18 +370,31 @@ def _decode_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, KH, row0, col0, n_rows, n_cols
         b = tl.load(w_ptrs).to(tl.int32)
         s = tl.load(s_ptrs).to(tl.int32)
     else:
-        m2 = (r < n_rows)[:, None] & (blk < n_cols // (2 * HB))[None, :]
+        m2 = (r < n_rows)[:, None] & (blk < n_blocks)[None, :]
         b = tl.load(w_ptrs, mask=m2[:, :, None], other=0).to(tl.int32)
         s = tl.load(s_ptrs, mask=m2, other=0).to(tl.int32)
     if IS_NV:
         gs = tl.load(gs_ptr)
     else:
         gs = 1.0
-    step = _block_step(s, gs, IS_NV)[:, :, None]
+    return r, blk, b, _block_step(s, gs, IS_NV)[:, :, None]
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, KH, row0, col0, n_rows, n_cols, stride_on,
+                   IS_NV: tl.constexpr, BLOCK_N: tl.constexpr, NBK: tl.constexpr, EVEN: tl.constexpr):
+    """out[r, c] = W[row0 + r, col0 + c] for r < n_rows, c < n_cols (col0 and n_cols multiples of
+    the scale block), in out's dtype, equal bit for bit to qerl.formats.dequantize: value * step
+    in fp32, one rounding to the output dtype. Grid (cdiv(n_rows, BLOCK_N), cdiv(n_cols, NBK * B)).
+    A tile is BLOCK_N rows x NBK scale blocks, loaded as [BLOCK_N, NBK, HB] bytes (HB bytes of one
+    block contiguous in a thread) with its [BLOCK_N, NBK] scales."""
+    HB: tl.constexpr = 8 if IS_NV else 16  # packed bytes per scale block
+    r, blk, b, step = _decode_tile(w_ptr, s_ptr, gs_ptr, KH, row0, col0, n_rows, n_cols // (2 * HB), IS_NV, BLOCK_N,
+                                   NBK, EVEN)
     lo = _round_to(_e2m1_value(b & 0xF) * step, out_ptr.dtype.element_ty)
     hi = _round_to(_e2m1_value(b >> 4) * step, out_ptr.dtype.element_ty)
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, NBK * 2 * HB))
-    c = pid_k * (NBK * 2 * HB) + tl.arange(0, NBK * 2 * HB)
+    c = tl.program_id(1) * (NBK * 2 * HB) + tl.arange(0, NBK * 2 * HB)
     o_ptrs = out_ptr + r.to(tl.int64)[:, None] * stride_on + c[None, :]
     if EVEN:
         tl.store(o_ptrs, w)
@@ -410,28 +420,9 @@ def _decode_pairs_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, KH, row0, col0, n_rows, 
     nibble tensors (tl.join + reshape) before the store. ``stride_on`` and ``n_cols`` count int32
     words (pairs of weights); the values are bit for bit those of _decode_kernel."""
     HB: tl.constexpr = 8 if IS_NV else 16  # packed bytes (= output words) per scale block
-    NB = KH // HB
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk = pid_k * NBK + tl.arange(0, NBK)
+    r, blk, b, step = _decode_tile(w_ptr, s_ptr, gs_ptr, KH, row0, col0, n_rows, n_cols // HB, IS_NV, BLOCK_N, NBK,
+                                   EVEN)
     j = tl.arange(0, HB)
-    rows = (row0 + r).to(tl.int64)
-    blk_in = (col0 // (2 * HB)) + blk
-    w_ptrs = w_ptr + rows[:, None, None] * KH + blk_in[None, :, None] * HB + j[None, None, :]
-    s_ptrs = s_ptr + rows[:, None] * NB + blk_in[None, :]
-    if EVEN:
-        b = tl.load(w_ptrs).to(tl.int32)
-        s = tl.load(s_ptrs).to(tl.int32)
-    else:
-        m2 = (r < n_rows)[:, None] & (blk < n_cols // HB)[None, :]
-        b = tl.load(w_ptrs, mask=m2[:, :, None], other=0).to(tl.int32)
-        s = tl.load(s_ptrs, mask=m2, other=0).to(tl.int32)
-    if IS_NV:
-        gs = tl.load(gs_ptr)
-    else:
-        gs = 1.0
-    step = _block_step(s, gs, IS_NV)[:, :, None]
     lo = _bf16_bits(_e2m1_value(b & 0xF) * step)
     hi = _bf16_bits(_e2m1_value(b >> 4) * step)
     word = (lo & 0xFFFF) | (hi << 16)
