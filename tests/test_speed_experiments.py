@@ -405,3 +405,17 @@ def test_rollout_notebook(tmp_path, monkeypatch):
     assert (tmp_path / "res" / "figures" / "rollout_throughput.png").stat().st_size > 10_000
     empty = _run_rollout_notebook(tmp_path, monkeypatch, tmp_path / "nothing")
     assert any("no results in" in o.get("text", "") for o in empty)
+
+
+def test_profile_train_smoke_on_cpu(tmp_path, capsys):
+    """benchmarks/profile_train (the training phases by kernel, issue 18) runs end to end on a tiny model."""
+    from benchmarks import profile_train
+
+    profile_train.main(["--model", "tiny-qwen2", "--layers", "1", "--device", "cpu", "--methods", "nvfp4", "bf16",
+                        "--prompt", "4", "--completion", "4", "--reps", "1", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "profile_train.json").read_text())
+    for method in ("nvfp4", "bf16"):
+        ms = res["methods"][method]["ms"]
+        assert ms["logprob"] > 0 and ms["update"] > 0 and res["methods"][method]["top"]
+        assert (tmp_path / f"profile_train_{method}.txt").read_text().strip()
+    assert "== nvfp4: old log-probs" in capsys.readouterr().out
