@@ -21,7 +21,8 @@ TrainConfig (``bench_config``): GRPO, one pass, one optimizer step over the batc
 ``train_s`` = logprob + update (the summary's train_nvfp4_over_bf16 keys).
 The GPU is synchronized between phases. Before the timed step, a warm-up captures the engine's CUDA
 graphs with short calls and runs one micro-batch of each training phase at full length (Triton
-autotuning keys on the GEMM shapes), so the timed step measures steady state.
+autotuning keys on the GEMM shapes), so the timed step measures steady state. ``--steps N`` times N
+steps and reports each phase's median (and every step's seconds under ``steps``).
 
 Writes <out>/<gpu>.json with gpu, git_sha, date, env, rows (one per model x method x batch x
 gradient checkpointing; oom/oom_phase/error when it failed), the paper's values as a labelled
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import traceback
 from dataclasses import dataclass
@@ -225,16 +227,20 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
         with ph("warmup"):
             warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse)
         sc.reset_peak()
-        timed = sc.Phases()
-        ph = timed  # so that an OOM in the timed step reports its phase
-        t0 = time.perf_counter()
-        info = grpo_step(cfg, model, engine, opt, sched, args.prompt, vocab, timed, reuse)
-        step = time.perf_counter() - t0
-        s = timed.seconds
-        row.update(rollout_s=s["rollout"], logprob_s=s["logprob"], update_s=s["update"],
-                   train_s=s["logprob"] + s["update"], step_s=step, rollout_share=s["rollout"] / step,
-                   peak_gib=sc.peak_gib(), rollout_tokens_per_s=spec.batch * spec.completion / s["rollout"],
-                   scratch_gib=qkernels.scratch_bytes() / 2**30, **info)  # 4-bit decode scratch (in peak)
+        steps = []  # one dict of phase seconds per timed step; the row reports the medians
+        for _ in range(args.steps):
+            timed = sc.Phases()
+            ph = timed  # so that an OOM in a timed step reports its phase
+            t0 = time.perf_counter()
+            info = grpo_step(cfg, model, engine, opt, sched, args.prompt, vocab, timed, reuse)
+            steps.append(dict(timed.seconds, step=time.perf_counter() - t0))
+        med = {k: statistics.median(st[k] for st in steps) for k in steps[0]}
+        row.update(rollout_s=med["rollout"], logprob_s=med["logprob"], update_s=med["update"],
+                   train_s=statistics.median(st["logprob"] + st["update"] for st in steps), step_s=med["step"],
+                   rollout_share=med["rollout"] / med["step"], peak_gib=sc.peak_gib(),
+                   rollout_tokens_per_s=spec.batch * spec.completion / med["rollout"],
+                   scratch_gib=qkernels.scratch_bytes() / 2**30, timed_steps=len(steps),  # decode scratch (in peak)
+                   **({"steps": steps} if len(steps) > 1 else {}), **info)
     except Exception as e:  # noqa: BLE001 - a row must never take the run down
         row["oom"] = sc.is_oom(e)
         row["oom_phase" if row["oom"] else "failed_phase"] = ph.current
@@ -438,10 +444,17 @@ def parse_args(argv=None):
     ap.add_argument("--old-logprobs", default="forward", choices=["forward", "reuse"],
                     help="forward: a separate no-grad forward (the trainer with num_iterations > 1 or several "
                          "optimizer steps per rollout); reuse: the training forward's (one update per rollout)")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="timed steps per row after the warm-up; the row reports each phase's median and, with "
+                         "more than one, every step's seconds (a single step's ratio moves by a few hundredths "
+                         "between runs)")
     ap.add_argument("--memory-cap-gib", type=float, default=None,
                     help="cap this process's GPU memory (80: the paper's one H100 80GB)")
     sc.add_run_args(ap, out="results/table3")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    return args
 
 
 def main(argv=None):

@@ -378,6 +378,18 @@ def test_table3_main_smoke(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res["summary"]
 
 
+def test_table3_steps_report_medians(tmp_path):
+    t3.main(["--models", "tiny-qwen2", "--device", "cpu", "--methods", "nvfp4", "--batch", "2", "--prompt", "5",
+             "--completion", "4", "--steps", "3", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "cpu.json").read_text())["rows"]
+    assert row["timed_steps"] == 3 and len(row["steps"]) == 3
+    for phase in ("rollout", "logprob", "update", "step"):
+        vals = sorted(st[phase] for st in row["steps"])
+        assert row[f"{phase}_s"] == vals[1]  # the median of three
+    with pytest.raises(SystemExit):
+        t3.parse_args(["--steps", "0"])
+
+
 def test_table3_main_row_syntax_and_reuse(tmp_path):
     t3.main(["--row", "tiny-qwen2/bs4/c3/mb2", "--row", "tiny-qwen2/bs2/gcoff", "--device", "cpu", "--methods", "nvfp4",
              "--prompt", "5", "--completion", "4", "--old-logprobs", "reuse", "--out", str(tmp_path)])
