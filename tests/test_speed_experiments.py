@@ -431,3 +431,17 @@ def test_profile_train_smoke_on_cpu(tmp_path, capsys):
         assert ms["logprob"] > 0 and ms["update"] > 0 and res["methods"][method]["top"]
         assert (tmp_path / f"profile_train_{method}.txt").read_text().strip()
     assert "== nvfp4: old log-probs" in capsys.readouterr().out
+
+
+def test_profile_decode_smoke_on_cpu(tmp_path):
+    """benchmarks/profile_decode (a decode step's time by kernel category, issue 14) runs on a tiny model."""
+    from benchmarks import profile_decode
+
+    res = profile_decode.main(["--model", "tiny-qwen2", "--device", "cpu", "--methods", "nvfp4", "--batch", "2",
+                               "--prompt", "5", "--tokens", "3", "--reps", "1", "--out", str(tmp_path)])
+    (row,) = res["rows"]
+    assert row["step_ms"] > 0 and row["kernels_per_step"] > 0 and row["categories"]
+    assert json.loads((tmp_path / "profile_decode.json").read_text())["rows"][0]["batch"] == 2
+    assert profile_decode.category("_fwd_gemv_kernel") == "4-bit linear"
+    assert profile_decode.category("nvjet_sm90_tst_192x192") == "cuBLAS GEMM"
+    assert profile_decode.category("void at::native::copy_kernel") == "other"

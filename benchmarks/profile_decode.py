@@ -1,0 +1,141 @@
+"""Where a rollout decode step's time goes (issue 14: "the rest of the decode step"). GPU tool.
+
+For each method and batch: the fast engine (static KV cache, CUDA graphs, fused decode step) on a
+random-weight model; wall time per decode step from two rollouts of the same prompts, one of 1 token
+(prefill) and one of 1 + T tokens (median of --reps each: (long - short) / T); then both under the
+profiler, so that the kernels of T decode steps are the difference of the two profiles, grouped:
+  4-bit linear    qerl's fp4 kernels (GEMV / tensor-core / decode)
+  cuBLAS GEMM     the bf16 base linears, the LoRA GEMMs and the logits
+  attention       scaled-dot-product / flash kernels
+  qerl fused      qerl.kernels.fused (RMSNorm, rotary + KV write, SiLU*up, LoRA A / B)
+  sampling        softmax, top-k / top-p, the Gumbel sampler, argmax
+  other           the rest (copies, casts, bookkeeping)
+Prints per category: ms and kernels per decode step; writes <out>/profile_decode.json.
+
+    python -m benchmarks.profile_decode --out $OUT                      # Qwen2.5-7B, nvfp4 and bf16, bs 1 / 8 / 64
+    python -m benchmarks.profile_decode --model qwen2.5-14b --batch 8 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import speed_common as sc
+from qerl.models import model_config
+
+CATEGORIES = (  # first match wins; names as the profiler reports the kernels
+    ("4-bit linear", ("_fwd_gemv_kernel", "_fwd_dot_kernel", "_decode_kernel", "_decode_pairs_kernel",
+                      "_bwd_dot_kernel", "nvfp4", "mxfp4", "kgemm_4bit", "gemv_4bit")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+    ("qerl fused", ("_add_rmsnorm", "_rmsnorm", "_rope", "_silu", "_lora", "fused")),
+    ("sampling", ("softmax", "topk", "sort", "gumbel", "argmax", "cumsum", "exponential", "_sample", "murmur")),
+    ("cuBLAS GEMM", ("nvjet", "gemm", "cutlass", "xmma", "gemv", "sm90_", "sm80_", "cublas", "aten::mm",
+                     "aten::addmm", "aten::bmm", "aten::linear")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k.lower() in low for k in keys):
+            return cat
+    return "other"
+
+
+def kernel_times(prof, device_type: str) -> dict[str, tuple[float, int]]:
+    """{kernel name: (ms, count)}: device kernels on CUDA, top-level CPU ops otherwise."""
+    out = {}
+    for e in prof.key_averages():
+        if device_type == "cuda":
+            t = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+            if not t or e.key.startswith("aten::") or e.key.startswith("cuda"):
+                continue
+        else:
+            t = e.self_cpu_time_total
+        out[e.key] = (t / 1e3, e.count)
+    return out
+
+
+def profile(fn, device_type: str) -> dict[str, tuple[float, int]]:
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        sc.sync()
+    return kernel_times(prof, device_type)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-7b", choices=list(sc.MODELS))
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers kept (0: all)")
+    ap.add_argument("--methods", nargs="+", default=["nvfp4", "bf16"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=64, help="decode steps measured (T)")
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    config = model_config(sc.MODELS[args.model])
+    if args.layers:
+        config.num_hidden_layers = args.layers
+    vocab = sc.vocab_size(args.model)
+    res = dict(provenance=sc.provenance(), settings=vars(args), rows=[])
+    for method in args.methods:
+        model = sc.build(args.model, method, args.lora_rank, device, seed=args.seed, config=config)
+        for batch in args.batch:
+            engine = sc.make_fast_engine(model, batch, args.prompt + args.tokens + 16)
+            prompts = sc.random_prompts(batch, args.prompt, vocab, args.seed)
+
+            def run(n, engine=engine, prompts=prompts):
+                return engine.generate(prompts, n, seed=args.seed, **sc.SAMPLING)
+
+            run(1 + args.tokens)  # warm-up: compile, capture every graph the timed calls replay
+            walls = {}
+            for n in (1, 1 + args.tokens):
+                ts = []
+                for _ in range(args.reps):
+                    sc.sync()
+                    t0 = time.perf_counter()
+                    run(n)
+                    sc.sync()
+                    ts.append(time.perf_counter() - t0)
+                walls[n] = statistics.median(ts)
+            short, long = profile(lambda: run(1), device.type), profile(lambda: run(1 + args.tokens), device.type)
+            per_step = {}
+            for name, (ms, count) in long.items():
+                ms0, c0 = short.get(name, (0.0, 0))
+                if ms - ms0 <= 0 and count - c0 <= 0:
+                    continue
+                cat = category(name)
+                t, c = per_step.get(cat, (0.0, 0.0))
+                per_step[cat] = (t + (ms - ms0) / args.tokens, c + (count - c0) / args.tokens)
+            step_ms = (walls[1 + args.tokens] - walls[1]) / args.tokens * 1e3
+            row = dict(method=method, batch=batch, step_ms=step_ms,
+                       kernel_ms=sum(t for t, _ in per_step.values()),
+                       kernels_per_step=sum(c for _, c in per_step.values()),
+                       categories={k: dict(ms=t, kernels=c) for k, (t, c) in sorted(per_step.items())})
+            res["rows"].append(row)
+            print(f"== {method} bs{batch}: {step_ms:.2f} ms per decode step (wall), {row['kernel_ms']:.2f} ms in "
+                  f"{row['kernels_per_step']:.0f} kernels")
+            for cat, d in sorted(row["categories"].items(), key=lambda kv: -kv[1]["ms"]):
+                print(f"   {cat:14s} {d['ms']:8.3f} ms {d['kernels']:7.1f} kernels")
+            del engine
+            sc.free()
+        del model
+        sc.free()
+    Path(args.out, "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+if __name__ == "__main__":
+    main()
