@@ -890,25 +890,30 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, i
     return out
 
 
-def _decode_into(out, packed, scale_u8, gs_arg, is_nv, r0, c0, n_rows, n_cols, cfg):
-    if n_rows == 0 or n_cols == 0:
-        return
+def _decode_launch(out, packed, scale_u8, gs_arg, is_nv, r0, c0, n_rows, n_cols, cfg) -> tuple:
+    """(kernel, grid, args, kwargs) of the decode of W[r0:r0 + n_rows, c0:c0 + n_cols] into ``out``:
+    bf16 out as int32 words (pairs of weights) when cfg asks for PAIRS and its rows allow the view
+    (column bounds are whole scale blocks, so the pair count is whole); else one element at a time."""
     hb = 8 if is_nv else 16
     bn, nbk = cfg["BLOCK_N"], cfg["NBK"]
     tile_c = nbk * 2 * hb
-    even = n_rows % bn == 0 and n_cols % tile_c == 0
     grid = (triton.cdiv(n_rows, bn), triton.cdiv(n_cols, tile_c))
-    # bf16 out as int32 words (pairs of weights) when its rows allow the view (column bounds are
-    # whole scale blocks, so the pair count is whole); else one bf16 / fp32 element at a time
+    kw = dict(IS_NV=is_nv, BLOCK_N=bn, NBK=nbk, EVEN=n_rows % bn == 0 and n_cols % tile_c == 0,
+              num_warps=cfg["num_warps"])
     if cfg.get("PAIRS", False) and out.dtype == torch.bfloat16 and out.stride(0) % 2 == 0 \
             and out.storage_offset() % 2 == 0:
         out32 = out.view(torch.int32)
-        _decode_pairs_kernel[grid](packed, scale_u8, gs_arg, out32, packed.shape[1], r0, c0, n_rows, n_cols // 2,
-                                   out32.stride(0), IS_NV=is_nv, BLOCK_N=bn, NBK=nbk, EVEN=even,
-                                   num_warps=cfg["num_warps"])
+        return _decode_pairs_kernel, grid, (packed, scale_u8, gs_arg, out32, packed.shape[1], r0, c0, n_rows,
+                                            n_cols // 2, out32.stride(0)), kw
+    return _decode_kernel, grid, (packed, scale_u8, gs_arg, out, packed.shape[1], r0, c0, n_rows, n_cols,
+                                  out.stride(0)), kw
+
+
+def _decode_into(out, packed, scale_u8, gs_arg, is_nv, r0, c0, n_rows, n_cols, cfg):
+    if n_rows == 0 or n_cols == 0:
         return
-    _decode_kernel[grid](packed, scale_u8, gs_arg, out, packed.shape[1], r0, c0, n_rows, n_cols, out.stride(0),
-                         IS_NV=is_nv, BLOCK_N=bn, NBK=nbk, EVEN=even, num_warps=cfg["num_warps"])
+    kern, grid, args, kw = _decode_launch(out, packed, scale_u8, gs_arg, is_nv, r0, c0, n_rows, n_cols, cfg)
+    kern[grid](*args, **kw)
 
 
 # Opt-in, not measured yet (QERL_SCRATCH_OVERLAP=1): decode chunk i + 1 on a side stream while
@@ -1200,7 +1205,7 @@ class Plan:
     torch.compile the custom ops are used instead)."""
 
     __slots__ = ("packed", "scale", "gs", "is_nv", "N", "K", "w32", "scale_u8", "gs_arg", "device", "_launch",
-                 "_decode", "_min_m", "_direct", "__weakref__")
+                 "_decode", "_direct", "__weakref__")
     autograd_fn = None  # PlannedLinear, set below
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, is_nv: bool):
@@ -1214,10 +1219,8 @@ class Plan:
         self.gs_arg = gs if gs is not None else packed
         self.device = packed.device
         self._launch: dict = {}
-        self._decode: dict = {}  # dtype -> (DirectLaunch or None, scratch buffer it was made for, kernel, kw, pairs)
-        self._direct: dict = {}  # (M, atomic, dtype, x row stride) -> (DirectLaunch, kind) of the small-M kernels
-        fmt = "nvfp4" if is_nv else "mxfp4"
-        self._min_m = (SCRATCH_MIN_M[("linear", fmt)], SCRATCH_MIN_M[("grad_input", fmt)])
+        self._decode: dict = {}  # dtype -> (DirectLaunch, the scratch buffer it writes) or None
+        self._direct: dict = {}  # (M, atomic, dtype, x row stride) -> DirectLaunch of the small-M kernel or None
 
     def decoded(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight decoded into the device's scratch (one decode launch); valid until the
@@ -1228,21 +1231,12 @@ class Plan:
         N, K = self.N, self.K
         buf = _scratch(self.device, dtype, N * K)
         st = self._decode.get(dtype)
-        if st is not None and st[1] is buf and st[0] is not None:
+        if st is not None and st[1] is buf:
             st[0](st[0].values)
             return buf[: N * K].view(N, K)
         w = buf[: N * K].view(N, K)
-        cfg = DECODE_CONFIG[self.is_nv]
-        hb = 8 if self.is_nv else 16
-        even = N % cfg["BLOCK_N"] == 0 and K % (cfg["NBK"] * 2 * hb) == 0
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(K, cfg["NBK"] * 2 * hb))
-        kw = dict(IS_NV=self.is_nv, BLOCK_N=cfg["BLOCK_N"], NBK=cfg["NBK"], EVEN=even, num_warps=cfg["num_warps"])
-        if cfg.get("PAIRS", False) and dtype == torch.bfloat16:
-            w32 = w.view(torch.int32)
-            kern, args = _decode_pairs_kernel, (self.packed, self.scale_u8, self.gs_arg, w32, K // 2, 0, 0, N, K // 2,
-                                                K // 2)
-        else:
-            kern, args = _decode_kernel, (self.packed, self.scale_u8, self.gs_arg, w, K // 2, 0, 0, N, K, K)
+        kern, grid, args, kw = _decode_launch(w, self.packed, self.scale_u8, self.gs_arg, self.is_nv, 0, 0, N, K,
+                                              DECODE_CONFIG[self.is_nv])
         direct = DirectLaunch.first(kern, grid, args, kw, self.device)
         self._decode[dtype] = (direct, buf) if direct is not None else None
         if direct is not None:
@@ -1271,7 +1265,7 @@ class Plan:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         if M == 0:
             pass
-        elif M >= self._min_m[0]:
+        elif _use_scratch("linear", self.is_nv, M):
             if self._one_chunk():  # decode + cuBLAS with the launch kept in the plan
                 torch.mm(x2, self.decoded(x2.dtype).t(), out=out)
             else:
@@ -1297,7 +1291,8 @@ class Plan:
             else:
                 fn, grid, args, kwargs = _linear_call(x2, self.packed, self.w32, self.scale_u8, self.gs_arg, out,
                                                       launch)
-                if M <= 256 and _aligned(x2) and dkey not in self._direct:
+                # only when the launch used x2 itself: a copy made for the GEMV has other strides
+                if M <= 256 and _aligned(x2) and args[0] is x2 and dkey not in self._direct:
                     d = self._direct[dkey] = DirectLaunch.first(fn, grid, args, kwargs, x2.device)
                     if d is not None:  # keep no activation, output or workspace of this call
                         for i in ((0, 1, 5, 6, 7) if launch[0] == "gemv" else (0, 4, 5, 6)):
@@ -1313,7 +1308,7 @@ class Plan:
             dy2 = dy.reshape(-1, N)
             if dy2.stride(-1) != 1:
                 dy2 = dy2.contiguous()
-            if dy2.shape[0] >= self._min_m[1]:
+            if _use_scratch("grad_input", self.is_nv, dy2.shape[0]):
                 dx = torch.empty((dy2.shape[0], self.K), dtype=dy.dtype, device=dy.device)
                 torch.mm(dy2, self.decoded(dy2.dtype), out=dx)
                 return dx.view(*dy.shape[:-1], self.K)
