@@ -39,7 +39,8 @@ GPU_LOG ?= results/gpu_tests/gpu_tests.log
 # pytest-xdist workers sharing the one GPU: most of a cold run is Triton compiling kernels on the CPU
 GPU_WORKERS ?= 4
 GPU_XDIST = $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS)")
-GPU_SHA = $${QERL_GIT_SHA:-$$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # QERL_GIT_SHA first: a copied tree may carry stale git metadata
+# QERL_GIT_SHA first: a copied tree may carry stale git metadata
+GPU_SHA = $${QERL_GIT_SHA:-$$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 
 test-gpu test-gpu-formats test-gpu-kernels test-gpu-engine: SHELL := /bin/bash
 test-gpu test-gpu-formats test-gpu-kernels test-gpu-engine: .SHELLFLAGS := -o pipefail -c

@@ -228,7 +228,7 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
             warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse)
         sc.reset_peak()
         steps = []  # one dict of phase seconds per timed step; the row reports the medians
-        for _ in range(getattr(args, "steps", 1)):  # args objects made in code may predate --steps
+        for _ in range(args.steps):
             timed = sc.Phases()
             ph = timed  # so that an OOM in a timed step reports its phase
             t0 = time.perf_counter()

@@ -170,7 +170,7 @@ def test_guarded_turns_failures_into_rows():
 
 class _Args:
     prompt, completion, micro_batch, seed, lora_rank, learning_rate, device = P, C, 1, 0, 4, 1e-5, "cpu"
-    old_logprobs, row = "forward", None
+    old_logprobs, row, steps = "forward", None, 1
 
 
 def _t3_opt(m, args=_Args):
