@@ -184,6 +184,46 @@ def splitk_cost(res, l2):
         print(f"splitk M={m}: deterministic {tot[False] * 1e6:.1f} us, atomic {tot[True] * 1e6:.1f} us (7B layer)")
     res["splitk"] = out
 
+# Linear shapes of other families than the paper's Qwen2.5 (checked for generality, issue 14).
+OTHER_SHAPES = {"llama-3-8b": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
+                "phi-3-mini": [(9216, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]}
+
+
+def split_sweep(res, l2, ms=(1, 8, 16, 32, 64), splits=(1, 2, 4, 8, 16, 32, 64)):
+    """Fused-kernel time per split-K count (default kind and tiles), per shape and M, against the
+    split the heuristic picks: the data behind the split rule (fp4._split)."""
+    shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + [s for v in OTHER_SHAPES.values() for s in v]
+    out = []
+    for n, k in shapes:
+        t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+        wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
+        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+        args = lambda tt: (tt["weight_packed"], tt["weight_scale"], tt["weight_global_scale"], True)  # noqa: E731
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ wd.T
+            launch = fp4._linear_launch(m, n, k, True, x.device, None, None, None, True)
+            row = dict(N=n, K=k, M=m, kind=launch[0], auto_split=launch[1][1], us={})
+            for sp in (None, *splits):
+                try:
+                    out_t = fp4.launch_linear(x, *args(qc[0]), split_k=sp)
+                    err = rel(out_t, ref)
+                    if err > 2e-2:
+                        print(f"split {sp} N={n} K={k} M={m}: rel err {err:.2e}")
+                        continue
+                    fns = [lambda tt=tt, sp=sp: fp4.launch_linear(x, *args(tt), split_k=sp) for tt in qc]
+                    row["us"]["auto" if sp is None else sp] = time_graph(fns, target_s=0.03)[0] * 1e6
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    print(f"split {sp} N={n} K={k} M={m} failed: {type(e).__name__}: {str(e)[:200]}")
+            best = min((v, s) for s, v in row["us"].items() if s != "auto") if len(row["us"]) > 1 else (None, None)
+            row["best_split"], row["best_us"] = best[1], best[0]
+            print(f"split N={n:6d} K={k:6d} M={m:3d} {row['kind']:4s} auto={row['auto_split']:3d} "
+                  f"{row['us'].get('auto', float('nan')):7.1f} us; best {best[1]} {best[0] or float('nan'):.1f} us; "
+                  + " ".join(f"{s}:{v:.1f}" for s, v in row["us"].items() if s != "auto"), flush=True)
+            out.append(row)
+        del qc
+    res["split_sweep"] = out
+
 
 def eager_calls(res):
     n, k, calls = 1024, 4096, 1000
@@ -229,6 +269,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip", nargs="*", default=[])
+    ap.add_argument("--only", nargs="*", default=None, help="run only these steps")
     a = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
@@ -241,9 +282,9 @@ def main():
 
     steps = [("eager", eager_calls), ("check", check), ("layer", lambda r: layer_times(r, l2)),
              ("decode", lambda r: decode_speed(r, l2)), ("splitk", lambda r: splitk_cost(r, l2)),
-             ("layer_mxfp4", mx)]
+             ("layer_mxfp4", mx), ("split_sweep", lambda r: split_sweep(r, l2))]
     for name, fn in steps:
-        if name in a.skip:
+        if name in a.skip or (a.only is not None and name not in a.only):
             continue
         try:
             fn(res)
