@@ -10,7 +10,7 @@ profiler, so that the kernels of T decode steps are the difference of the two pr
   qerl fused      qerl.kernels.fused (RMSNorm, rotary + KV write, SiLU*up, LoRA A / B)
   sampling        softmax, top-k / top-p, the Gumbel sampler, argmax
   other           the rest (copies, casts, bookkeeping)
-Prints per category: ms and kernels per decode step; writes <out>/profile_decode.json.
+Prints per category: ms and kernels per decode step, and the TOP kernels by time; writes <out>/profile_decode.json.
 
     python -m benchmarks.profile_decode --out $OUT                      # Qwen2.5-7B, nvfp4 and bf16, bs 1 / 8 / 64
     python -m benchmarks.profile_decode --model qwen2.5-14b --batch 8 --layers 8
@@ -40,6 +40,9 @@ CATEGORIES = (  # first match wins; names as the profiler reports the kernels
     ("cuBLAS GEMM", ("nvjet", "gemm", "cutlass", "xmma", "gemv", "sm90_", "sm80_", "cublas", "aten::mm",
                      "aten::addmm", "aten::bmm", "aten::linear")),
 )
+
+
+TOP = 12  # kernels listed per row, by time
 
 
 def category(name: str) -> str:
@@ -113,11 +116,12 @@ def main(argv=None) -> dict:
                     ts.append(time.perf_counter() - t0)
                 walls[n] = statistics.median(ts)
             short, long = profile(lambda: run(1), device.type), profile(lambda: run(1 + args.tokens), device.type)
-            per_step = {}
+            per_step, per_kernel = {}, {}
             for name, (ms, count) in long.items():
                 ms0, c0 = short.get(name, (0.0, 0))
                 if ms - ms0 <= 0 and count - c0 <= 0:
                     continue
+                per_kernel[name] = ((ms - ms0) / args.tokens, (count - c0) / args.tokens)
                 cat = category(name)
                 t, c = per_step.get(cat, (0.0, 0.0))
                 per_step[cat] = (t + (ms - ms0) / args.tokens, c + (count - c0) / args.tokens)
@@ -125,12 +129,16 @@ def main(argv=None) -> dict:
             row = dict(method=method, batch=batch, step_ms=step_ms,
                        kernel_ms=sum(t for t, _ in per_step.values()),
                        kernels_per_step=sum(c for _, c in per_step.values()),
-                       categories={k: dict(ms=t, kernels=c) for k, (t, c) in sorted(per_step.items())})
+                       categories={k: dict(ms=t, kernels=c) for k, (t, c) in sorted(per_step.items())},
+                       top_kernels=[dict(name=k[:160], category=category(k), ms=t, kernels=c) for k, (t, c)
+                                    in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP]])
             res["rows"].append(row)
             print(f"== {method} bs{batch}: {step_ms:.2f} ms per decode step (wall), {row['kernel_ms']:.2f} ms in "
                   f"{row['kernels_per_step']:.0f} kernels")
             for cat, d in sorted(row["categories"].items(), key=lambda kv: -kv[1]["ms"]):
                 print(f"   {cat:14s} {d['ms']:8.3f} ms {d['kernels']:7.1f} kernels")
+            for d in row["top_kernels"]:
+                print(f"      {d['ms']:8.3f} ms {d['kernels']:6.1f} x  {d['name'][:100]}")
             del engine
             sc.free()
         del model

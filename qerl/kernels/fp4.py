@@ -657,8 +657,18 @@ def _fwd_gemv_kernel(x_ptr, x32_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_
 # Largest M served by the packed-decode GEMV kernel, and by the 16-row tensor-core kernel.
 GEMV_MAX_M = 2  # H100, 5fad37e: the GEMV took 218 / 228 us for the 7B layer at M = 3 / 4, the 16-row kernel 151 at M = 8
 SKINNY_MAX_M = 16
-# Programs to aim for when choosing split-K, in multiples of the SM count.
+# Split-K of the tensor-core kernel: about WAVES * sms programs for 16-row tiles (M <= SKINNY_MAX_M),
+# WAVES_MID * sms for larger tiles, at most MAX_SPLIT_MID splits above 16 rows, and at least
+# MIN_TILES_PER_SPLIT K tiles per split (the last program of a tile sums every split's partial, so
+# many thin splits cost more than they hide). From the H100 split sweep at 69e04ba
+# (results/kernels/h100_split_sweep_69e04ba.log, 12 shapes of three families, M = 8-64): at M = 64,
+# k/v [512, 3584] 29.7 -> 14.4 us, q/o 30.7 -> 20.1, [1024, 4096] 41.2 -> 15.2 against the old rule
+# (WAVES * sms programs, one K tile per split allowed). The GEMV keeps WAVES and one tile: its
+# partials are single rows, and the most splits won on the small matrices (k/v at M = 1: 5.7 us).
 WAVES = 4
+WAVES_MID = 2
+MAX_SPLIT_MID = 8
+MIN_TILES_PER_SPLIT = 4
 
 _SM_COUNT: dict = {}
 
@@ -672,12 +682,14 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None) -> int:
-    """Split K so that about WAVES * sms programs run, never more splits than K tiles."""
-    want = max(1, -(-WAVES * sms // max(n_tiles, 1)))
+def _split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None, waves: int = WAVES,
+           min_tiles: int = 1) -> int:
+    """Split K so that about waves * sms programs run, at most max_split splits and at least
+    min_tiles K tiles a split (never more splits than K tiles)."""
+    want = max(1, -(-waves * sms // max(n_tiles, 1)))
     if max_split is not None:
         want = min(want, max_split)
-    return max(1, min(want, k_tiles))
+    return max(1, min(want, k_tiles // max(min_tiles, 1)))
 
 
 def pick_config(kind: str, M: int, N: int, K: int, is_nv: bool) -> dict:
@@ -1037,7 +1049,9 @@ def _linear_launch(M: int, N: int, K: int, is_nv: bool, device: torch.device, ki
         k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
         n_tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
         if split_k is None:  # split K only when the output tiles alone cannot fill the GPU
-            split = _split(n_tiles, k_tiles, sms) if n_tiles < 2 * sms else 1
+            skinny = cfg["BLOCK_M"] <= SKINNY_MAX_M
+            split = (_split(n_tiles, k_tiles, sms, None if skinny else MAX_SPLIT_MID,
+                            WAVES if skinny else WAVES_MID, MIN_TILES_PER_SPLIT) if n_tiles < 2 * sms else 1)
         else:
             split = split_k
         meta.setdefault("SWAP_AB", True)  # configs written before these options existed

@@ -66,6 +66,10 @@ from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input, stacked_A
 
 SUPPORTED = SUPPORTED_MODEL_TYPES  # qerl.arch: every family qerl loads
 WINDOW = 256  # cache length granularity and the smallest attention window
+# Largest batch whose decode step multiplies the LoRA A's inside the norm kernel (add_rmsnorm_lora_a:
+# a program per row and two A rows, each recomputing its row's norm); larger batches run the plain
+# norm and then one lora_a launch tiled over rows.
+NORM_LORA_A_MAX_M = 16
 
 
 def _rotate_half(x):
@@ -248,7 +252,9 @@ class FastEngine:
     def _fused_norm(res, delta, norm, feeds):
         """(res + delta, its RMSNorm x, x times the stacked LoRA A of the Linears ``feeds`` or None), one launch."""
         w, eps = norm.weight, norm.variance_epsilon
-        As = stacked_A(feeds) if feeds else None
+        # the norm kernel's LoRA-A product recomputes the row's norm in every program: above
+        # NORM_LORA_A_MAX_M rows, the plain norm and one tiled lora_a launch (grouped_linears) are faster
+        As = stacked_A(feeds) if feeds and res.shape[0] <= NORM_LORA_A_MAX_M else None
         if As is not None:
             return fused.add_rmsnorm_lora_a(res, delta, w, eps, As)
         if delta is None:
