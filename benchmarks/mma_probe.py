@@ -1,0 +1,154 @@
+# ruff: noqa: B023  (the lambdas run within their loop iteration)
+"""GPU probe of the compute-layout tensor-core kernel (qerl.kernels.fp4_mma, issue 14).
+
+Checks: compute layout round trip (bit for bit) and the kernel against the fp32 reference on the
+Qwen2.5-7B shapes, other families' shapes and ragged ones (N % 16, K % 64 != 0), M = 1-64, NVFP4 and
+MXFP4; repeated calls bitwise equal. Times: the 7B layer (sum of the seven linears) per M for bf16
+cuBLAS, qerl's current fused kernels and fp4_mma (default rule), and a config sweep per shape.
+
+    python -m benchmarks.mma_probe --out $OUT        (writes <out>/mma_probe.json)
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_kernels import n_copies, time_graph
+from benchmarks.kernel_probe import OTHER_SHAPES, rel
+from qerl import formats
+from qerl.arch import LINEAR_NAMES as PROJECTIONS
+from qerl.arch import linear_shapes
+from qerl.kernels import fp4, fp4_mma
+
+MS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def check(res):
+    bad, n_ok = [], 0
+    shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"] + [(200, 352), (1000, 4128)]
+    for fmt in ("nvfp4", "mxfp4"):
+        nv = fmt == "nvfp4"
+        for n, k in shapes:
+            t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
+            p, s, gs = t["weight_packed"], t["weight_scale"], t.get("weight_global_scale")
+            why = fp4_mma.compute_layout_ok(p, s, nv)
+            if why:
+                bad.append(("layout_ok", fmt, n, k, why))
+                continue
+            pc, sc = fp4_mma.to_compute_layout(p, s, nv)
+            p2, s2 = fp4_mma.from_compute_layout(pc, sc, n, k, nv)
+            if not (torch.equal(p2, p) and torch.equal(s2, s.view(torch.uint8))):
+                bad.append(("roundtrip", fmt, n, k))
+            wd = formats.dequantize(t, fmt, dtype=torch.float32)
+            for m in MS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ wd.T
+                try:
+                    y = fp4_mma.linear(x, pc, sc, gs, n, k, nv)
+                    e = rel(y, ref)
+                    y2 = fp4_mma.linear(x, pc, sc, gs, n, k, nv)
+                    if e > 1e-2 or not torch.equal(y, y2):
+                        bad.append(("linear", fmt, n, k, m, e, bool(torch.equal(y, y2))))
+                    else:
+                        n_ok += 1
+                except Exception as ex:  # noqa: BLE001
+                    bad.append(("linear", fmt, n, k, m, f"{type(ex).__name__}: {str(ex)[:300]}"))
+    res["check_bad"], res["check_ok"] = bad, n_ok
+    print(f"check: {n_ok} ok, {len(bad)} bad", bad[:10], flush=True)
+
+
+def layer(res, l2, model="qwen2.5-7b", ms=MS):
+    shapes = linear_shapes(model)
+    tot = {}
+    for p in PROJECTIONS:
+        n, k = shapes[p]
+        w = torch.randn(n, k, device="cuda") * 0.02
+        t = formats.quantize(w, "nvfp4")
+        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+        cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
+        wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
+        gs = t["weight_global_scale"]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc],
+                   "nvfp4": [lambda tt=tt: fp4.launch_linear(x, tt["weight_packed"], tt["weight_scale"],
+                                                             tt["weight_global_scale"], True) for tt in qc],
+                   "mma": [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True) for c in cl]}
+            for name, f in fns.items():
+                sec = time_graph(f, target_s=0.03)[0]
+                tot[(name, m)] = tot.get((name, m), 0.0) + sec * 1e6
+        del qc, cl, wc
+    out = {}
+    for m in ms:
+        b, q, mm = tot[("bf16", m)], tot[("nvfp4", m)], tot[("mma", m)]
+        out[m] = dict(bf16_us=b, nvfp4_us=q, mma_us=mm, nvfp4_over_bf16=b / q, mma_over_bf16=b / mm,
+                      hbm_tbps_mma=sum(n * k * 0.5625 for n, k in shapes.values()) / (mm * 1e-6) / 1e12)
+        print(f"{model} layer M={m:3d}: bf16 {b:7.1f} us, nvfp4 now {q:7.1f} ({b / q:.2f}x), mma {mm:7.1f} "
+              f"({b / mm:.2f}x, {out[m]['hbm_tbps_mma']:.2f} TB/s)", flush=True)
+    res.setdefault("layer", {})[model] = out
+
+
+def sweep(res, l2):
+    rows = []
+    shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"]
+    cands = {1: [(8, 4, 1), (8, 8, 1), (8, 2, 1), (8, 4, 2)], 8: [(8, 4, 1), (8, 8, 1), (8, 2, 1), (8, 4, 2)],
+             16: [(16, 2, 1), (16, 4, 1), (16, 1, 1), (16, 2, 2)], 32: [(32, 1, 1), (32, 2, 1)],
+             64: [(64, 1, 1), (64, 1, 2)]}
+    for n, k in shapes:
+        t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+        cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
+        gs = t["weight_global_scale"]
+        for m, cc in cands.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for bm, kb, reps in cc:
+                for split in (None, 1, 2, 4, 8, 16, 32):
+                    cfg = dict(BM=bm, KB=kb, REPS=reps, num_warps=4)
+                    try:
+                        f = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg, split_k=split) for c in cl]
+                        us = time_graph(f, target_s=0.02)[0] * 1e6
+                    except Exception as e:  # noqa: BLE001
+                        print("sweep fail", n, k, m, cfg, split, type(e).__name__, str(e)[:200])
+                        continue
+                    rows.append(dict(N=n, K=k, M=m, BM=bm, KB=kb, REPS=reps, split=split, us=us))
+            best = min((r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m), key=lambda r: r["us"])
+            auto = [r["us"] for r in rows if r["N"] == n and r["K"] == k and r["M"] == m and r["split"] is None
+                    and (r["BM"], r["KB"], r["REPS"]) == cc[0]]
+            print(f"sweep N={n:6d} K={k:6d} M={m:3d}: rule {auto[0] if auto else float('nan'):7.1f} us; best {best['us']:7.1f} "
+                  f"BM={best['BM']} KB={best['KB']} REPS={best['REPS']} split={best['split']}", flush=True)
+        del qc, cl
+    res["sweep"] = rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--only", nargs="*", default=None)
+    a = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
+    res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%d"))
+    t0 = time.time()
+    steps = [("check", check), ("layer", lambda r: layer(r, l2)),
+             ("layer_llama", lambda r: None), ("sweep", lambda r: sweep(r, l2))]
+    for name, fn in steps:
+        if a.only is not None and name not in a.only:
+            continue
+        try:
+            fn(res)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            res[f"{name}_error"] = repr(e)
+        print(f"[{name} done at {time.time() - t0:.0f} s]", flush=True)
+        with open(os.path.join(a.out, "mma_probe.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""Tensor-core W4A16 kernel for small M (decode batches) on a compute layout made for it (issue 14).
+
+The compressed-tensors layout (``weight_packed`` [N, K/2], ``weight_scale`` [N, K/B]) keeps each
+row's bytes in K order. A tensor-core kernel wants instead each lane's ``mma.m16n8k16`` fragment in
+one vector load. ``to_compute_layout`` rewrites a weight once (when a layer's plan is built) into:
+
+  - packed: uint8 [Np/16, Kp/64, 8 (g), 4 (c), 16]: for each 16-row x 64-column block, lane
+    (g, c) of a warp reads 16 contiguous bytes: rows g and g + 8 (h = 0, 1), columns
+    64 kb + 16 c + 0..15 (the 16 weights of one NVFP4 block, half of an MXFP4 block). Word t of
+    the 16 bytes holds columns 16 c + 4 t + 2 q + e; its nibble i (i < 4) is (h = i & 1,
+    q = i >> 1, e = 0) and nibble i + 4 the same with e = 1, so that ``(w << s) & mask`` turns it
+    into one bf16x2 register of the mma's A fragment.
+  - scales: uint8 [Np/16, Kp/64, 8 (g), 4 (c), 2 (h)]: the scale of the block of those weights.
+    NVFP4 stores t = ((F - 236) << 3) | mmm, F and mmm the exponent field and mantissa of the
+    bf16 equal to the E4M3 scale times 2^119 (exact, every E4M3 value), t = 0 for a zero scale;
+    the kernel makes the bf16 with one multiply-add. MXFP4 keeps the E8M0 byte.
+
+The permutation of K inside a 64-block is the same for the activations: lane (g, c) reads 16
+contiguous activations of row g, so the mma pairs weight and activation of the same k. Padding
+rows / columns are zero. ``from_compute_layout`` is the exact inverse (tests: bit for bit).
+
+Exactness: the kernel decodes an E2M1 code c to the bf16 c * 2^-126 (bits placed, subnormal for
+0.5) and multiplies it by the scale's bf16 (E4M3 * 2^119 or 2^(e - 63)) with one bf16x2 FMA per
+two weights: the weight times 2^-7 (2^-62), exactly. The powers of two and the NVFP4 global divisor
+come off in the epilogue; the tensor cores accumulate in fp32.
+
+Requires Gluon (triton >= 3.6) and a GPU with mma.sync bf16 (sm_80+); ``available()`` says whether
+it can run. Not run under TRITON_INTERPRET: the CPU tests check the layout, its inverse and a torch
+emulation of the kernel's arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KBLOCK = 64  # columns of a compute-layout block
+RBLOCK = 16  # rows of a compute-layout block
+T_OFFSET = 236  # bf16 exponent field of the NVFP4 scale byte's zero point (see the module docstring)
+
+try:  # Gluon: triton >= 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - older triton
+    HAVE_GLUON = False
+
+
+# ----------------------------------------------------------------------------------------------
+# the compute layout and its inverse (torch, any device)
+
+
+def _pad_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def nvfp4_scale_code(scale_u8: torch.Tensor) -> torch.Tensor:
+    """E4M3 scale bytes -> the compute layout's byte t (see the module docstring); uint8."""
+    s = scale_u8.to(torch.int32)
+    e, m = (s >> 3) & 0xF, s & 0x7
+    # bf16 of E4M3 * 2^119: normal E4M3 (e >= 1): exponent e - 7 + 119 -> field e + 239, mantissa m;
+    # subnormal (e == 0): m * 2^-9 * 2^119 = m * 2^110 -> normalise m (1..7)
+    top = torch.where(m >= 4, 2, torch.where(m >= 2, 1, 0))  # floor(log2(m)) for m >= 1
+    F = torch.where(e > 0, e + 239, 237 + top)
+    mant = torch.where(e > 0, m, (m << (3 - top)) & 0x7)
+    t = ((F - T_OFFSET) << 3) | mant
+    zero = (s & 0x7F) == 0
+    return torch.where(zero, 0, t).to(torch.uint8)
+
+
+def nvfp4_scale_from_code(t: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of ``nvfp4_scale_code`` (uint8 E4M3 bytes; sign: the original sign bits, 0 or 0x80)."""
+    t = t.to(torch.int32)
+    F, mant = (t >> 3) + T_OFFSET, t & 0x7
+    e = torch.where(F >= 240, F - 239, 0)
+    # subnormal: m * 2^(F - 237 ... ) -> m = (1.mant) >> (3 - (F - 237))
+    sub = ((8 | mant) >> (3 - (F - 237).clamp(0, 3))) & 0x7
+    m = torch.where(F >= 240, mant, sub)
+    out = torch.where(t == 0, 0, (e << 3) | m)
+    if sign is not None:
+        out = out | sign.to(torch.int32)
+    return out.to(torch.uint8)
+
+
+def compute_layout_ok(packed: torch.Tensor, scale: torch.Tensor, is_nv: bool) -> str | None:
+    """None if the weight has an exact compute layout, else why not (NaN scales; a zero scale with
+    non-zero codes, which the kernel's t = 0 could not keep at zero)."""
+    s = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    if is_nv:
+        if bool(((s & 0x7F) == 0x7F).any()):
+            return "NaN block scales"
+        zero = (s & 0x7F) == 0
+    else:
+        if bool((s == 0xFF).any()):
+            return "NaN block scales"
+        zero = s == 0
+        if bool((s > 190).any()):
+            return "MXFP4 block scales above 2^63"
+    if bool(zero.any()):
+        B = 16 if is_nv else 32
+        N, KH = packed.shape
+        codes = packed.view(N, KH * 2 // B, B // 2)
+        if bool(((codes != 0).any(-1) & zero).any()):
+            return "zero block scales with non-zero codes"
+    return None
+
+
+def to_compute_layout(packed: torch.Tensor, scale: torch.Tensor, is_nv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, scales) in the compute layout (see the module docstring), on packed's device."""
+    N, KH = packed.shape
+    K = 2 * KH
+    Np, Kp = _pad_to(N, RBLOCK), _pad_to(K, KBLOCK)
+    s = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    B = 16 if is_nv else 32
+    # codes [Np, Kp]: one uint8 per weight (padding: code 0)
+    codes = torch.zeros(Np, Kp, dtype=torch.uint8, device=packed.device)
+    codes[:N, :K:2] = packed & 0xF
+    codes[:N, 1:K:2] = packed >> 4
+    # [nb, h, g, kb, c, t, q, e] -> [nb, kb, g, c, t, nibble = (e, q, h)]
+    c8 = codes.view(Np // 16, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
+    c8 = c8.reshape(Np // 16, Kp // 64, 8, 4, 4, 8).to(torch.int32)  # nibble index i = 4 e + 2 q + h
+    words = torch.zeros(c8.shape[:-1], dtype=torch.int32, device=packed.device)
+    for i in range(8):
+        words |= c8[..., i] << (4 * i)
+    out = words.contiguous().view(torch.uint8).view(Np // 16, Kp // 64, 8, 4, 16)
+    # scales: block of column 64 kb + 16 c
+    code = nvfp4_scale_code(s) if is_nv else s
+    sp = torch.zeros(Np, Kp // B, dtype=torch.uint8, device=packed.device)
+    sp[:N, :K // B] = code
+    cols = (torch.arange(Kp // 64, device=packed.device)[:, None] * 64
+            + torch.arange(4, device=packed.device)[None, :] * 16) // B  # [kb, c]
+    st = sp[:, cols]  # [Np, kb, c]
+    st = st.view(Np // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).contiguous()  # [nb, kb, g, c, h]
+    return out.contiguous(), st
+
+
+def from_compute_layout(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: int, is_nv: bool,
+                        scale_sign: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact inverse of ``to_compute_layout``: (weight_packed uint8 [N, K/2], scale bytes uint8
+    [N, K/B]). ``scale_sign``: NVFP4 scale sign bits to restore (the layout drops them; the
+    quantizer writes none)."""
+    nb, kb = packed_c.shape[:2]
+    Np, Kp = nb * 16, kb * 64
+    words = packed_c.contiguous().view(torch.int32).view(nb, kb, 8, 4, 4)
+    c8 = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1)  # [nb, kb, g, c, t, i]
+    c8 = c8.view(nb, kb, 8, 4, 4, 2, 2, 2)  # i = (e, q, h)
+    codes = c8.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(Np, Kp)  # [nb, h, g, kb, c, t, q, e]
+    packed = (codes[:N, :K:2] | (codes[:N, 1:K:2] << 4)).to(torch.uint8)
+    B = 16 if is_nv else 32
+    st = scales_c.permute(0, 4, 2, 1, 3).reshape(Np, kb * 4)  # [nb, h, g, kb, c] -> [Np, kb * 4]
+    st = st[:, ::B // 16] if B > 16 else st
+    st = st[:N, :K // B]
+    if is_nv:
+        st = nvfp4_scale_from_code(st, scale_sign)
+    return packed.contiguous(), st.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel (Gluon)
+
+# One word (8 codes) and its scale word (bytes s_h0, -, s_h1, -) -> four bf16x2 registers of the A
+# fragment: (h0, q0), (h1, q0) as the first output's two registers, (h0, q1), (h1, q1) the second's.
+_ASM_NV = """
+{
+.reg .b32 p<4>, m, t, s0, s1, z;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $5, 0, 0x4040; mad.lo.u32 s0, t, 16, 0x76007600;
+prmt.b32 t, $5, 0, 0x4242; mad.lo.u32 s1, t, 16, 0x76007600;
+shl.b32 m, $4, 6;  and.b32 m, m, 0x01C001C0; shl.b32 t, $4, 12; and.b32 t, t, 0x80008000; or.b32 p0, m, t;
+shl.b32 m, $4, 2;  and.b32 m, m, 0x01C001C0; shl.b32 t, $4, 8;  and.b32 t, t, 0x80008000; or.b32 p1, m, t;
+shr.b32 m, $4, 2;  and.b32 m, m, 0x01C001C0; shl.b32 t, $4, 4;  and.b32 t, t, 0x80008000; or.b32 p2, m, t;
+shr.b32 m, $4, 6;  and.b32 m, m, 0x01C001C0;                    and.b32 t, $4, 0x80008000; or.b32 p3, m, t;
+fma.rn.bf16x2 $0, p0, s0, z;
+fma.rn.bf16x2 $1, p1, s1, z;
+fma.rn.bf16x2 $2, p2, s0, z;
+fma.rn.bf16x2 $3, p3, s1, z;
+}
+"""
+# MXFP4: the scale's bf16 is 2^(e - 63): exponent field e + 64
+_ASM_MX = _ASM_NV.replace("mad.lo.u32 s0, t, 16, 0x76007600", "mad.lo.u32 s0, t, 128, 0x20002000").replace(
+    "mad.lo.u32 s1, t, 16, 0x76007600", "mad.lo.u32 s1, t, 128, 0x20002000")
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _mma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                    M, N, K, NB_K, stride_xm, stride_om, iters_per_split,
+                    IS_NV: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr, KB: gl.constexpr,
+                    ASM: gl.constexpr, num_warps: gl.constexpr):
+        """out[M, N] = x W^T. Grid (cdiv(Np, 64 REPS), split). A program: REPS 16-row blocks per warp
+        (BN = 64 REPS rows), BM (8 or 16) rows of x, KB 64-column blocks an iteration."""
+        R: gl.constexpr = 4 * REPS  # 16-row blocks of a program
+        BN: gl.constexpr = 16 * R
+        NT: gl.constexpr = BM // 8
+        BK: gl.constexpr = 64 * KB
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+        b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+        # weights [R, 8 (g), 4 (c), KB, 16 bytes]: 16 contiguous bytes a lane, warps over row blocks
+        w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+        # scales [R, 8, 4, KB, 2 (h)], loaded as a slice of [R, 8, 4, KB, 4 (t), 2 (h), 2] (the decode's
+        # scale words, made by broadcasting)
+        s7_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1, 1], [4, 1, 1, 1, 1, 1, 1],
+                                              [6, 5, 4, 3, 2, 1, 0])
+        s_l: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(6, s7_l))
+        # activations [NT, 8 (g = row), 4 (c), KB, 16 bf16]: every warp holds the whole tile
+        x_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [1, 1, 1, 1, 4], [4, 3, 2, 1, 0])
+
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        nb0 = pid_n * R
+        # weight / scale offsets of iteration 0 (block kb0 = 0)
+        wr = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, w_l)))))
+        wg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, w_l)))))
+        wc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_l)))))
+        wk = gl.arange(0, KB, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, w_l)))))
+        wb = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_l)))))
+        NBN = gl.cdiv(N, 16)
+        rows_ok = (nb0 + wr) < NBN
+        nbc = gl.minimum(nb0 + wr, NBN - 1).to(gl.int64)
+        w_off = (((nbc * NB_K)[:, None, None, None, None] * 512 + wk[None, None, None, :, None] * 512)
+                 + (wg[None, :, None, None, None] * 64 + wc[None, None, :, None, None] * 16)
+                 + wb[None, None, None, None, :])
+        sr = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s_l)))))
+        sg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s_l)))))
+        sc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, s_l)))))
+        sk = gl.arange(0, KB, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, s_l)))))
+        sh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s_l)))))
+        snb = gl.minimum(nb0 + sr, NBN - 1).to(gl.int64)
+        s_off = (((snb * NB_K)[:, None, None, None, None] * 64 + sk[None, None, None, :, None] * 64)
+                 + (sg[None, :, None, None, None] * 8 + sc[None, None, :, None, None] * 2)
+                 + sh[None, None, None, None, :])
+        # activation offsets: row nt * 8 + g, column 64 kb + 16 c + j
+        xt = gl.arange(0, NT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, x_l)))))
+        xg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, x_l)))))
+        xc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, x_l)))))
+        xk = gl.arange(0, KB, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, x_l)))))
+        xj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_l)))))
+        xrow = xt[:, None, None, None, None] * 8 + xg[None, :, None, None, None]
+        xcol = xk[None, None, None, :, None] * 64 + xc[None, None, :, None, None] * 16 + xj[None, None, None, None, :]
+        x_rows = gl.minimum(xrow, M - 1).to(gl.int64) * stride_xm
+        x_mask_m = xrow < M
+
+        acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+        n_iter = gl.cdiv(NB_K, KB)
+        i0 = pid_k * iters_per_split
+        i1 = gl.minimum(i0 + iters_per_split, n_iter)
+        for it in range(i0, i1):
+            kb0 = it * KB
+            kmask = (kb0 + wk) < NB_K
+            wq = gl.load(w_ptr + (w_off + kb0 * 512), mask=kmask[None, None, None, :, None], other=0)
+            sq = gl.load(s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk)[None, None, None, :, None] < NB_K, other=0)
+            kc = kb0 * 64 + xcol
+            xv = gl.load(x_ptr + (x_rows + kc), mask=x_mask_m & (kc < K), other=0.0)
+            # scale bytes to the decode's word: [.., KB, 2 (h)] -> [.., KB, 4 (t), 2 (h), 2] -> [.., KB, 16]
+            s16 = gl.convert_layout(
+                gl.reshape(gl.expand_dims(gl.expand_dims(sq, 4), 6) + gl.zeros([R, 8, 4, KB, 4, 2, 2], gl.uint8, s7_l),
+                       [R, 8, 4, KB, 16]), w_l)
+            lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
+                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+            # [R, g, c, KB, 16 = (t, h, e)] x 2 (q) -> [R, h, g, KB, t, q, c, e] -> [BN, BK]
+            wv = gl.join(lo, hi)
+            wv = gl.reshape(wv, [R, 8, 4, KB, 4, 2, 2, 2])  # [nb, g, c, kb, t, h, e, q]
+            wv = gl.permute(wv, [0, 5, 1, 3, 4, 7, 2, 6])  # [nb, h, g, kb, t, q, c, e]
+            a = gl.convert_layout(gl.reshape(wv, [BN, BK]), a_l)
+            # [NT, g, c, KB, 16 = (t, q, e)] -> [kb, t, q, c, e, nt, g] -> [BK, BM]
+            xb = gl.reshape(xv, [NT, 8, 4, KB, 4, 2, 2])
+            xb = gl.permute(xb, [3, 4, 5, 2, 6, 0, 1])
+            b = gl.convert_layout(gl.reshape(xb, [BK, BM]), b_l)
+            acc = mma_v2(a, b, acc)
+        if IS_NV:
+            alpha = 128.0 / gl.load(gs_ptr)
+        else:
+            alpha = 4611686018427387904.0
+        acc = acc * alpha
+        # epilogue: acc [BN (n), BM (m)] -> out[m, n]; split-K reduced in a fixed order
+        offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        o_off = offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None]
+        n_split = gl.num_programs(1)
+        if n_split == 1:
+            gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            mn = (pid_k.to(gl.int64) * 0 + M) * N
+            w_offs = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
+            gl.store(ws_ptr + pid_k.to(gl.int64) * mn + w_offs, acc, mask=mask)
+            count = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if count == n_split - 1:
+                total = gl.zeros([BN, BM], gl.float32, layout=mma)
+                for i in range(0, n_split):  # fixed order: bitwise the same every call
+                    total += gl.load(ws_ptr + i * mn + w_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch
+
+def available(device: torch.device | None = None) -> bool:
+    """Gluon importable and a CUDA device with bf16 mma.sync (sm_80+)."""
+    if not HAVE_GLUON or not torch.cuda.is_available():
+        return False
+    dev = device if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(dev) >= (8, 0)
+
+
+MAX_M = 64  # largest M the kernel serves (B-operand registers grow with M)
+
+
+def pick_config(M: int, N: int, K: int) -> dict:
+    """Launch config by rule: BM the smallest of 8 / 16 / 32 / 64 holding M; KB (64-column blocks an
+    iteration) so that a lane holds <= 64 activations of the B operand; REPS 1."""
+    BM = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
+    return dict(BM=BM, KB=max(1, 32 // BM), REPS=1, num_warps=4)
+
+
+def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs: torch.Tensor | None, N: int,
+           K: int, is_nv: bool, out: torch.Tensor | None = None, config: dict | None = None,
+           split_k: int | None = None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] W^T with W in the compute layout (``to_compute_layout``); bf16 x2."""
+    from qerl.kernels import fp4
+
+    M = x2.shape[0]
+    if M > MAX_M:
+        raise ValueError(f"fp4_mma serves M <= {MAX_M}, got {M}")
+    if x2.dtype != torch.bfloat16:
+        raise ValueError(f"fp4_mma takes bfloat16 activations, got {x2.dtype}")
+    if out is None:
+        out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    cfg = dict(config or pick_config(M, N, K))
+    warps = cfg.pop("num_warps", 4)
+    nbn, nbk = packed_c.shape[0], packed_c.shape[1]
+    n_tiles = triton_cdiv(nbn, 4 * cfg["REPS"])
+    iters = triton_cdiv(nbk, cfg["KB"])
+    if split_k is None:
+        split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), None, fp4.WAVES, 2)
+    ips = triton_cdiv(iters, split_k)
+    split = triton_cdiv(iters, ips)
+    ws, cnt = fp4._workspace(x2.device, 0 if split == 1 else split * M * N, n_tiles if split > 1 else 0, atomic=False)
+    _mma_kernel[(n_tiles, split)](x2, packed_c, scales_c, gs if gs is not None else scales_c, out, ws, cnt,
+                                  M, N, K, nbk, x2.stride(0), out.stride(0), ips, IS_NV=is_nv,
+                                  ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **cfg)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: int, is_nv: bool,
+                     gs: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [N, K] weight the kernel multiplies by, computed the kernel's way in torch (bf16 code *
+    2^-126 times the scale's bf16, then the epilogue factor): for tests on any device."""
+    nb, kb = packed_c.shape[:2]
+    words = packed_c.contiguous().view(torch.int32).view(nb, kb, 8, 4, 4).to(torch.int64) & 0xFFFFFFFF
+    c8 = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1)  # [nb, kb, g, c, t, i = (e, q, h)]
+    mag, neg = c8 & 0x7, (c8 & 0x8) != 0
+    code = torch.where(mag >= 2, torch.exp2((mag >> 1).double() - 1) * (1 + (mag & 1) / 2), (mag & 1) * 0.5)
+    code = torch.where(neg, -code, code)
+    t = scales_c.to(torch.int64)  # [nb, kb, g, c, h]
+    if is_nv:
+        F, mant = (t >> 3) + T_OFFSET, t & 0x7
+        sbf = torch.exp2(F.double() - 127) * (1 + mant / 8)  # the bf16 the kernel makes (t = 0 too)
+        scale = sbf * 2.0 ** -119
+    else:
+        scale = torch.exp2(t.double() - 127)
+    # weight (h, c, t, q, e) of lane (g, c): scale of (g, c, h)
+    c8 = code.view(nb, kb, 8, 4, 4, 2, 2, 2)  # [.., t, e, q, h]
+    w = c8 * scale[:, :, :, :, None, None, None, :]
+    w = w.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(nb * 16, kb * 64)[:N, :K]
+    if is_nv and gs is not None:
+        w = w / gs.double().cpu().item() if gs.device.type == "cpu" else w / float(gs)
+    return w.float()
