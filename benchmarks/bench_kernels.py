@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from benchmarks.speed_common import copy_bandwidth_tbps  # noqa: E402
 from qerl import formats, kernels  # noqa: E402
 from qerl.arch import LAYER_CONFIGS, LINEAR_NAMES, linear_shapes  # noqa: E402
-from qerl.kernels import fp4  # noqa: E402
+from qerl.kernels import fp4, fp4_mma  # noqa: E402
 
 M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 1024, 2048)
 GRAD_M_VALUES = (256, 1024, 2048)
@@ -146,16 +146,21 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
     qc = {fmt: [{kk: v.clone() for kk, v in q[fmt].items()} for _ in range(c[fmt])] for fmt in q}
     wc = [w.clone() for _ in range(c["bf16"])]
     nf4 = make_bnb(w, c["nf4"]) if bnb_ok else None
+    # one kernel cache per copy, as a QuantLinear keeps one (the small-M kernel's compute layout lives there)
+    caches = {fmt: [{} for _ in qc[fmt]] for fmt in qc}
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         res = {}
         for fmt in TRITON:
-            res[fmt] = time_graph([lambda t=t, x=x, fmt=fmt: kernels.linear(x, fmt, t, n, k, backend="triton") for t in qc[fmt]])
+            res[fmt] = time_graph([lambda t=t, x=x, fmt=fmt, c=c: kernels.linear(x, fmt, t, n, k, backend="triton", cache=c)
+                                   for t, c in zip(qc[fmt], caches[fmt])])
         res["bf16"] = time_graph([lambda wi=wi, x=x: F.linear(x, wi) for wi in wc])
         if nf4 is not None:
             f, packs = nf4
             res["nf4"] = time_graph([lambda p=p, f=f, x=x: f(x, p) for p in packs])
         kind = "gemv" if m <= fp4.GEMV_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
+        if fp4_mma.ENABLED and fp4_mma.available() and m <= fp4_mma.MMA_MAX_M:
+            kind = "mma"  # the compute-layout kernel (qerl.kernels.fp4_mma)
         if fp4._use_scratch("linear", True, m):
             kind = "scratch"  # decode into the bf16 scratch + cuBLAS
         for meth, (sec, mode) in res.items():
@@ -177,7 +182,7 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
                              tflops=2 * m * n * k / sec / 1e12, timing=mode,
                              kernel=("scratch" if fp4._use_scratch("grad_input", True, m) else "bwd-dot")
                              if meth in TRITON else None))
-    del qc, wc, nf4
+    del qc, wc, nf4, caches
     torch.cuda.empty_cache()
 
 

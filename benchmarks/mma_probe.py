@@ -77,18 +77,22 @@ def layer(res, l2, model="qwen2.5-7b", ms=MS):
             fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc],
                    "nvfp4": [lambda tt=tt: fp4.launch_linear(x, tt["weight_packed"], tt["weight_scale"],
                                                              tt["weight_global_scale"], True) for tt in qc],
-                   "mma": [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True) for c in cl]}
+                   "mma": [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True) for c in cl],
+                   "mma_noprefetch": [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True,
+                                                                 config=dict(fp4_mma.pick_config(m, n, k), PREFETCH=False))
+                                      for c in cl]}
             for name, f in fns.items():
                 sec = time_graph(f, target_s=0.03)[0]
                 tot[(name, m)] = tot.get((name, m), 0.0) + sec * 1e6
         del qc, cl, wc
     out = {}
     for m in ms:
-        b, q, mm = tot[("bf16", m)], tot[("nvfp4", m)], tot[("mma", m)]
-        out[m] = dict(bf16_us=b, nvfp4_us=q, mma_us=mm, nvfp4_over_bf16=b / q, mma_over_bf16=b / mm,
+        b, q, mm, npf = tot[("bf16", m)], tot[("nvfp4", m)], tot[("mma", m)], tot[("mma_noprefetch", m)]
+        out[m] = dict(bf16_us=b, nvfp4_us=q, mma_us=mm, mma_noprefetch_us=npf, nvfp4_over_bf16=b / q,
+                      mma_over_bf16=b / mm,
                       hbm_tbps_mma=sum(n * k * 0.5625 for n, k in shapes.values()) / (mm * 1e-6) / 1e12)
         print(f"{model} layer M={m:3d}: bf16 {b:7.1f} us, nvfp4 now {q:7.1f} ({b / q:.2f}x), mma {mm:7.1f} "
-              f"({b / mm:.2f}x, {out[m]['hbm_tbps_mma']:.2f} TB/s)", flush=True)
+              f"({b / mm:.2f}x, {out[m]['hbm_tbps_mma']:.2f} TB/s), without prefetch {npf:7.1f}", flush=True)
     res.setdefault("layer", {})[model] = out
 
 
@@ -133,8 +137,7 @@ def main():
     l2 = props.L2_cache_size
     res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%d"))
     t0 = time.time()
-    steps = [("check", check), ("layer", lambda r: layer(r, l2)),
-             ("layer_llama", lambda r: None), ("sweep", lambda r: sweep(r, l2))]
+    steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("sweep", lambda r: sweep(r, l2))]
     for name, fn in steps:
         if a.only is not None and name not in a.only:
             continue

@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.kernels import fp4_mma
+
 # ----------------------------------------------------------------------------------------------
 # bit decoding
 
@@ -1219,7 +1221,7 @@ class Plan:
     torch.compile the custom ops are used instead)."""
 
     __slots__ = ("packed", "scale", "gs", "is_nv", "N", "K", "w32", "scale_u8", "gs_arg", "device", "_launch",
-                 "_decode", "_direct", "__weakref__")
+                 "_decode", "_direct", "_mma", "__weakref__")
     autograd_fn = None  # PlannedLinear, set below
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, is_nv: bool):
@@ -1235,6 +1237,7 @@ class Plan:
         self._launch: dict = {}
         self._decode: dict = {}  # dtype -> (DirectLaunch, the scratch buffer it writes) or None
         self._direct: dict = {}  # (M, atomic, dtype, x row stride) -> DirectLaunch of the small-M kernel or None
+        self._mma: dict = {}  # the compute layout of fp4_mma, made on the first small-M bf16 call
 
     def decoded(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight decoded into the device's scratch (one decode launch); valid until the
@@ -1256,6 +1259,9 @@ class Plan:
         if direct is not None:
             _PLANS_HOLDING_SCRATCH.add(self)
         return w
+
+    def _mma_layout(self):
+        return fp4_mma.cached_layout(self._mma, self.packed, self.scale_u8, self.is_nv)
 
     def release(self) -> None:
         """Drop the kept launches (their argument lists reference the scratch)."""
@@ -1279,6 +1285,9 @@ class Plan:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         if M == 0:
             pass
+        elif fp4_mma.applies(x2, K) and self._mma_layout() is not None:
+            cl = self._mma[fp4_mma._CACHE_KEY][1]
+            fp4_mma.linear(x2, cl[0], cl[1], self.gs, N, K, self.is_nv, out)
         elif _use_scratch("linear", self.is_nv, M):
             if self._one_chunk():  # decode + cuBLAS with the launch kept in the plan
                 torch.mm(x2, self.decoded(x2.dtype).t(), out=out)

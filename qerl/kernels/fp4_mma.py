@@ -184,10 +184,19 @@ _ASM_MX = _ASM_NV.replace("mad.lo.u32 s0, t, 16, 0x76007600", "mad.lo.u32 s0, t,
 if HAVE_GLUON:
 
     @gluon.jit
+    def _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk, kb0, kb_lim, K):
+        """Weights, scales and activations of the KB column blocks from block kb0 (masked at kb_lim)."""
+        wq = gl.load(w_ptr + (w_off + kb0 * 512), mask=((kb0 + wk) < kb_lim)[None, None, None, :, None], other=0)
+        sq = gl.load(s_ptr + (s_off + kb0 * 64), mask=((kb0 + sk) < kb_lim)[None, None, None, :, None], other=0)
+        kc = kb0 * 64 + xcol
+        xv = gl.load(x_ptr + (x_rows + kc), mask=x_mask_m & (kc < K), other=0.0)
+        return wq, sq, xv
+
+    @gluon.jit
     def _mma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                     M, N, K, NB_K, stride_xm, stride_om, iters_per_split,
                     IS_NV: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr, KB: gl.constexpr,
-                    ASM: gl.constexpr, num_warps: gl.constexpr):
+                    ASM: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
         """out[M, N] = x W^T. Grid (cdiv(Np, 64 REPS), split). A program: REPS 16-row blocks per warp
         (BN = 64 REPS rows), BM (8 or 16) rows of x, KB 64-column blocks an iteration."""
         R: gl.constexpr = 4 * REPS  # 16-row blocks of a program
@@ -246,17 +255,21 @@ if HAVE_GLUON:
         n_iter = gl.cdiv(NB_K, KB)
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, n_iter)
+        kb_lim = gl.minimum(NB_K, i1 * KB)  # blocks of this split (prefetches past it load nothing)
+        if PREFETCH:
+            wq, sq, xv = _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk, i0 * KB,
+                                    kb_lim, K)
         for it in range(i0, i1):
-            kb0 = it * KB
-            kmask = (kb0 + wk) < NB_K
-            wq = gl.load(w_ptr + (w_off + kb0 * 512), mask=kmask[None, None, None, :, None], other=0)
-            sq = gl.load(s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk)[None, None, None, :, None] < NB_K, other=0)
-            kc = kb0 * 64 + xcol
-            xv = gl.load(x_ptr + (x_rows + kc), mask=x_mask_m & (kc < K), other=0.0)
+            if PREFETCH:  # the next iteration's loads go out before this one's decode
+                nwq, nsq, nxv = _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk,
+                                           (it + 1) * KB, kb_lim, K)
+            else:
+                wq, sq, xv = _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk, it * KB,
+                                        kb_lim, K)
             # scale bytes to the decode's word: [.., KB, 2 (h)] -> [.., KB, 4 (t), 2 (h), 2] -> [.., KB, 16]
             s16 = gl.convert_layout(
                 gl.reshape(gl.expand_dims(gl.expand_dims(sq, 4), 6) + gl.zeros([R, 8, 4, KB, 4, 2, 2], gl.uint8, s7_l),
-                       [R, 8, 4, KB, 16]), w_l)
+                           [R, 8, 4, KB, 16]), w_l)
             lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
                                                dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
             # [R, g, c, KB, 16 = (t, h, e)] x 2 (q) -> [R, h, g, KB, t, q, c, e] -> [BN, BK]
@@ -269,6 +282,8 @@ if HAVE_GLUON:
             xb = gl.permute(xb, [3, 4, 5, 2, 6, 0, 1])
             b = gl.convert_layout(gl.reshape(xb, [BK, BM]), b_l)
             acc = mma_v2(a, b, acc)
+            if PREFETCH:
+                wq, sq, xv = nwq, nsq, nxv
         if IS_NV:
             alpha = 128.0 / gl.load(gs_ptr)
         else:
@@ -286,6 +301,9 @@ if HAVE_GLUON:
             mn = (pid_k.to(gl.int64) * 0 + M) * N
             w_offs = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
             gl.store(ws_ptr + pid_k.to(gl.int64) * mn + w_offs, acc, mask=mask)
+            # every warp's partial is stored before the one counter update releases them (Gluon adds
+            # no barrier of its own; without it other programs read partial tiles)
+            gl.thread_barrier()
             count = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
             if count == n_split - 1:
                 total = gl.zeros([BN, BM], gl.float32, layout=mma)
@@ -312,10 +330,18 @@ MAX_M = 64  # largest M the kernel serves (B-operand registers grow with M)
 
 
 def pick_config(M: int, N: int, K: int) -> dict:
-    """Launch config by rule: BM the smallest of 8 / 16 / 32 / 64 holding M; KB (64-column blocks an
-    iteration) so that a lane holds <= 64 activations of the B operand; REPS 1."""
+    """Launch config by rule (the H100 sweep of cf3257f over the 7B and Llama-3-8B shapes,
+    results/kernels/h100_mma_probe_cf3257f.json): BM the smallest of 8 / 16 / 32 / 64 holding M;
+    KB (64-column blocks an iteration) so that a lane holds <= 64 activations of the B operand,
+    and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2;
+    split-K (in ``linear``) for about 4 waves of programs (2 waves and <= 8 splits at BM = 64)."""
     BM = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
-    return dict(BM=BM, KB=max(1, 32 // BM), REPS=1, num_warps=4)
+    if BM == 16 and N * K >= (1 << 25):
+        return dict(BM=16, KB=2, REPS=2, num_warps=4, PREFETCH=PREFETCH)
+    return dict(BM=BM, KB=max(1, 32 // BM), REPS=2 if BM == 64 else 1, num_warps=4, PREFETCH=PREFETCH)
+
+
+PREFETCH = True  # issue the next iteration's loads before the decode (probe: benchmarks/mma_probe.py)
 
 
 def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs: torch.Tensor | None, N: int,
@@ -336,8 +362,11 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     nbn, nbk = packed_c.shape[0], packed_c.shape[1]
     n_tiles = triton_cdiv(nbn, 4 * cfg["REPS"])
     iters = triton_cdiv(nbk, cfg["KB"])
+    cfg.setdefault("PREFETCH", PREFETCH)
     if split_k is None:
-        split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), None, fp4.WAVES, 2)
+        wide = cfg["BM"] >= 64
+        split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), 8 if wide else None,
+                             fp4.WAVES_MID if wide else fp4.WAVES, 2)
     ips = triton_cdiv(iters, split_k)
     split = triton_cdiv(iters, ips)
     ws, cnt = fp4._workspace(x2.device, 0 if split == 1 else split * M * N, n_tiles if split > 1 else 0, atomic=False)
@@ -375,3 +404,41 @@ def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: 
     if is_nv and gs is not None:
         w = w / gs.double().cpu().item() if gs.device.type == "cpu" else w / float(gs)
     return w.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# use from the dispatch paths
+
+import os as _os  # noqa: E402
+
+# Served M (activation rows) by default: at M = 64 the kernel was no faster than the tensor-core
+# dot kernel (7B layer 273 vs 289 us with its best split rule), so larger M keeps the older paths.
+MMA_MAX_M = 32
+ENABLED = _os.environ.get("QERL_MMA", "1") != "0"  # QERL_MMA=0: the older fused kernels at every M
+_CACHE_KEY = "fp4_mma_layout"
+
+
+def applies(x: torch.Tensor, in_features: int) -> bool:
+    """Whether a forward of x should take this kernel: enabled, bf16 on a capable GPU, 1 <= M <=
+    MMA_MAX_M, no autograd through x (the kernel has no backward of its own), not being traced."""
+    if not ENABLED or x.dtype != torch.bfloat16 or x.device.type != "cuda":
+        return False
+    M = x.numel() // max(in_features, 1)
+    if not 1 <= M <= MMA_MAX_M or (torch.is_grad_enabled() and x.requires_grad):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return available(x.device)
+
+
+def cached_layout(cache: dict, packed: torch.Tensor, scale: torch.Tensor, is_nv: bool):
+    """(packed_c, scales_c) for this weight, made once and kept in ``cache`` (a module's kernel
+    cache), remade if the tensors are replaced or changed in place; None if the weight has no exact
+    compute layout (see ``compute_layout_ok``)."""
+    ver = (packed.data_ptr(), packed._version, scale.data_ptr(), scale._version)
+    ent = cache.get(_CACHE_KEY)
+    if ent is None or ent[0] != ver:
+        why = compute_layout_ok(packed, scale, is_nv)
+        ent = (ver, None if why else to_compute_layout(packed, scale, is_nv))
+        cache[_CACHE_KEY] = ent
+    return ent[1]
