@@ -336,12 +336,17 @@ def pick_config(M: int, N: int, K: int) -> dict:
     and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2;
     split-K (in ``linear``) for about 4 waves of programs (2 waves and <= 8 splits at BM = 64)."""
     BM = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
+    pf = BM >= PREFETCH_MIN_BM
     if BM == 16 and N * K >= (1 << 25):
-        return dict(BM=16, KB=2, REPS=2, num_warps=4, PREFETCH=PREFETCH)
-    return dict(BM=BM, KB=max(1, 32 // BM), REPS=2 if BM == 64 else 1, num_warps=4, PREFETCH=PREFETCH)
+        return dict(BM=16, KB=2, REPS=2, num_warps=4, PREFETCH=pf)
+    return dict(BM=BM, KB=max(1, 32 // BM), REPS=2 if BM == 64 else 1, num_warps=4, PREFETCH=pf)
 
 
-PREFETCH = True  # issue the next iteration's loads before the decode (probe: benchmarks/mma_probe.py)
+# Software prefetch (the next iteration's loads issued before this one's decode) from BM = 32: it
+# doubles the registers (62 -> 138 a thread at BM = 8), and the lost occupancy cost more than the
+# loads in flight gained at small M. H100, 7B layer (c2bb60c, results/kernels/h100_mma_probe_c2bb60c.json):
+# M = 1 88.2 us without vs 116.9 with, M = 16 117.3 vs 140.2, M = 32 264.3 vs 220.9.
+PREFETCH_MIN_BM = 32
 
 
 def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs: torch.Tensor | None, N: int,
@@ -362,7 +367,7 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     nbn, nbk = packed_c.shape[0], packed_c.shape[1]
     n_tiles = triton_cdiv(nbn, 4 * cfg["REPS"])
     iters = triton_cdiv(nbk, cfg["KB"])
-    cfg.setdefault("PREFETCH", PREFETCH)
+    cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
     if split_k is None:
         wide = cfg["BM"] >= 64
         split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), 8 if wide else None,
