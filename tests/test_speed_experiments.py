@@ -127,7 +127,8 @@ def _tp_rows():
 
 def test_rollout_summary_has_exactly_the_keys():
     summary, notes = rt.summarize(_tp_rows())
-    assert list(summary) == list(rt.SUMMARY_KEYS) and len(summary) == 15 and set(notes) == set(summary)
+    assert list(summary) == list(rt.SUMMARY_KEYS) and len(summary) == 18 and set(notes) == set(summary)
+    assert summary["qwen2.5-7b/bs64/nvfp4_over_bf16"] is None  # no batch-64 rows: no ratio
     assert summary["qwen2.5-7b/bs1/nvfp4_over_bf16"] == pytest.approx(3.0)
     assert summary["qwen2.5-14b/bs8/nvfp4_over_bf16"] == pytest.approx(3.0)
     assert summary["qwen2.5-32b/bs1/nvfp4_over_nf4"] == pytest.approx(6.0)
