@@ -359,7 +359,7 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
 
 # Rows a lora_out program takes: one launch of [M, N] spreads over cdiv(M, LORA_OUT_ROWS) program rows.
 # (Before: one program looped over all M rows; at M = 64 the 7B decode step spent 9.8 ms in qerl's
-# fused kernels, results/rollout/h100_profile_decode_69e04ba.log.)
+# fused kernels, results/decode_profile/h100_profile_decode_69e04ba.log.)
 LORA_OUT_ROWS = 4
 
 
