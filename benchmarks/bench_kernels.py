@@ -348,6 +348,41 @@ def splitk_cost(l2, ms=(1, 8, 16), model="qwen2.5-7b"):
     return res
 
 
+def grouped_layer(l2, ms=(1, 2, 4, 8, 16, 32), model="qwen2.5-7b"):
+    """{M: (bf16 us, grouped nvfp4 us)}: the 7B layer as the fused decode step runs it on 4-bit
+    weights (q/k/v one fp4_mma launch, o, gate/up one launch, down) against the seven cuBLAS calls
+    the bf16 step makes (HF's separate Linears). Empty if fp4_mma does not apply."""
+    if not (fp4_mma.ENABLED and fp4_mma.available()):
+        return {}
+    shapes = linear_shapes(model)
+    groups = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
+    res = {}
+    for m in ms:
+        tb = tq = 0.0
+        for g in groups:
+            k = shapes[g[0]][1]
+            ws = []
+            for p in g:
+                n = shapes[p][0]
+                w = torch.randn(n, k, device="cuda") * 0.02
+                t = formats.quantize(w, "nvfp4")
+                ws.append((t, n, w.bfloat16()))
+            per = sum(n * k * 0.5625 for _, n, _ in ws)
+            copies = []
+            for _ in range(n_copies(per, l2)):
+                copies.append([(*fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True),
+                                t["weight_global_scale"], n) for t, n, _ in ws])
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tq += time_graph([lambda c=c: fp4_mma.grouped_linear(x, c, k, True) for c in copies], target_s=0.03)[0]
+            wcs = [[wb.clone() for _, _, wb in ws] for _ in range(n_copies(per / 0.5625 * 2, l2))]
+            tb += time_graph([lambda c=c: [F.linear(x, wi) for wi in c] for c in wcs], target_s=0.03)[0]
+            del copies, wcs
+        res[m] = (tb * 1e6, tq * 1e6)
+        print(f"grouped {model} layer M = {m}: bf16 {tb * 1e6:.1f} us, nvfp4 (4 launches) {tq * 1e6:.1f} us "
+              f"({tb / tq:.2f}x)", flush=True)
+    return res
+
+
 def summarize(rows, copy_tbps, extra=None):
     def layer(op, meth, m):
         shapes = linear_shapes("qwen2.5-7b")
@@ -384,6 +419,8 @@ def summarize(rows, copy_tbps, extra=None):
         s["eager_call_us/nvfp4"] = eager["nvfp4"]
         s["eager_call_us/bf16"] = eager["bf16"]
         s["eager_call/nvfp4_over_bf16"] = eager["nvfp4"] / eager["bf16"]
+    for m, (b, q) in extra.get("grouped", {}).items():
+        s[f"qwen2.5-7b/layer_grouped/M{m}/nvfp4_over_bf16"] = b / q
     for m, (det, atomic) in extra.get("splitk", {}).items():
         s[f"qwen2.5-7b/layer/M{m}/splitk_deterministic_us"] = det
         s[f"qwen2.5-7b/layer/M{m}/splitk_atomic_us"] = atomic
@@ -457,7 +494,7 @@ def main():
 
     extra = {}
     if "qwen2.5-7b" in args.models:
-        extra = dict(decode=decode_speed(l2), eager=eager_calls(), splitk=splitk_cost(l2))
+        extra = dict(decode=decode_speed(l2), eager=eager_calls(), splitk=splitk_cost(l2), grouped=grouped_layer(l2))
     summary = summarize(rows, copy_tbps, extra)
     result = dict(gpu=gpu, git_sha=args.git_sha or git_sha(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -57,6 +57,24 @@ def check(res):
                         n_ok += 1
                 except Exception as ex:  # noqa: BLE001
                     bad.append(("linear", fmt, n, k, m, f"{type(ex).__name__}: {str(ex)[:300]}"))
+    # q/k/v of the 7B layer and gate/up as one launch (both formats)
+    for fmt in ("nvfp4", "mxfp4"):
+        nv = fmt == "nvfp4"
+        for group in ([(3584, 3584), (512, 3584), (512, 3584)], [(18944, 3584), (18944, 3584)], [(200, 352), (48, 352)]):
+            k = group[0][1]
+            ts = [formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt) for n, _ in group]
+            ws = [(*fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], nv), t.get("weight_global_scale"), n)
+                  for t, (n, _) in zip(ts, group)]
+            for m in (1, 8, 16, 32):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ys = fp4_mma.grouped_linear(x, ws, k, nv)
+                ys2 = fp4_mma.grouped_linear(x, ws, k, nv)
+                for t, y, y2 in zip(ts, ys, ys2):
+                    e = rel(y, x.float() @ formats.dequantize(t, fmt, dtype=torch.float32).T)
+                    if e > 1e-2 or not torch.equal(y, y2):
+                        bad.append(("grouped", fmt, tuple(group), m, e))
+                    else:
+                        n_ok += 1
     res["check_bad"], res["check_ok"] = bad, n_ok
     print(f"check: {n_ok} ok, {len(bad)} bad", bad[:10], flush=True)
 

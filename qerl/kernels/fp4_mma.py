@@ -193,12 +193,23 @@ if HAVE_GLUON:
         return wq, sq, xv
 
     @gluon.jit
-    def _mma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                    M, N, K, NB_K, stride_xm, stride_om, iters_per_split,
-                    IS_NV: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr, KB: gl.constexpr,
-                    ASM: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
-        """out[M, N] = x W^T. Grid (cdiv(Np, 64 REPS), split). A program: REPS 16-row blocks per warp
-        (BN = 64 REPS rows), BM (8 or 16) rows of x, KB 64-column blocks an iteration."""
+    def _mma_kernel(x_ptr, w0, s0, g0, o0, w1, s1, g1, o1, w2, s2, g2, o2, ws_ptr, cnt_ptr,
+                    M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split,
+                    IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
+                    KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+        """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
+        Grid (T0 + T1 + T2, split): member i's T_i row tiles, one after the other. A program: REPS
+        16-row blocks per warp (BN = 64 REPS rows), BM (8-64) rows of x, KB 64-column blocks an
+        iteration. Outputs are contiguous [M, N_i]."""
+        pid = gl.program_id(0)
+        # this program's member (pointers chosen per program; scalars only)
+        if NM == 1 or pid < T0:
+            w_ptr, s_ptr, gs_ptr, out_ptr, N, pid_n, col0 = w0, s0, g0, o0, N0, pid, 0
+        elif NM == 2 or pid < T0 + T1:
+            w_ptr, s_ptr, gs_ptr, out_ptr, N, pid_n, col0 = w1, s1, g1, o1, N1, pid - T0, N0
+        else:
+            w_ptr, s_ptr, gs_ptr, out_ptr, N, pid_n, col0 = w2, s2, g2, o2, N2, pid - T0 - T1, N0 + N1
+        NTOT = N0 + N1 + N2
         R: gl.constexpr = 4 * REPS  # 16-row blocks of a program
         BN: gl.constexpr = 16 * R
         NT: gl.constexpr = BM // 8
@@ -216,7 +227,6 @@ if HAVE_GLUON:
         # activations [NT, 8 (g = row), 4 (c), KB, 16 bf16]: every warp holds the whole tile
         x_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [1, 1, 1, 1, 4], [4, 3, 2, 1, 0])
 
-        pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         nb0 = pid_n * R
         # weight / scale offsets of iteration 0 (block kb0 = 0)
@@ -293,24 +303,24 @@ if HAVE_GLUON:
         offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-        o_off = offs_m[None, :].to(gl.int64) * stride_om + offs_n[:, None]
+        o_off = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
         n_split = gl.num_programs(1)
         if n_split == 1:
             gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            mn = (pid_k.to(gl.int64) * 0 + M) * N
-            w_offs = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
+        else:  # workspace [split, M, NTOT], member i in columns col0 .. col0 + N_i
+            mn = (pid_k.to(gl.int64) * 0 + M) * NTOT
+            w_offs = offs_m[None, :].to(gl.int64) * NTOT + (col0 + offs_n[:, None])
             gl.store(ws_ptr + pid_k.to(gl.int64) * mn + w_offs, acc, mask=mask)
             # every warp's partial is stored before the one counter update releases them (Gluon adds
             # no barrier of its own; without it other programs read partial tiles)
             gl.thread_barrier()
-            count = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            count = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
             if count == n_split - 1:
                 total = gl.zeros([BN, BM], gl.float32, layout=mma)
                 for i in range(0, n_split):  # fixed order: bitwise the same every call
                     total += gl.load(ws_ptr + i * mn + w_offs, mask=mask, other=0.0, cache_modifier=".cg")
                 gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt_ptr + pid_n, 0)
+                gl.atomic_xchg(cnt_ptr + pid, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,32 +363,53 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
            K: int, is_nv: bool, out: torch.Tensor | None = None, config: dict | None = None,
            split_k: int | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] W^T with W in the compute layout (``to_compute_layout``); bf16 x2."""
+    return grouped_linear(x2, [(packed_c, scales_c, gs, N)], K, is_nv, [out] if out is not None else None,
+                          config, split_k)[0]
+
+
+def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: list | None = None,
+                   config: dict | None = None, split_k: int | None = None) -> list[torch.Tensor]:
+    """[x2 W_i^T] for 1-3 weights (packed_c, scales_c, gs, N) of one format sharing x2, one launch."""
     from qerl.kernels import fp4
 
     M = x2.shape[0]
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"fp4_mma takes 1 to 3 weights a launch, got {len(weights)}")
     if M > MAX_M:
         raise ValueError(f"fp4_mma serves M <= {MAX_M}, got {M}")
     if x2.dtype != torch.bfloat16:
         raise ValueError(f"fp4_mma takes bfloat16 activations, got {x2.dtype}")
-    if out is None:
-        out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
-    cfg = dict(config or pick_config(M, N, K))
+    if x2.stride(-1) != 1:
+        raise ValueError("fp4_mma takes activations with contiguous rows")
+    Ns = [w[3] for w in weights]
+    if outs is None:
+        outs = [torch.empty((M, n), dtype=x2.dtype, device=x2.device) for n in Ns]
+    cfg = dict(config or pick_config(M, max(Ns), K))
     warps = cfg.pop("num_warps", 4)
-    nbn, nbk = packed_c.shape[0], packed_c.shape[1]
-    n_tiles = triton_cdiv(nbn, 4 * cfg["REPS"])
-    iters = triton_cdiv(nbk, cfg["KB"])
     cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
+    rows = 4 * cfg["REPS"]
+    tiles = [triton_cdiv(w[0].shape[0], rows) for w in weights]
+    n_tiles = sum(tiles)
+    nbk = weights[0][0].shape[1]
+    iters = triton_cdiv(nbk, cfg["KB"])
     if split_k is None:
         wide = cfg["BM"] >= 64
         split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), 8 if wide else None,
                              fp4.WAVES_MID if wide else fp4.WAVES, 2)
     ips = triton_cdiv(iters, split_k)
     split = triton_cdiv(iters, ips)
-    ws, cnt = fp4._workspace(x2.device, 0 if split == 1 else split * M * N, n_tiles if split > 1 else 0, atomic=False)
-    _mma_kernel[(n_tiles, split)](x2, packed_c, scales_c, gs if gs is not None else scales_c, out, ws, cnt,
-                                  M, N, K, nbk, x2.stride(0), out.stride(0), ips, IS_NV=is_nv,
-                                  ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **cfg)
-    return out
+    ws, cnt = fp4._workspace(x2.device, 0 if split == 1 else split * M * sum(Ns), n_tiles if split > 1 else 0,
+                             atomic=False)
+    args = []
+    for i in range(3):
+        pc, sc, gs, _ = weights[min(i, len(weights) - 1)]
+        args += [pc, sc, gs if gs is not None else sc, outs[min(i, len(weights) - 1)]]
+    Np = Ns + [0] * (3 - len(Ns))
+    Tp = tiles + [0] * (3 - len(tiles))
+    _mma_kernel[(n_tiles, split)](x2, *args, ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0),
+                                  ips, IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX,
+                                  num_warps=warps, **cfg)
+    return outs
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -1,7 +1,8 @@
 """Linears that share an input (q/k/v, gate/up) in few launches, for the fused decode step.
 
-``grouped_linears(x, modules)`` returns [m(x) for m in modules] computed as: each module's base
-matmul (the 4-bit kernel, or F.linear for a dense weight), then ONE ``lora_a`` launch for the
+``grouped_linears(x, modules)`` returns [m(x) for m in modules] computed as: the modules' base
+matmuls (4-bit weights of one format at small batch on the GPU: ONE launch of qerl.kernels.fp4_mma
+for the group; else each module's 4-bit kernel or F.linear), then ONE ``lora_a`` launch for the
 adapters of the group (stacked A, read live from the parameters) and ONE ``lora_out`` launch that
 adds bias and ``scaling * h B^T`` to every base output in place (qerl.kernels.fused). A QuantLinear
 with LoRA thus costs its base GEMV plus 2/n kernels instead of base + 5 (bias add, two casts, the
@@ -51,6 +52,29 @@ def _parts(m: nn.Module) -> _Parts | None:
     return None
 
 
+def _mma_group(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor] | None:
+    """The base outputs of 2-3 4-bit QuantLinears of one format on the same input in ONE launch of
+    qerl.kernels.fp4_mma (small batches on the GPU), or None where that kernel does not apply."""
+    from qerl.kernels import fp4_mma
+
+    if not 2 <= len(modules) <= 3 or not all(isinstance(m, QuantLinear) for m in modules):
+        return None
+    fmt = modules[0].fmt
+    if fmt not in ("nvfp4", "mxfp4") or any(m.fmt != fmt for m in modules):
+        return None
+    K = modules[0].in_features
+    if not fp4_mma.applies(x, K) or any(kernels.resolve_backend(m.backend, fmt, x.device) != "triton" for m in modules):
+        return None
+    ws = []
+    for m in modules:
+        t = m.packed_tensors()
+        cl = fp4_mma.cached_layout(m.kernel_cache, t["weight_packed"], t["weight_scale"], fmt == "nvfp4")
+        if cl is None:
+            return None
+        ws.append((cl[0], cl[1], t.get("weight_global_scale"), m.out_features))
+    return fp4_mma.grouped_linear(x, ws, K, fmt == "nvfp4")
+
+
 def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
     """The LoRA A weights of ``modules`` if they form one LoRA group (<= 3, same rank, scaling, bias
     presence), so that their ``lora_a`` can run inside the norm kernel that feeds them; else None."""
@@ -65,7 +89,9 @@ def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor |
     ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``)."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
-    ys = [(p.base(x) if p is not None else m(x)).contiguous() for p, m in zip(parts, modules)]  # rows of stride N
+    ys = _mma_group(x, modules) if all(p is not None for p in parts) else None  # one launch for the group
+    if ys is None:
+        ys = [(p.base(x) if p is not None else m(x)).contiguous() for p, m in zip(parts, modules)]  # rows of stride N
     if h is not None:  # one LoRA group (stacked_A)
         _epilogue(x, ys, parts, list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, h)
         return ys
@@ -94,7 +120,8 @@ def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Ten
     pg, pu = _parts(gate), _parts(up)
     if pg is None or pu is None or pg.key() != pu.key() or (pg.A is None and pg.bias is None):
         return fused.silu_mul(*grouped_linears(x, [gate, up], h))
-    g, u = pg.base(x).contiguous(), pu.base(x).contiguous()
+    gu = _mma_group(x, [gate, up])
+    g, u = gu if gu is not None else (pg.base(x).contiguous(), pu.base(x).contiguous())
     if pg.A is not None and h is None:
         h = fused.lora_a(x, [pg.A, pu.A])
     return fused.lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
