@@ -1263,6 +1263,33 @@ class Plan:
     def _mma_layout(self):
         return fp4_mma.cached_layout(self._mma, self.packed, self.scale_u8, self.is_nv)
 
+    def _mma_linear(self, x2: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x2 W^T through fp4_mma; its launch kept as a DirectLaunch per (M, row stride), like
+        the small-M Triton kernels (host time of eager calls)."""
+        cl = self._mma[fp4_mma._CACHE_KEY][1]
+        dkey = ("mma", x2.shape[0], x2.stride(0), cl[0].data_ptr())
+        st = self._direct.get(dkey)
+        if st is not None and _aligned(x2) and _aligned(out):
+            d, need = st
+            ws, cnt = _workspace(x2.device, *need, atomic=False)
+            v = list(d.values)
+            v[fp4_mma.ARG_X] = x2
+            for i in fp4_mma.ARG_OUTS:
+                v[i] = out
+            v[fp4_mma.ARG_WS], v[fp4_mma.ARG_CNT] = ws, cnt
+            d(v)
+            return
+        fn, grid, args, kwargs, need = fp4_mma.grouped_linear(x2, [(cl[0], cl[1], self.gs, self.N)], self.K,
+                                                             self.is_nv, [out], describe=True)
+        if dkey not in self._direct and _aligned(x2) and _aligned(out):
+            d = DirectLaunch.first(fn, grid, args, kwargs, x2.device)
+            self._direct[dkey] = None if d is None else (d, need)
+            if d is not None:  # keep no activation, output or workspace of this call
+                for i in (fp4_mma.ARG_X, *fp4_mma.ARG_OUTS, fp4_mma.ARG_WS, fp4_mma.ARG_CNT):
+                    d.values[i] = None
+        else:
+            fn[grid](*args, **kwargs)
+
     def release(self) -> None:
         """Drop the kept launches (their argument lists reference the scratch)."""
         self._decode.clear()
@@ -1286,8 +1313,7 @@ class Plan:
         if M == 0:
             pass
         elif fp4_mma.applies(x2, K) and self._mma_layout() is not None:
-            cl = self._mma[fp4_mma._CACHE_KEY][1]
-            fp4_mma.linear(x2, cl[0], cl[1], self.gs, N, K, self.is_nv, out)
+            self._mma_linear(x2, out)
         elif _use_scratch("linear", self.is_nv, M):
             if self._one_chunk():  # decode + cuBLAS with the launch kept in the plan
                 torch.mm(x2, self.decoded(x2.dtype).t(), out=out)

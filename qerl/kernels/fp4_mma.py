@@ -326,14 +326,21 @@ if HAVE_GLUON:
 # ----------------------------------------------------------------------------------------------
 # launch
 
+_AVAILABLE: dict = {}
+
+
 def available(device: torch.device | None = None) -> bool:
     """Gluon importable and a CUDA device with bf16 mma.sync (sm_80+)."""
-    if not HAVE_GLUON or not torch.cuda.is_available():
+    if not HAVE_GLUON:
         return False
-    dev = device if device is not None else torch.device("cuda")
-    if dev.type != "cuda":
+    if device is not None and device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(dev) >= (8, 0)
+    idx = device.index if device is not None and device.index is not None else None
+    ok = _AVAILABLE.get(idx)
+    if ok is None:
+        ok = _AVAILABLE[idx] = torch.cuda.is_available() and torch.cuda.get_device_capability(
+            torch.device("cuda", idx) if idx is not None else None) >= (8, 0)
+    return ok
 
 
 MAX_M = 64  # largest M the kernel serves (B-operand registers grow with M)
@@ -368,8 +375,9 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
 
 
 def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: list | None = None,
-                   config: dict | None = None, split_k: int | None = None) -> list[torch.Tensor]:
-    """[x2 W_i^T] for 1-3 weights (packed_c, scales_c, gs, N) of one format sharing x2, one launch."""
+                   config: dict | None = None, split_k: int | None = None, describe: bool = False):
+    """[x2 W_i^T] for 1-3 weights (packed_c, scales_c, gs, N) of one format sharing x2, one launch.
+    ``describe``: launch nothing, return (kernel, grid, args, kwargs, (workspace floats, counters))."""
     from qerl.kernels import fp4
 
     M = x2.shape[0]
@@ -398,18 +406,24 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
                              fp4.WAVES_MID if wide else fp4.WAVES, 2)
     ips = triton_cdiv(iters, split_k)
     split = triton_cdiv(iters, ips)
-    ws, cnt = fp4._workspace(x2.device, 0 if split == 1 else split * M * sum(Ns), n_tiles if split > 1 else 0,
-                             atomic=False)
-    args = []
+    ws_need = (0 if split == 1 else split * M * sum(Ns), n_tiles if split > 1 else 0)
+    ws, cnt = fp4._workspace(x2.device, *ws_need, atomic=False)
+    args = [x2]
     for i in range(3):
         pc, sc, gs, _ = weights[min(i, len(weights) - 1)]
         args += [pc, sc, gs if gs is not None else sc, outs[min(i, len(weights) - 1)]]
     Np = Ns + [0] * (3 - len(Ns))
     Tp = tiles + [0] * (3 - len(tiles))
-    _mma_kernel[(n_tiles, split)](x2, *args, ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0),
-                                  ips, IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX,
-                                  num_warps=warps, **cfg)
+    args += [ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips]
+    kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **cfg)
+    if describe:  # (kernel, grid, args, kwargs, workspace need): for fp4.Plan's DirectLaunch
+        return _mma_kernel, (n_tiles, split), tuple(args), kwargs, ws_need
+    _mma_kernel[(n_tiles, split)](*args, **kwargs)
     return outs
+
+
+# argument positions a DirectLaunch of _mma_kernel replaces per call
+ARG_X, ARG_OUTS, ARG_WS, ARG_CNT = 0, (4, 8, 12), 13, 14
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -1,0 +1,143 @@
+"""The compute layout of qerl.kernels.fp4_mma (CPU: exact inverse, the kernel's arithmetic in torch)
+and the kernel itself (GPU: against the fp32 reference, groups, repeatability, the plan's launches)."""
+
+import pytest
+import torch
+
+from qerl import formats
+from qerl.kernels import fp4_mma
+
+SHAPES = [(48, 128), (200, 352), (64, 1024), (17, 64)]  # ragged: N % 16, K % 64 != 0
+
+
+def _weight(n, k, fmt, seed=0, zero_rows=()):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    for r in zero_rows:
+        w[r] = 0  # all-zero blocks: zero scales
+    w[0, :16] *= 1e-5  # tiny blocks: subnormal E4M3 scales
+    return formats.quantize(w, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_compute_layout_round_trip_is_exact(fmt, n, k):
+    t = _weight(n, k, fmt, zero_rows=(n - 1,))
+    nv = fmt == "nvfp4"
+    p, s = t["weight_packed"], t["weight_scale"]
+    assert fp4_mma.compute_layout_ok(p, s, nv) is None
+    pc, sc = fp4_mma.to_compute_layout(p, s, nv)
+    assert pc.shape == (-(-n // 16), -(-k // 64), 8, 4, 16) and sc.shape == (-(-n // 16), -(-k // 64), 8, 4, 2)
+    assert pc.numel() * 2 == -(-n // 16) * 16 * -(-k // 64) * 64  # 4 bits a weight, padding only
+    p2, s2 = fp4_mma.from_compute_layout(pc, sc, n, k, nv)
+    assert torch.equal(p2, p) and torch.equal(s2, s.view(torch.uint8))
+
+
+def test_nvfp4_scale_code_covers_every_e4m3_value():
+    s = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8)  # every finite non-negative E4M3
+    t = fp4_mma.nvfp4_scale_code(s)
+    assert int(t[0]) == 0 and bool((t[1:] > 0).all())  # zero is t = 0, nothing else is
+    assert torch.equal(fp4_mma.nvfp4_scale_from_code(t), s)
+    # the kernel's bf16 of t (one multiply-add on the bits) is E4M3 * 2^119 exactly
+    bits = (t[1:].to(torch.int32) * 16 + (fp4_mma.T_OFFSET << 7)).to(torch.int16)
+    got = bits.view(torch.bfloat16).float().double()
+    want = s[1:].view(torch.float8_e4m3fn).double() * 2.0 ** 119
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_kernel_arithmetic_gives_the_dequantized_weight(fmt, n, k):
+    """decode_reference (the kernel's bit placement, scale bf16 and epilogue factor, in torch) on the
+    compute layout equals qerl.formats.dequantize on the original tensors."""
+    t = _weight(n, k, fmt, seed=1, zero_rows=(1,))
+    nv = fmt == "nvfp4"
+    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], nv)
+    got = fp4_mma.decode_reference(pc, sc, n, k, nv, t.get("weight_global_scale"))
+    want = formats.dequantize(t, fmt, dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_weights_without_an_exact_layout_are_refused():
+    t = _weight(32, 64, "nvfp4")
+    p, s = t["weight_packed"].clone(), t["weight_scale"].clone()
+    s.view(torch.uint8)[0, 0] = 0  # zero scale, codes still non-zero
+    assert "zero block scales" in fp4_mma.compute_layout_ok(p, s, True)
+    s.view(torch.uint8)[0, 0] = 0x7F
+    assert "NaN" in fp4_mma.compute_layout_ok(p, s, True)
+    assert fp4_mma.cached_layout({}, p, s, True) is None
+
+
+def test_cached_layout_follows_in_place_changes():
+    t = _weight(32, 64, "nvfp4")
+    p, s = t["weight_packed"].clone(), t["weight_scale"].clone()
+    cache = {}
+    a = fp4_mma.cached_layout(cache, p, s, True)
+    assert fp4_mma.cached_layout(cache, p, s, True) is a
+    p.bitwise_xor_(0x11)  # an in-place change bumps the version: remade
+    b = fp4_mma.cached_layout(cache, p, s, True)
+    assert b is not a and torch.equal(fp4_mma.from_compute_layout(*b, 32, 64, True)[0], p)
+
+
+def test_does_not_apply_on_the_cpu_or_with_autograd():
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert not fp4_mma.applies(x, 64)
+
+
+gpu = pytest.mark.skipif(not fp4_mma.available(), reason="needs a CUDA GPU (sm_80+) and Gluon")
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", [(512, 3584), (18944, 3584), (3584, 18944), (200, 352), (1000, 4128)])
+def test_kernel_matches_the_reference_gpu(fmt, n, k):
+    t = {kk: v.cuda() for kk, v in _weight(n, k, fmt, zero_rows=(3,)).items()}
+    nv = fmt == "nvfp4"
+    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], nv)
+    wd = formats.dequantize(t, fmt, dtype=torch.float32)
+    for m in (1, 3, 8, 16, 32, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = fp4_mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv)
+        assert _rel(y, x.float() @ wd.T) < 1e-2, (m, _rel(y, x.float() @ wd.T))
+        assert torch.equal(y, fp4_mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv))  # split-K fixed order
+
+
+@pytest.mark.gpu
+@gpu
+def test_grouped_launch_equals_separate_launches_gpu():
+    k = 3584
+    ts = [{kk: v.cuda() for kk, v in _weight(n, k, "nvfp4", seed=i).items()} for i, n in enumerate((3584, 512, 512))]
+    ws = [(*fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True), t["weight_global_scale"], n)
+          for t, n in zip(ts, (3584, 512, 512))]
+    for m in (1, 8, 32):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for y, t in zip(fp4_mma.grouped_linear(x, ws, k, True), ts):
+            ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
+            assert _rel(y, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_plan_direct_launch_of_the_mma_kernel_gpu():
+    """fp4.Plan keeps the first mma launch and relaunches it directly: later calls with new inputs,
+    outputs and a grown workspace give what a normal launch gives."""
+    from qerl.kernels import fp4
+
+    t = {kk: v.cuda() for kk, v in _weight(1024, 4096, "nvfp4").items()}
+    plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
+    wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+            if i == 2:  # a larger launch elsewhere grows the shared workspace
+                fp4_mma.linear(torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16),
+                               *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True, split_k=16)
+            y = plan.linear(x)
+            assert _rel(y, x.float() @ wd.T) < 1e-2
+            assert torch.equal(y, fp4_mma.linear(x, *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True))
+    assert any(k[0] == "mma" and v is not None for k, v in plan._direct.items())
