@@ -113,13 +113,15 @@ def test_silu_mul(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("n,bias,K", [(1, False, 64), (2, False, 2100), (3, True, 2100)])
-def test_lora_a_and_out(n, bias, K, device):
-    """Stacked A (K split into partial sums when K > LORA_A_K_CHUNK), then bias + scaled B in place."""
+@pytest.mark.parametrize("n,bias,K,M,R", [(1, False, 64, 6, 8), (2, False, 2100, 6, 8), (3, True, 2100, 6, 8),
+                                           (3, True, 300, 20, 16)])
+def test_lora_a_and_out(n, bias, K, M, R, device):
+    """Stacked A (K split into partial sums when K > LORA_A_K_CHUNK), then bias + scaled B in place.
+    6 rows: two 4-row lora_out programs, one ragged; 20 rows at rank 16: the fp32 tl.dot tile."""
     torch.manual_seed(0)
-    M, R, Ns = 6, 8, [96, 32, 48][:n]  # 6 rows: two lora_out row blocks, one ragged
+    Ns = [96, 32, 48][:n]
     if device == "cuda":  # Qwen2.5-7B: q/k/v, gate/up, down at r = 32, batch 8
-        M, R, K, Ns = 8, 32, {1: 18944, 2: 3584, 3: 3584}[n], {1: [3584], 2: [18944] * 2, 3: [3584, 512, 512]}[n]
+        M, R, K, Ns = (64 if M == 20 else 8), 32, {1: 18944, 2: 3584, 3: 3584}[n], {1: [3584], 2: [18944] * 2, 3: [3584, 512, 512]}[n]
     x = torch.randn(M, K, dtype=BF, device=device)
     As = [torch.randn(R, K, device=device) / K ** 0.5 for _ in range(n)]
     Bs = [torch.randn(N, R, device=device) for N in Ns]

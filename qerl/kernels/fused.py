@@ -301,7 +301,7 @@ def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
 
 @triton.jit
 def _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, mr, scaling,
-               HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr):
+               HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr):
     """Rows ``ms`` of output i, columns ``cols``: y + bias + scaling * h B^T in fp32, [ROWS, BLOCK_N]
     (h: the sum of the S partial sums of lora_a)."""
     msk = mm[:, None] & mn[None, :]
@@ -313,7 +313,10 @@ def _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, m
         for s in range(0, S):
             h += tl.load(h_ptr + (s * M + ms[:, None]).to(tl.int64) * NR + i * R + rr[None, :],
                          mask=mm[:, None] & mr[None, :], other=0.0)
-        y += scaling * tl.sum(h[:, None, :] * B[None, :, :], axis=2)
+        if USE_DOT:  # many rows: one fp32 (FMA, not tf32) matmul [ROWS, R] x [R, BLOCK_N]
+            y += scaling * tl.dot(h, tl.trans(B), input_precision="ieee")
+        else:
+            y += scaling * tl.sum(h[:, None, :] * B[None, :, :], axis=2)
     return y
 
 
@@ -345,22 +348,27 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
             bias1 = tl.load(c1 + cols, mask=mn, other=0.0).to(tl.float32)
     y_ptr = _pick(i, y0, y1, y2)
     TY: tl.constexpr = y0.dtype.element_ty
-    y = _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, mr, scaling, HAS_LORA, HAS_BIAS)
+    USE_DOT: tl.constexpr = ROWS >= 16 and BLOCK_R >= 16
+    y = _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, mr, scaling, HAS_LORA, HAS_BIAS,
+                   USE_DOT)
     offs = ms[:, None].to(tl.int64) * N + cols[None, :]
     if SILU_MUL:  # y is the gate rows; the up rows are output 1; HF rounding of each step
         g = _rnd(y, TY).to(tl.float32)
         u = _rnd(_lora_tile(y1, B1, bias1, h_ptr, ms, mm, M, N, cols, mn, 1, R, NR, S, rr, mr, scaling,
-                            HAS_LORA, HAS_BIAS), TY).to(tl.float32)
+                            HAS_LORA, HAS_BIAS, USE_DOT), TY).to(tl.float32)
         act = _rnd(g / (1.0 + tl.exp(-g)), TY).to(tl.float32)
         tl.store(out_ptr + offs, _rnd(act * u, TY), mask=mm[:, None] & mn[None, :])
     else:
         tl.store(y_ptr + offs, _rnd(y, TY), mask=mm[:, None] & mn[None, :])
 
 
-# Rows a lora_out program takes: one launch of [M, N] spreads over cdiv(M, LORA_OUT_ROWS) program rows.
-# (Before: one program looped over all M rows; at M = 64 the 7B decode step spent 9.8 ms in qerl's
-# fused kernels, results/decode_profile/h100_profile_decode_69e04ba.log.)
+# Rows a lora_out program takes: up to 4 at small M (a broadcast product), from 16 rows up to
+# LORA_OUT_DOT_ROWS in one program with an fp32 tl.dot (each B tile then read once per column block,
+# not once per 4 rows). Before: one program looped over all M rows; at M = 64 the 7B decode step
+# spent 9.8 ms in qerl's fused kernels (results/decode_profile/h100_profile_decode_69e04ba.log),
+# 5.4 ms with 4-row programs (h100_profile_decode_0f3b7a2.log: lora_out 3.2 ms).
 LORA_OUT_ROWS = 4
+LORA_OUT_DOT_ROWS = 64
 
 
 def _lora_out_launch(ys, h, Bs, biases, scaling, out=None):
@@ -369,6 +377,8 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None):
     R = Bs[0].shape[1] if has_lora else 1
     BLOCK_N = 64
     ROWS = min(LORA_OUT_ROWS, triton.next_power_of_2(max(M, 1)))
+    if M >= 16 and R >= 16:
+        ROWS = min(LORA_OUT_DOT_ROWS, triton.next_power_of_2(M))
     y = list(ys) + [ys[0]] * (3 - n)
     b = (list(Bs) + [Bs[0]] * (3 - n)) if has_lora else y
     c = (list(biases) + [biases[0]] * (3 - n)) if has_bias else y

@@ -270,11 +270,14 @@ def test_plan_scratch_fast_path_equals_scratch_path(fmt):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_plan_direct_launches_gpu(fmt):
+def test_plan_direct_launches_gpu(fmt, monkeypatch):
     """The plan's DirectLaunch (second and later calls skip Triton's launch path): bitwise the normal
     launch at every small-M kind, with fresh inputs each call, a misaligned input (falls back), under
-    CUDA-graph capture, and for the decode of the large-M path across release_scratch()."""
-    from qerl.kernels import fp4
+    CUDA-graph capture, and for the decode of the large-M path across release_scratch(). The Triton
+    kernels only (fp4_mma off; its plan launches: tests/kernels/test_fp4_mma.py)."""
+    from qerl.kernels import fp4, fp4_mma
+
+    monkeypatch.setattr(fp4_mma, "ENABLED", False)
 
     n, k = 1000, 4128
     t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
