@@ -483,12 +483,20 @@ def applies(x: torch.Tensor, in_features: int) -> bool:
 
 def cached_layout(cache: dict, packed: torch.Tensor, scale: torch.Tensor, is_nv: bool):
     """(packed_c, scales_c) for this weight, made once and kept in ``cache`` (a module's kernel
-    cache), remade if the tensors are replaced or changed in place; None if the weight has no exact
-    compute layout (see ``compute_layout_ok``)."""
+    cache), remade if the tensors are replaced or changed in place (into the same storage when the
+    shape holds); None if the weight has no exact compute layout (see ``compute_layout_ok``).
+    The check runs on eager calls: a CUDA graph replays the layout as of its last eager call, so after
+    changing base weights in place make one eager call (or recapture) before replaying."""
     ver = (packed.data_ptr(), packed._version, scale.data_ptr(), scale._version)
     ent = cache.get(_CACHE_KEY)
     if ent is None or ent[0] != ver:
         why = compute_layout_ok(packed, scale, is_nv)
-        ent = (ver, None if why else to_compute_layout(packed, scale, is_nv))
+        new = None if why else to_compute_layout(packed, scale, is_nv)
+        old = ent[1] if ent is not None else None
+        if new is not None and old is not None and all(a.shape == b.shape for a, b in zip(old, new)):
+            for a, b in zip(old, new):  # same storage: a CUDA graph that captured it sees the new weight
+                a.copy_(b)
+            new = old
+        ent = (ver, new)
         cache[_CACHE_KEY] = ent
     return ent[1]
