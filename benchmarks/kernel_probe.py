@@ -283,8 +283,15 @@ def main():
     steps = [("eager", eager_calls), ("check", check), ("layer", lambda r: layer_times(r, l2)),
              ("decode", lambda r: decode_speed(r, l2)), ("splitk", lambda r: splitk_cost(r, l2)),
              ("layer_mxfp4", mx), ("split_sweep", lambda r: split_sweep(r, l2))]
+    run_steps(steps, res, os.path.join(a.out, "probe.json"), a.only, a.skip, t0)
+
+
+def run_steps(steps, res, path, only=None, skip=(), t0=None):
+    """Run the named probe steps in order (``only`` / ``skip`` select), recording a failing step's
+    error instead of stopping, and rewrite ``path`` after each step (a cut call keeps what it had)."""
+    t0 = time.time() if t0 is None else t0
     for name, fn in steps:
-        if name in a.skip or (a.only is not None and name not in a.only):
+        if name in skip or (only is not None and name not in only):
             continue
         try:
             fn(res)
@@ -294,7 +301,7 @@ def main():
             traceback.print_exc()
             res[f"{name}_error"] = repr(e)
         print(f"[{name} done at {time.time() - t0:.0f} s]", flush=True)
-        with open(os.path.join(a.out, "probe.json"), "w") as f:
+        with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
 

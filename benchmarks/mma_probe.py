@@ -10,7 +10,6 @@ cuBLAS, qerl's current fused kernels and fp4_mma (default rule), and a config sw
 """
 
 import argparse
-import json
 import os
 import time
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_kernels import n_copies, time_graph
-from benchmarks.kernel_probe import OTHER_SHAPES, rel
+from benchmarks.kernel_probe import OTHER_SHAPES, rel, run_steps
 from qerl import formats
 from qerl.arch import LINEAR_NAMES as PROJECTIONS
 from qerl.arch import linear_shapes
@@ -30,7 +29,7 @@ MS = (1, 2, 4, 8, 16, 32, 64)
 def check(res):
     bad, n_ok = [], 0
     shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"] + [(200, 352), (1000, 4128)]
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt in formats.with_kernel("triton"):
         nv = fmt == "nvfp4"
         for n, k in shapes:
             t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
@@ -58,7 +57,7 @@ def check(res):
                 except Exception as ex:  # noqa: BLE001
                     bad.append(("linear", fmt, n, k, m, f"{type(ex).__name__}: {str(ex)[:300]}"))
     # q/k/v of the 7B layer and gate/up as one launch (both formats)
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt in formats.with_kernel("triton"):
         nv = fmt == "nvfp4"
         for group in ([(3584, 3584), (512, 3584), (512, 3584)], [(18944, 3584), (18944, 3584)], [(200, 352), (48, 352)]):
             k = group[0][1]
@@ -154,22 +153,8 @@ def main():
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%d"))
-    t0 = time.time()
     steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("sweep", lambda r: sweep(r, l2))]
-    for name, fn in steps:
-        if a.only is not None and name not in a.only:
-            continue
-        try:
-            fn(res)
-        except Exception as e:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-            res[f"{name}_error"] = repr(e)
-        print(f"[{name} done at {time.time() - t0:.0f} s]", flush=True)
-        with open(os.path.join(a.out, "mma_probe.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
-
+    run_steps(steps, res, os.path.join(a.out, "mma_probe.json"), a.only)
 
 if __name__ == "__main__":
     main()

@@ -184,10 +184,22 @@ _ASM_MX = _ASM_NV.replace("mad.lo.u32 s0, t, 16, 0x76007600", "mad.lo.u32 s0, t,
 if HAVE_GLUON:
 
     @gluon.jit
+    def _axes5(D0: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, D4: gl.constexpr,
+               L: gl.constexpr):
+        """The five index vectors of a [D0, .., D4] tensor of layout L, each expanded to rank 5."""
+        i0 = gl.arange(0, D0, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L)))))
+        i1 = gl.arange(0, D1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L)))))
+        i2 = gl.arange(0, D2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, L)))))
+        i3 = gl.arange(0, D3, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, L)))))
+        i4 = gl.arange(0, D4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L)))))
+        return (i0[:, None, None, None, None], i1[None, :, None, None, None], i2[None, None, :, None, None],
+                i3[None, None, None, :, None], i4[None, None, None, None, :])
+
+    @gluon.jit
     def _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk, kb0, kb_lim, K):
         """Weights, scales and activations of the KB column blocks from block kb0 (masked at kb_lim)."""
-        wq = gl.load(w_ptr + (w_off + kb0 * 512), mask=((kb0 + wk) < kb_lim)[None, None, None, :, None], other=0)
-        sq = gl.load(s_ptr + (s_off + kb0 * 64), mask=((kb0 + sk) < kb_lim)[None, None, None, :, None], other=0)
+        wq = gl.load(w_ptr + (w_off + kb0 * 512), mask=(kb0 + wk) < kb_lim, other=0)
+        sq = gl.load(s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk) < kb_lim, other=0)
         kc = kb0 * 64 + xcol
         xv = gl.load(x_ptr + (x_rows + kc), mask=x_mask_m & (kc < K), other=0.0)
         return wq, sq, xv
@@ -230,34 +242,17 @@ if HAVE_GLUON:
         pid_k = gl.program_id(1)
         nb0 = pid_n * R
         # weight / scale offsets of iteration 0 (block kb0 = 0)
-        wr = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, w_l)))))
-        wg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, w_l)))))
-        wc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_l)))))
-        wk = gl.arange(0, KB, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, w_l)))))
-        wb = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_l)))))
+        wr, wg, wc, wk, wb = _axes5(R, 8, 4, KB, 16, w_l)
         NBN = gl.cdiv(N, 16)
-        rows_ok = (nb0 + wr) < NBN
         nbc = gl.minimum(nb0 + wr, NBN - 1).to(gl.int64)
-        w_off = (((nbc * NB_K)[:, None, None, None, None] * 512 + wk[None, None, None, :, None] * 512)
-                 + (wg[None, :, None, None, None] * 64 + wc[None, None, :, None, None] * 16)
-                 + wb[None, None, None, None, :])
-        sr = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s_l)))))
-        sg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s_l)))))
-        sc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, s_l)))))
-        sk = gl.arange(0, KB, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, s_l)))))
-        sh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s_l)))))
+        w_off = ((nbc * NB_K) * 512 + wk * 512) + (wg * 64 + wc * 16) + wb
+        sr, sg, sc, sk, sh = _axes5(R, 8, 4, KB, 2, s_l)
         snb = gl.minimum(nb0 + sr, NBN - 1).to(gl.int64)
-        s_off = (((snb * NB_K)[:, None, None, None, None] * 64 + sk[None, None, None, :, None] * 64)
-                 + (sg[None, :, None, None, None] * 8 + sc[None, None, :, None, None] * 2)
-                 + sh[None, None, None, None, :])
+        s_off = ((snb * NB_K) * 64 + sk * 64) + (sg * 8 + sc * 2) + sh
         # activation offsets: row nt * 8 + g, column 64 kb + 16 c + j
-        xt = gl.arange(0, NT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, x_l)))))
-        xg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, x_l)))))
-        xc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, x_l)))))
-        xk = gl.arange(0, KB, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, x_l)))))
-        xj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x_l)))))
-        xrow = xt[:, None, None, None, None] * 8 + xg[None, :, None, None, None]
-        xcol = xk[None, None, None, :, None] * 64 + xc[None, None, :, None, None] * 16 + xj[None, None, None, None, :]
+        xt, xg, xc, xk, xj = _axes5(NT, 8, 4, KB, 16, x_l)
+        xrow = xt * 8 + xg
+        xcol = xk * 64 + xc * 16 + xj
         x_rows = gl.minimum(xrow, M - 1).to(gl.int64) * stride_xm
         x_mask_m = xrow < M
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qerl import kernels
+from qerl import formats, kernels
 from qerl.kernels import fused
 from qerl.qlinear import QuantLinear
 
@@ -60,7 +60,7 @@ def _mma_group(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor] 
     if not 2 <= len(modules) <= 3 or not all(isinstance(m, QuantLinear) for m in modules):
         return None
     fmt = modules[0].fmt
-    if fmt not in ("nvfp4", "mxfp4") or any(m.fmt != fmt for m in modules):
+    if fmt not in formats.with_kernel("triton") or any(m.fmt != fmt for m in modules):
         return None
     K = modules[0].in_features
     if not fp4_mma.applies(x, K) or any(kernels.resolve_backend(m.backend, fmt, x.device) != "triton" for m in modules):
