@@ -184,29 +184,6 @@ _ASM_MX = _ASM_NV.replace("mad.lo.u32 s0, t, 16, 0x76007600", "mad.lo.u32 s0, t,
 if HAVE_GLUON:
 
     @gluon.jit
-    def _mma_store(y, ptrs, mask, offs_n, offs_m, M, N, b_ptr, c_ptr, h_ptr, S, NR, hcol, R, scaling,
-                   HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """Store the output tile y [BN (n), BM (m)] (fp32, the mma layout) in bf16, after the fused
-        LoRA-B epilogue: bf16(y) + bias + scaling * sum_r B[n, r] h[m, r], rounded once."""
-        TY: gl.constexpr = ptrs.dtype.element_ty
-        if HAS_LORA or HAS_BIAS:
-            y = y.to(TY).to(gl.float32)  # the base output as a separate module would return it
-            nm = offs_n < N
-            if HAS_BIAS:
-                y += gl.load(c_ptr + offs_n, mask=nm, other=0.0).to(gl.float32)[:, None]
-            if HAS_LORA:
-                mm = offs_m < M
-                lora = gl.zeros_like(y)
-                for r in range(0, R):
-                    hr = gl.load(h_ptr + offs_m * NR + (hcol + r), mask=mm, other=0.0)
-                    for si in range(1, S):
-                        hr += gl.load(h_ptr + (si * M + offs_m) * NR + (hcol + r), mask=mm, other=0.0)
-                    br = gl.load(b_ptr + offs_n.to(gl.int64) * R + r, mask=nm, other=0.0).to(gl.float32)
-                    lora += br[:, None] * hr[None, :]
-                y += scaling * lora
-        gl.store(ptrs, y.to(TY), mask=mask)
-
-    @gluon.jit
     def _axes5(D0: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, D4: gl.constexpr,
                L: gl.constexpr):
         """The five index vectors of a [D0, .., D4] tensor of layout L, each expanded to rank 5."""
@@ -229,28 +206,21 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mma_kernel(x_ptr, w0, s0, g0, o0, w1, s1, g1, o1, w2, s2, g2, o2, ws_ptr, cnt_ptr,
-                    b0, b1, b2, c0, c1, c2, h_ptr, S, NR, LR, scaling,
                     M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
-                    KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, HAS_LORA: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+                    KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
         Grid (T0 + T1 + T2, split): member i's T_i row tiles, one after the other. A program: REPS
         16-row blocks per warp (BN = 64 REPS rows), BM (8-64) rows of x, KB 64-column blocks an
-        iteration. Outputs are contiguous [M, N_i]. HAS_LORA / HAS_BIAS: the epilogue adds, as
-        qerl.kernels.fused.lora_out would after the launch, bias_i + scaling * h_i B_i^T to the output
-        rounded to bf16 (h: lora_a's S partial sums [S, M, NR], member i in columns i R .. i R + R)."""
+        iteration. Outputs are contiguous [M, N_i]."""
         pid = gl.program_id(0)
         # this program's member (pointers chosen per program; scalars only)
         if NM == 1 or pid < T0:
             w_ptr, s_ptr, gs_ptr, out_ptr, N, pid_n, col0 = w0, s0, g0, o0, N0, pid, 0
-            b_ptr, c_ptr, hcol = b0, c0, 0
         elif NM == 2 or pid < T0 + T1:
             w_ptr, s_ptr, gs_ptr, out_ptr, N, pid_n, col0 = w1, s1, g1, o1, N1, pid - T0, N0
-            b_ptr, c_ptr, hcol = b1, c1, LR
         else:
             w_ptr, s_ptr, gs_ptr, out_ptr, N, pid_n, col0 = w2, s2, g2, o2, N2, pid - T0 - T1, N0 + N1
-            b_ptr, c_ptr, hcol = b2, c2, 2 * LR
         NTOT = N0 + N1 + N2
         R: gl.constexpr = 4 * REPS  # 16-row blocks of a program
         BN: gl.constexpr = 16 * R
@@ -331,8 +301,7 @@ if HAVE_GLUON:
         o_off = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
         n_split = gl.num_programs(1)
         if n_split == 1:
-            _mma_store(acc, out_ptr + o_off, mask, offs_n, offs_m, M, N, b_ptr, c_ptr, h_ptr, S, NR, hcol, LR,
-                       scaling, HAS_LORA, HAS_BIAS)
+            gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:  # workspace [split, M, NTOT], member i in columns col0 .. col0 + N_i
             mn = (pid_k.to(gl.int64) * 0 + M) * NTOT
             w_offs = offs_m[None, :].to(gl.int64) * NTOT + (col0 + offs_n[:, None])
@@ -345,8 +314,7 @@ if HAVE_GLUON:
                 total = gl.zeros([BN, BM], gl.float32, layout=mma)
                 for i in range(0, n_split):  # fixed order: bitwise the same every call
                     total += gl.load(ws_ptr + i * mn + w_offs, mask=mask, other=0.0, cache_modifier=".cg")
-                _mma_store(total, out_ptr + o_off, mask, offs_n, offs_m, M, N, b_ptr, c_ptr, h_ptr, S, NR, hcol, LR,
-                           scaling, HAS_LORA, HAS_BIAS)
+                gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(cnt_ptr + pid, 0)
 
 
@@ -402,13 +370,9 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
 
 
 def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: list | None = None,
-                   config: dict | None = None, split_k: int | None = None, describe: bool = False,
-                   lora: tuple | None = None):
+                   config: dict | None = None, split_k: int | None = None, describe: bool = False):
     """[x2 W_i^T] for 1-3 weights (packed_c, scales_c, gs, N) of one format sharing x2, one launch.
-    ``describe``: launch nothing, return (kernel, grid, args, kwargs, (workspace floats, counters)).
-    ``lora``: (h, Bs, biases, scaling) to add bias_i + scaling * h_i B_i^T in the epilogue, as
-    qerl.kernels.fused.lora_out does (h: lora_a's partial sums [S, M, n r], or None for biases only;
-    Bs: [N_i, r] each or []; biases: [N_i] each or [])."""
+    ``describe``: launch nothing, return (kernel, grid, args, kwargs, (workspace floats, counters))."""
     from qerl.kernels import fp4
 
     M = x2.shape[0]
@@ -445,19 +409,8 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
         args += [pc, sc, gs if gs is not None else sc, outs[min(i, len(weights) - 1)]]
     Np = Ns + [0] * (3 - len(Ns))
     Tp = tiles + [0] * (3 - len(tiles))
-    args += [ws, cnt]
-    h, Bs, biases, scaling = lora if lora is not None else (None, [], [], 0.0)
-    has_lora, has_bias = h is not None and len(Bs) > 0, len(biases) > 0
-    if has_lora and (h.dtype != torch.float32 or h.shape[1] != M or not h.is_contiguous()):
-        raise ValueError(f"lora h must be lora_a's contiguous fp32 partial sums [S, {M}, n r], got {h.dtype} {list(h.shape)}")
-    nw = len(weights)
-    bl = [Bs[min(i, nw - 1)] for i in range(3)] if has_lora else [x2] * 3
-    cl = [biases[min(i, nw - 1)] for i in range(3)] if has_bias else [x2] * 3
-    R = Bs[0].shape[1] if has_lora else 1
-    args += [*bl, *cl, h if has_lora else x2, h.shape[0] if has_lora else 1, h.shape[2] if has_lora else 1, R,
-             float(scaling), M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips]
-    kwargs = dict(IS_NV=is_nv, NM=nw, ASM=_ASM_NV if is_nv else _ASM_MX, HAS_LORA=has_lora, HAS_BIAS=has_bias,
-                  num_warps=warps, **cfg)
+    args += [ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips]
+    kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **cfg)
     if describe:  # (kernel, grid, args, kwargs, workspace need): for fp4.Plan's DirectLaunch
         return _mma_kernel, (n_tiles, split), tuple(args), kwargs, ws_need
     _mma_kernel[(n_tiles, split)](*args, **kwargs)

@@ -1,14 +1,12 @@
 """Linears that share an input (q/k/v, gate/up) in few launches, for the fused decode step.
 
-``grouped_linears(x, modules)`` returns [m(x) for m in modules]. Where qerl.kernels.fp4_mma applies
-(4-bit weights of one format, a small batch, a GPU) the group is ONE launch: the base matmuls, and
-in the same kernel's epilogue each module's bias and ``scaling * h B^T`` (h from one ``lora_a``
-launch, or from the norm kernel that fed the group). Otherwise: each module's base matmul (the
-4-bit kernel, or F.linear for a dense weight), then ONE ``lora_a`` launch for the adapters of the
-group (stacked A, read live from the parameters) and ONE ``lora_out`` launch that adds bias and
-``scaling * h B^T`` to every base output in place (qerl.kernels.fused). A QuantLinear with LoRA
-thus costs its base GEMV plus 2/n kernels (or 1/n) instead of base + 5 (bias add, two casts, the A
-GEMM, the B addmm). Modules the group cannot take (another Linear type, LoRA dropout in training
+``grouped_linears(x, modules)`` returns [m(x) for m in modules] computed as: the modules' base
+matmuls (4-bit weights of one format at small batch on the GPU: ONE launch of qerl.kernels.fp4_mma
+for the group; else each module's 4-bit kernel or F.linear), then ONE ``lora_a`` launch for the
+adapters of the group (stacked A, read live from the parameters) and ONE ``lora_out`` launch that
+adds bias and ``scaling * h B^T`` to every base output in place (qerl.kernels.fused). A QuantLinear
+with LoRA thus costs its base GEMV plus 2/n kernels instead of base + 5 (bias add, two casts, the
+A GEMM, the B addmm). Modules the group cannot take (another Linear type, LoRA dropout in training
 mode) run their own forward.
 """
 
@@ -54,14 +52,12 @@ def _parts(m: nn.Module) -> _Parts | None:
     return None
 
 
-def _mma_group(x: torch.Tensor, modules: list[nn.Module], lora: tuple | None = None,
-               min_modules: int = 2) -> list[torch.Tensor] | None:
-    """The base outputs of 2-3 (``min_modules``-3) 4-bit QuantLinears of one format on the same input
-    in ONE launch of qerl.kernels.fp4_mma (small batches on the GPU), with ``lora`` = (h, Bs, biases,
-    scaling) added in its epilogue; None where that kernel does not apply."""
+def _mma_group(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor] | None:
+    """The base outputs of 2-3 4-bit QuantLinears of one format on the same input in ONE launch of
+    qerl.kernels.fp4_mma (small batches on the GPU), or None where that kernel does not apply."""
     from qerl.kernels import fp4_mma
 
-    if not min_modules <= len(modules) <= 3 or not all(isinstance(m, QuantLinear) for m in modules):
+    if not 2 <= len(modules) <= 3 or not all(isinstance(m, QuantLinear) for m in modules):
         return None
     fmt = modules[0].fmt
     if fmt not in formats.with_kernel("triton") or any(m.fmt != fmt for m in modules):
@@ -76,29 +72,7 @@ def _mma_group(x: torch.Tensor, modules: list[nn.Module], lora: tuple | None = N
         if cl is None:
             return None
         ws.append((cl[0], cl[1], t.get("weight_global_scale"), m.out_features))
-    return fp4_mma.grouped_linear(x, ws, K, fmt == "nvfp4", lora=lora)
-
-
-def _mma_group_with_lora(x: torch.Tensor, modules: list[nn.Module], parts: list, h: torch.Tensor | None):
-    """[m(x) for m in modules] in one fp4_mma launch whose epilogue adds the modules' bias and LoRA
-    (what lora_out would do in a second launch), when every module is a 4-bit QuantLinear of one
-    LoRA group; else None. h: the group's lora_a output if computed already."""
-    from qerl.kernels import fp4_mma
-
-    if any(p is None for p in parts) or len({p.key() for p in parts}) != 1 or not fp4_mma.ENABLED:
-        return None
-    p0 = parts[0]
-    if p0.A is None and p0.bias is None:
-        return None  # nothing to fuse: the plain path (_mma_group) does the same in one launch
-    if p0.A is not None and any(not p.B.is_contiguous() for p in parts):
-        return None
-    if not all(isinstance(m, QuantLinear) for m in modules) or not fp4_mma.applies(x, modules[0].in_features):
-        return None
-    if p0.A is not None and h is None:
-        h = fused.lora_a(x, [p.A for p in parts])
-    lora = (h if p0.A is not None else None, [p.B for p in parts] if p0.A is not None else [],
-            [p.bias for p in parts] if p0.bias is not None else [], p0.scaling)
-    return _mma_group(x, modules, lora, min_modules=1)
+    return fp4_mma.grouped_linear(x, ws, K, fmt == "nvfp4")
 
 
 def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
@@ -115,9 +89,6 @@ def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor |
     ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``)."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
-    ys = _mma_group_with_lora(x, modules, parts, h)  # one launch: base matmuls, bias and LoRA-B
-    if ys is not None:
-        return ys
     ys = _mma_group(x, modules) if all(p is not None for p in parts) else None  # one launch for the group
     if ys is None:
         ys = [(p.base(x) if p is not None else m(x)).contiguous() for p, m in zip(parts, modules)]  # rows of stride N

@@ -143,32 +143,3 @@ def test_plan_direct_launch_of_the_mma_kernel_gpu():
             assert _rel(y, x.float() @ wd.T) < 1e-2
             assert torch.equal(y, fp4_mma.linear(x, *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True))
     assert any(k[0] == "mma" and v is not None for k, v in plan._direct.items())
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("with_h", [False, True])
-def test_grouped_linears_fuse_bias_and_lora_gpu(with_h):
-    """The fused decode step's q/k/v group through one fp4_mma launch with the bias + LoRA-B epilogue
-    equals the modules' own forwards (and the lora_out path)."""
-    from qerl.kernels import fused
-    from qerl.qlinear import QuantLinear
-    from qerl.rollout.fused_linear import grouped_linears, stacked_A
-
-    torch.manual_seed(0)
-    K = 1024
-    mods = []
-    for n in (1024, 256, 256):
-        lin = torch.nn.Linear(K, n, bias=True, device="cuda", dtype=torch.bfloat16)
-        q = QuantLinear.from_linear(lin, "nvfp4", lora_rank=16, lora_alpha=32)
-        with torch.no_grad():
-            q.lora_B.weight.normal_(0, 0.05)
-        mods.append(q.cuda().eval())
-    with torch.no_grad():
-        for m in (1, 8, 20):
-            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-            h = fused.lora_a(x, stacked_A(mods)) if with_h else None
-            ys = grouped_linears(x, mods, h)
-            for y, mod in zip(ys, mods):
-                ref = mod(x)
-                assert _rel(y, ref) < 2e-2, (m, _rel(y, ref))
