@@ -31,6 +31,8 @@ emulation of the kernel's arithmetic.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 KBLOCK = 64  # columns of a compute-layout block
@@ -338,7 +340,7 @@ def available(device: torch.device | None = None) -> bool:
     return ok
 
 
-MAX_M = 64  # largest M the kernel serves (B-operand registers grow with M)
+MAX_M = 64  # largest M the kernel accepts (B-operand registers grow with M); MMA_MAX_M: what dispatch sends
 
 
 def pick_config(M: int, N: int, K: int) -> dict:
@@ -391,16 +393,16 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     warps = cfg.pop("num_warps", 4)
     cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
     rows = 4 * cfg["REPS"]
-    tiles = [triton_cdiv(w[0].shape[0], rows) for w in weights]
+    tiles = [_cdiv(w[0].shape[0], rows) for w in weights]
     n_tiles = sum(tiles)
     nbk = weights[0][0].shape[1]
-    iters = triton_cdiv(nbk, cfg["KB"])
+    iters = _cdiv(nbk, cfg["KB"])
     if split_k is None:
         wide = cfg["BM"] >= 64
         split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), 8 if wide else None,
                              fp4.WAVES_MID if wide else fp4.WAVES, 2)
-    ips = triton_cdiv(iters, split_k)
-    split = triton_cdiv(iters, ips)
+    ips = _cdiv(iters, split_k)
+    split = _cdiv(iters, ips)
     ws_need = (0 if split == 1 else split * M * sum(Ns), n_tiles if split > 1 else 0)
     ws, cnt = fp4._workspace(x2.device, *ws_need, atomic=False)
     args = [x2]
@@ -421,7 +423,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
 ARG_X, ARG_OUTS, ARG_WS, ARG_CNT = 0, (4, 8, 12), 13, 14
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -454,12 +456,10 @@ def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: 
 # ----------------------------------------------------------------------------------------------
 # use from the dispatch paths
 
-import os as _os  # noqa: E402
-
 # Served M (activation rows) by default: at M = 64 the kernel was no faster than the tensor-core
 # dot kernel (7B layer 273 vs 289 us with its best split rule), so larger M keeps the older paths.
 MMA_MAX_M = 32
-ENABLED = _os.environ.get("QERL_MMA", "1") != "0"  # QERL_MMA=0: the older fused kernels at every M
+ENABLED = os.environ.get("QERL_MMA", "1") != "0"  # QERL_MMA=0: the older fused kernels at every M
 _CACHE_KEY = "fp4_mma_layout"
 
 
