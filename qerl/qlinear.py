@@ -140,7 +140,8 @@ class QuantLinear(nn.Module):
             from qerl.kernels import fp4
 
             t = self.packed_tensors()
-            plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), self.fmt == "nvfp4")
+            plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), self.fmt == "nvfp4",
+                            cache=self.kernel_cache)
         self.__dict__["_plan_state"] = (packed, x.device, plan)
         return plan
 

@@ -1224,7 +1224,8 @@ class Plan:
                  "_decode", "_direct", "_mma", "__weakref__")
     autograd_fn = None  # PlannedLinear, set below
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, is_nv: bool):
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None, is_nv: bool,
+                 cache: dict | None = None):
         _check_weight(packed, scale, is_nv)
         if is_nv and gs is None:
             raise ValueError("an nvfp4 plan needs weight_global_scale")
@@ -1237,7 +1238,9 @@ class Plan:
         self._launch: dict = {}
         self._decode: dict = {}  # dtype -> (DirectLaunch, the scratch buffer it writes) or None
         self._direct: dict = {}  # (M, atomic, dtype, x row stride) -> DirectLaunch of the small-M kernel or None
-        self._mma: dict = {}  # the compute layout of fp4_mma, made on the first small-M bf16 call
+        # the compute layout of fp4_mma, made on the first small-M bf16 call; in the owner's kernel cache
+        # when given (QuantLinear.kernel_cache, which the fused decode step's grouped launches also read)
+        self._mma: dict = cache if cache is not None else {}
 
     def decoded(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight decoded into the device's scratch (one decode launch); valid until the
