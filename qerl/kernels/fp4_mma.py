@@ -2,7 +2,9 @@
 
 The compressed-tensors layout (``weight_packed`` [N, K/2], ``weight_scale`` [N, K/B]) keeps each
 row's bytes in K order. A tensor-core kernel wants instead each lane's ``mma.m16n8k16`` fragment in
-one vector load. ``to_compute_layout`` rewrites a weight once (when a layer's plan is built) into:
+one vector load. ``to_compute_layout`` rewrites a weight (once: the first small-M call that needs it
+makes it and ``cached_layout`` keeps it in the module's kernel cache, beside the on-disk buffers,
+which stay the module's state for export, ``state_dict``, AQN and the training kernels) into:
 
   - packed: uint8 [Np/16, Kp/64, 8 (g), 4 (c), 16]: for each 16-row x 64-column block, lane
     (g, c) of a warp reads 16 contiguous bytes: rows g and g + 8 (h = 0, 1), columns
@@ -24,9 +26,17 @@ Exactness: the kernel decodes an E2M1 code c to the bf16 c * 2^-126 (bits placed
 two weights: the weight times 2^-7 (2^-62), exactly. The powers of two and the NVFP4 global divisor
 come off in the epilogue; the tensor cores accumulate in fp32.
 
+The kernel (Gluon, Triton's explicit-layout dialect): each lane loads its 16 weight bytes and 2
+scale bytes a block and its activations with vector loads in a layout equal to the mma operand
+layouts (every conversion is free: ``python -m benchmarks.compile_check_sm90 mma`` shows no shared
+memory or shuffles), decodes with inline PTX, multiplies with ``mma_v2`` and reduces split-K in a
+fixed order. ``grouped_linear`` runs up to three weights that share an input in one launch.
+Dispatch (``applies``): bf16 inputs with 1 <= M <= MMA_MAX_M on sm_80+, no autograd through x, not
+while torch.compile traces; ``QERL_MMA=0`` turns it off. Measurements: results/kernels/NOTES.md.
+
 Requires Gluon (triton >= 3.6) and a GPU with mma.sync bf16 (sm_80+); ``available()`` says whether
 it can run. Not run under TRITON_INTERPRET: the CPU tests check the layout, its inverse and a torch
-emulation of the kernel's arithmetic.
+emulation of the kernel's arithmetic; the GPU tests the kernel against the fp32 reference.
 """
 
 from __future__ import annotations
