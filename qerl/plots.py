@@ -477,6 +477,55 @@ def plot_rollout_throughput(rows, results=RESULTS, out_dir=None, name="rollout_t
     return _save(fig, out_dir, results, name)
 
 
+DECODE_CATEGORIES = ("4-bit linear", "cuBLAS GEMM", "qerl fused", "attention", "sampling", "other")
+
+
+def load_decode_profile(results=RESULTS, name=None):
+    """The newest results/decode_profile/*.json (by its provenance date), or ``name`` under results/."""
+    folder = Path(results) / "decode_profile"
+    if name is not None:
+        paths = [Path(results) / name]
+    else:
+        paths = sorted(folder.glob("*.json")) if folder.exists() else []
+    runs = []
+    for path in paths:
+        if path.exists():
+            d = json.loads(path.read_text())
+            runs.append((d.get("provenance", {}).get("date", ""), path, d))
+    if not runs:
+        _note(f"no decode profile under {folder}")
+        return None
+    date, path, d = max(runs, key=lambda r: r[0])
+    d["_path"] = str(path)
+    return d
+
+
+def plot_decode_profile(results=RESULTS, out_dir=None, name="decode_profile", profile=None):
+    """Where a decode step's time goes (benchmarks/profile_decode.py): kernel ms per step by kind,
+    one stacked bar per method and batch, the wall time per step marked -> decode_profile.png."""
+    d = profile if profile is not None else load_decode_profile(results)
+    if d is None or not d.get("rows"):
+        return None
+    rows = sorted(d["rows"], key=lambda r: (r["batch"], r["method"] != "bf16"))
+    labels = [f"{r['method']} bs{r['batch']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    left = [0.0] * len(rows)
+    for cat in DECODE_CATEGORIES:
+        vals = [r["categories"].get(cat, {}).get("ms", 0.0) for r in rows]
+        ax.barh(labels, vals, left=left, label=cat)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.scatter([r["step_ms"] for r in rows], labels, color="k", marker="|", s=200, zorder=3,
+               label="wall time per step")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per decode step")
+    prov = d.get("provenance", {})
+    ax.set_title(f"decode step, {d.get('settings', {}).get('model', '?')} "
+                 f"({prov.get('gpu', '?')}, {str(prov.get('git_sha', '?'))[:7]})", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return _save(fig, out_dir, results, name)
+
+
 # ---------------------------------------------------------------- one figure per experiment script
 
 # experiments/<name>.py -> how its figure is drawn from results/<name>/<profile>/. The scripts,
@@ -518,7 +567,8 @@ def make_all(results=RESULTS, out_dir=None):
     """Draw every figure; returns {name: figure or table or None}. Never raises on missing data."""
     out = {}
     for name, fn in [("table1", table1), ("rewards", plot_rewards), ("entropy", plot_entropy),
-                     ("aqn", plot_aqn), ("step_time", plot_step_time), ("kernels", kernel_table)]:
+                     ("aqn", plot_aqn), ("step_time", plot_step_time), ("kernels", kernel_table),
+                     ("decode_profile", plot_decode_profile)]:
         out[name] = fn(results=results, out_dir=out_dir)
         if isinstance(out[name], plt.Figure):
             plt.close(out[name])

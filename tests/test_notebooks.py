@@ -125,3 +125,23 @@ def test_unknown_notebook_name_raises():
 
     with pytest.raises(ValueError, match="allowed"):
         make_notebooks.build("nope")
+
+
+def test_decode_profile_plot_stacks_the_categories(tmp_path):
+    """One bar per (method, batch), its segments the categories' ms (profile_decode's JSON)."""
+    rows = [dict(method=m, batch=b, step_ms=3.0 * b, kernel_ms=2.5 * b,
+                 categories={"4-bit linear" if m == "nvfp4" else "cuBLAS GEMM": {"ms": 2.0 * b, "kernels": 112},
+                             "qerl fused": {"ms": 0.5 * b, "kernels": 200}})
+            for m in ("nvfp4", "bf16") for b in (1, 8)]
+    d = dict(provenance=dict(gpu="h100", git_sha="abc1234", date="2026-11-25"), settings=dict(model="m"), rows=rows)
+    fig = plots.plot_decode_profile(results=tmp_path, out_dir=tmp_path, profile=d)
+    assert (tmp_path / "decode_profile.png").exists()
+    widths = {}
+    for patch in fig.axes[0].patches:
+        y = round(patch.get_y() + patch.get_height() / 2)
+        widths[y] = widths.get(y, 0.0) + patch.get_width()
+    assert sorted(round(w, 6) for w in widths.values()) == [2.5, 2.5, 20.0, 20.0]
+    d2 = json.loads(json.dumps(d))
+    (tmp_path / "decode_profile").mkdir()
+    (tmp_path / "decode_profile" / "a.json").write_text(json.dumps(d2))
+    assert plots.load_decode_profile(tmp_path)["rows"] == rows
