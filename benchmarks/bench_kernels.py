@@ -373,9 +373,10 @@ def grouped_layer(l2, ms=(1, 2, 4, 8, 16, 32), model="qwen2.5-7b"):
                 copies.append([(*fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True),
                                 t["weight_global_scale"], n) for t, n, _ in ws])
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            tq += time_graph([lambda c=c: fp4_mma.grouped_linear(x, c, k, True) for c in copies], target_s=0.03)[0]
+            tq += time_graph([lambda c=c, x=x, k=k: fp4_mma.grouped_linear(x, c, k, True) for c in copies],
+                             target_s=0.03)[0]
             wcs = [[wb.clone() for _, _, wb in ws] for _ in range(n_copies(per / 0.5625 * 2, l2))]
-            tb += time_graph([lambda c=c: [F.linear(x, wi) for wi in c] for c in wcs], target_s=0.03)[0]
+            tb += time_graph([lambda c=c, x=x: [F.linear(x, wi) for wi in c] for c in wcs], target_s=0.03)[0]
             del copies, wcs
         res[m] = (tb * 1e6, tq * 1e6)
         print(f"grouped {model} layer M = {m}: bf16 {tb * 1e6:.1f} us, nvfp4 (4 launches) {tq * 1e6:.1f} us "
