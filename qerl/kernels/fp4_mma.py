@@ -55,6 +55,8 @@ try:  # Gluon: triton >= 3.6
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     HAVE_GLUON = True
+    # a CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier in later versions
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
 
@@ -320,7 +322,7 @@ if HAVE_GLUON:
             gl.store(ws_ptr + pid_k.to(gl.int64) * mn + w_offs, acc, mask=mask)
             # every warp's partial is stored before the one counter update releases them (Gluon adds
             # no barrier of its own; without it other programs read partial tiles)
-            gl.thread_barrier()
+            _cta_barrier()
             count = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
             if count == n_split - 1:
                 total = gl.zeros([BN, BM], gl.float32, layout=mma)
@@ -345,9 +347,38 @@ def available(device: torch.device | None = None) -> bool:
     idx = device.index if device is not None and device.index is not None else None
     ok = _AVAILABLE.get(idx)
     if ok is None:
-        ok = _AVAILABLE[idx] = torch.cuda.is_available() and torch.cuda.get_device_capability(
+        ok = torch.cuda.is_available() and torch.cuda.get_device_capability(
             torch.device("cuda", idx) if idx is not None else None) >= (8, 0)
+        if ok and not torch.cuda.is_current_stream_capturing():
+            ok = _self_test(torch.device("cuda", idx if idx is not None else torch.cuda.current_device()))
+        _AVAILABLE[idx] = ok
     return ok
+
+
+def _self_test(device: torch.device) -> bool:
+    """Compile and run the kernel once on a small weight (both formats) against the fp32 reference.
+    On another Triton whose Gluon API or compiler differs, a failure turns fp4_mma off with a warning:
+    the Triton kernels then serve the same calls (the same format and arithmetic up to rounding)."""
+    import warnings
+
+    from qerl import formats
+
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        for fmt in formats.with_kernel("triton"):  # the formats with Triton (and this) kernels
+            t = formats.quantize(torch.randn(40, 192, device=device, generator=g) * 0.02, fmt)
+            pc, sc = to_compute_layout(t["weight_packed"], t["weight_scale"], fmt == "nvfp4")
+            x = torch.randn(3, 192, device=device, dtype=torch.bfloat16, generator=g)
+            y = linear(x, pc, sc, t.get("weight_global_scale"), 40, 192, fmt == "nvfp4").float()
+            ref = x.float() @ formats.dequantize(t, fmt, dtype=torch.float32).T
+            err = float((y - ref).norm() / ref.norm())
+            if not err < 1e-2:
+                raise RuntimeError(f"{fmt}: relative error {err:.2e} against the fp32 reference")
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure: off, said once
+        warnings.warn(f"qerl: the fp4_mma kernel failed its self-test on {device} ({type(e).__name__}: "
+                      f"{str(e)[:200]}); the Triton kernels serve every 4-bit call instead", stacklevel=2)
+        return False
 
 
 MAX_M = 64  # largest M the kernel accepts (B-operand registers grow with M); MMA_MAX_M: what dispatch sends

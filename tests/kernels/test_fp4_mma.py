@@ -143,3 +143,10 @@ def test_plan_direct_launch_of_the_mma_kernel_gpu():
             assert _rel(y, x.float() @ wd.T) < 1e-2
             assert torch.equal(y, fp4_mma.linear(x, *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True))
     assert any(k[0] == "mma" and v is not None for k, v in plan._direct.items())
+
+
+def test_a_failing_self_test_turns_the_kernel_off_with_a_warning():
+    """Where the kernel cannot compile or run (here: CPU tensors), the self-test says so and returns
+    False, so that available() sends every call to the Triton kernels."""
+    with pytest.warns(UserWarning, match="failed its self-test"):
+        assert fp4_mma._self_test(torch.device("cpu")) is False
