@@ -72,6 +72,9 @@ CELLS = {
         "show('kernels')",
         "pd.DataFrame({'measured': k.attrs['summary'], 'target': k.attrs['targets']}) "
         "if k is not None else None",
+        "## A rollout decode step\nKernel time per decode step by kind "
+        "(`benchmarks/profile_decode.py`, the newest `results/decode_profile/*.json`), wall time marked.",
+        "if plots.plot_decode_profile() is not None:\n    show('decode_profile')",
     ],
     "experiments": [
         "# The paper's other tables and figures (experiments.table2_bigmath, experiments.fig*)\nEach cell "
