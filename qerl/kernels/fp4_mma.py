@@ -48,6 +48,7 @@ import torch
 KBLOCK = 64  # columns of a compute-layout block
 RBLOCK = 16  # rows of a compute-layout block
 T_OFFSET = 236  # bf16 exponent field of the NVFP4 scale byte's zero point (see the module docstring)
+LAYOUT_CHUNK_ROWS = 1024  # rows to_compute_layout converts at a time (a multiple of RBLOCK)
 
 try:  # Gluon: triton >= 3.6
     from triton.experimental import gluon
@@ -127,17 +128,23 @@ def to_compute_layout(packed: torch.Tensor, scale: torch.Tensor, is_nv: bool) ->
     Np, Kp = _pad_to(N, RBLOCK), _pad_to(K, KBLOCK)
     s = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
     B = 16 if is_nv else 32
-    # codes [Np, Kp]: one uint8 per weight (padding: code 0)
-    codes = torch.zeros(Np, Kp, dtype=torch.uint8, device=packed.device)
-    codes[:N, :K:2] = packed & 0xF
-    codes[:N, 1:K:2] = packed >> 4
-    # [nb, h, g, kb, c, t, q, e] -> [nb, kb, g, c, t, nibble = (e, q, h)]
-    c8 = codes.view(Np // 16, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
-    c8 = c8.reshape(Np // 16, Kp // 64, 8, 4, 4, 8).to(torch.int32)  # nibble index i = 4 e + 2 q + h
-    words = torch.zeros(c8.shape[:-1], dtype=torch.int32, device=packed.device)
-    for i in range(8):
-        words |= c8[..., i] << (4 * i)
-    out = words.contiguous().view(torch.uint8).view(Np // 16, Kp // 64, 8, 4, 16)
+    out = torch.empty(Np // 16, Kp // 64, 8, 4, 16, dtype=torch.uint8, device=packed.device)
+    step = LAYOUT_CHUNK_ROWS  # rows at a time: the int32 codes are 8 bytes a weight while they exist
+    for r0 in range(0, Np, step):
+        r1 = min(r0 + step, Np)
+        # codes [rows, Kp]: one uint8 per weight (padding: code 0)
+        codes = torch.zeros(r1 - r0, Kp, dtype=torch.uint8, device=packed.device)
+        src = packed[r0:min(r1, N)]
+        codes[:src.shape[0], :K:2] = src & 0xF
+        codes[:src.shape[0], 1:K:2] = src >> 4
+        # [nb, h, g, kb, c, t, q, e] -> [nb, kb, g, c, t, nibble = (e, q, h)]
+        nb = (r1 - r0) // 16
+        c8 = codes.view(nb, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
+        c8 = c8.reshape(nb, Kp // 64, 8, 4, 4, 8).to(torch.int32)  # nibble index i = 4 e + 2 q + h
+        words = torch.zeros(c8.shape[:-1], dtype=torch.int32, device=packed.device)
+        for i in range(8):
+            words |= c8[..., i] << (4 * i)
+        out[r0 // 16:r1 // 16] = words.view(torch.uint8).view(nb, Kp // 64, 8, 4, 16)
     # scales: block of column 64 kb + 16 c
     code = nvfp4_scale_code(s) if is_nv else s
     sp = torch.zeros(Np, Kp // B, dtype=torch.uint8, device=packed.device)
@@ -146,7 +153,7 @@ def to_compute_layout(packed: torch.Tensor, scale: torch.Tensor, is_nv: bool) ->
             + torch.arange(4, device=packed.device)[None, :] * 16) // B  # [kb, c]
     st = sp[:, cols]  # [Np, kb, c]
     st = st.view(Np // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).contiguous()  # [nb, kb, g, c, h]
-    return out.contiguous(), st
+    return out, st
 
 
 def from_compute_layout(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: int, is_nv: bool,

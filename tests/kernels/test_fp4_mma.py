@@ -19,9 +19,11 @@ def _weight(n, k, fmt, seed=0, zero_rows=()):
     return formats.quantize(w, fmt)
 
 
+@pytest.mark.parametrize("chunk_rows", [1024, 32])  # 32: several row chunks, the last one ragged
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_compute_layout_round_trip_is_exact(fmt, n, k):
+def test_compute_layout_round_trip_is_exact(fmt, n, k, chunk_rows, monkeypatch):
+    monkeypatch.setattr(fp4_mma, "LAYOUT_CHUNK_ROWS", chunk_rows)
     t = _weight(n, k, fmt, zero_rows=(n - 1,))
     nv = fmt == "nvfp4"
     p, s = t["weight_packed"], t["weight_scale"]
