@@ -171,7 +171,11 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path, tiny_
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 130, err[-2000:]
+    # 130, or killed by SIGINT after the message (-2; a shell shows 130 for both): about 1 run in 10 ends
+    # the second way (seen in CI and locally, at this test's code unchanged since it was written; the
+    # mechanism inside the interpreter's exit is not pinned down, LOG.md 2026-11-25). Either way the
+    # process stopped on the interrupt and printed its one line, which is what the rest checks.
+    assert p.returncode in (130, -signal.SIGINT), err[-2000:]
     assert "Traceback" not in err
     line = next(ln for ln in err.splitlines() if ln.startswith("interrupted"))
     assert f"{out / 'checkpoints'}/step-" in line and "--resume-from auto" in line and "python -m qerl train" in line
