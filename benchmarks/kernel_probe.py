@@ -14,6 +14,7 @@ Run: python -m benchmarks.kernel_probe --out $OUT      (about 3 min on an H100)
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -273,7 +274,8 @@ def main():
     a = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
-    res = dict(gpu=props.name)
+    res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               command="python -m benchmarks.kernel_probe " + " ".join(sys.argv[1:]))
     t0 = time.time()
     def mx(r):
         sub = {}

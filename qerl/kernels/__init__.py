@@ -169,14 +169,12 @@ def linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_featu
     from qerl.kernels import fp4, fp4_mma
 
     if cache is not None and fp4_mma.applies(x, in_features):  # small M: the compute-layout mma kernel
-        packed, scale = tensors["weight_packed"], tensors["weight_scale"]
-        cl = fp4_mma.cached_layout(cache, packed, scale, fmt == "nvfp4")
-        if cl is not None:
+        w = fp4_mma.weight_args(cache, tensors, fmt, out_features)
+        if w is not None:
             x2 = x.reshape(-1, in_features)
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
-            y = fp4_mma.linear(x2, cl[0], cl[1], tensors.get("weight_global_scale"), out_features, in_features,
-                               fmt == "nvfp4")
+            y = fp4_mma.grouped_linear(x2, [w], in_features, fmt == "nvfp4")[0]
             return y.view(*x.shape[:-1], out_features)
     return fp4.linear(x, fmt, *_triton_args(spec, tensors))
 

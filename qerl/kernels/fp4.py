@@ -1266,10 +1266,9 @@ class Plan:
     def _mma_layout(self):
         return fp4_mma.cached_layout(self._mma, self.packed, self.scale_u8, self.is_nv)
 
-    def _mma_linear(self, x2: torch.Tensor, out: torch.Tensor) -> None:
-        """out = x2 W^T through fp4_mma; its launch kept as a DirectLaunch per (M, row stride), like
-        the small-M Triton kernels (host time of eager calls)."""
-        cl = self._mma[fp4_mma._CACHE_KEY][1]
+    def _mma_linear(self, x2: torch.Tensor, out: torch.Tensor, cl: tuple) -> None:
+        """out = x2 W^T through fp4_mma on the compute layout cl; its launch kept as a DirectLaunch per
+        (M, row stride), like the small-M Triton kernels (host time of eager calls)."""
         dkey = ("mma", x2.shape[0], x2.stride(0), cl[0].data_ptr())
         st = self._direct.get(dkey)
         if st is not None and _aligned(x2) and _aligned(out):
@@ -1315,8 +1314,8 @@ class Plan:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         if M == 0:
             pass
-        elif fp4_mma.applies(x2, K) and self._mma_layout() is not None:
-            self._mma_linear(x2, out)
+        elif fp4_mma.applies(x2, K) and (cl := self._mma_layout()) is not None:
+            self._mma_linear(x2, out, cl)
         elif _use_scratch("linear", self.is_nv, M):
             if self._one_chunk():  # decode + cuBLAS with the launch kept in the plan
                 torch.mm(x2, self.decoded(x2.dtype).t(), out=out)

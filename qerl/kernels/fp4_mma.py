@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
 
 KBLOCK = 64  # columns of a compute-layout block
 RBLOCK = 16  # rows of a compute-layout block
@@ -441,16 +442,16 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     warps = cfg.pop("num_warps", 4)
     cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
     rows = 4 * cfg["REPS"]
-    tiles = [_cdiv(w[0].shape[0], rows) for w in weights]
+    tiles = [triton.cdiv(w[0].shape[0], rows) for w in weights]
     n_tiles = sum(tiles)
     nbk = weights[0][0].shape[1]
-    iters = _cdiv(nbk, cfg["KB"])
+    iters = triton.cdiv(nbk, cfg["KB"])
     if split_k is None:
         wide = cfg["BM"] >= 64
         split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), 8 if wide else None,
                              fp4.WAVES_MID if wide else fp4.WAVES, 2)
-    ips = _cdiv(iters, split_k)
-    split = _cdiv(iters, ips)
+    ips = triton.cdiv(iters, split_k)
+    split = triton.cdiv(iters, ips)
     ws_need = (0 if split == 1 else split * M * sum(Ns), n_tiles if split > 1 else 0)
     ws, cnt = fp4._workspace(x2.device, *ws_need, atomic=False)
     args = [x2]
@@ -469,10 +470,6 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
 
 # argument positions a DirectLaunch of _mma_kernel replaces per call
 ARG_X, ARG_OUTS, ARG_WS, ARG_CNT = 0, (4, 8, 12), 13, 14
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: int, is_nv: bool,
@@ -497,7 +494,7 @@ def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: 
     w = c8 * scale[:, :, :, :, None, None, None, :]
     w = w.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(nb * 16, kb * 64)[:N, :K]
     if is_nv and gs is not None:
-        w = w / gs.double().cpu().item() if gs.device.type == "cpu" else w / float(gs)
+        w = w / float(gs)
     return w.float()
 
 
@@ -522,6 +519,13 @@ def applies(x: torch.Tensor, in_features: int) -> bool:
     if torch.compiler.is_compiling():
         return False
     return available(x.device)
+
+
+def weight_args(cache: dict, tensors: dict, fmt: str, out_features: int) -> tuple | None:
+    """(packed_c, scales_c, global scale or None, N) of one weight for ``linear`` / ``grouped_linear``,
+    from its packed tensors (by their on-disk names) and its kernel cache; None without a layout."""
+    cl = cached_layout(cache, tensors["weight_packed"], tensors["weight_scale"], fmt == "nvfp4")
+    return None if cl is None else (cl[0], cl[1], tensors.get("weight_global_scale"), out_features)
 
 
 def cached_layout(cache: dict, packed: torch.Tensor, scale: torch.Tensor, is_nv: bool):

@@ -65,13 +65,9 @@ def _mma_group(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor] 
     K = modules[0].in_features
     if not fp4_mma.applies(x, K) or any(kernels.resolve_backend(m.backend, fmt, x.device) != "triton" for m in modules):
         return None
-    ws = []
-    for m in modules:
-        t = m.packed_tensors()
-        cl = fp4_mma.cached_layout(m.kernel_cache, t["weight_packed"], t["weight_scale"], fmt == "nvfp4")
-        if cl is None:
-            return None
-        ws.append((cl[0], cl[1], t.get("weight_global_scale"), m.out_features))
+    ws = [fp4_mma.weight_args(m.kernel_cache, m.packed_tensors(), fmt, m.out_features) for m in modules]
+    if any(w is None for w in ws):
+        return None
     return fp4_mma.grouped_linear(x, ws, K, fmt == "nvfp4")
 
 
