@@ -159,8 +159,8 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
             f, packs = nf4
             res["nf4"] = time_graph([lambda p=p, f=f, x=x: f(x, p) for p in packs])
         kind = "gemv" if m <= fp4.GEMV_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
-        if fp4_mma.ENABLED and fp4_mma.available() and m <= fp4_mma.MMA_MAX_M:
-            kind = "mma"  # the compute-layout kernel (qerl.kernels.fp4_mma)
+        if fp4_mma.applies(x, k):  # the compute-layout kernel (qerl.kernels.fp4_mma)
+            kind = "mma" if m <= fp4_mma.MMA_MAX_M else "wgmma"
         if fp4._use_scratch("linear", True, m):
             kind = "scratch"  # decode into the bf16 scratch + cuBLAS
         for meth, (sec, mode) in res.items():

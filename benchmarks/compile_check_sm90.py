@@ -61,10 +61,11 @@ def check_mma(cfg: dict, warps: int) -> None:
     for i in range(3):
         sig.update({f"w{i}": "*u8", f"s{i}": "*u8", f"g{i}": "*fp32", f"o{i}": "*bf16"})
     sig.update(ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N0="i32", N1="i32", N2="i32", T0="i32", T1="i32", K="i32",
-               NB_K="i32", stride_xm="i32", iters_per_split="i32")
+               NB_K="i32", stride_xm="i32", iters_per_split="i32", MT="i32")
     nv = cfg.pop("IS_NV", True)
     consts = dict(IS_NV=nv, NM=cfg.pop("NM", 1), BM=cfg.pop("BM", 8), REPS=cfg.pop("REPS", 1), KB=cfg.pop("KB", 4),
-                  ASM=fp4_mma._ASM_NV if nv else fp4_mma._ASM_MX, PREFETCH=cfg.pop("PREFETCH", False), num_warps=warps)
+                  ASM=fp4_mma._ASM_NV if nv else fp4_mma._ASM_MX, PREFETCH=cfg.pop("PREFETCH", False),
+                  STAGES=cfg.pop("STAGES", 2), WGMMA=cfg.pop("WGMMA", False), num_warps=warps)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty.startswith("*") or name in ("stride_xm", "K")}
@@ -81,15 +82,19 @@ def check_mma(cfg: dict, warps: int) -> None:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(c.asm["cubin"])
             f.flush()
-            m = re.search(r"REG:(\d+)", subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout)
+            res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+            m = re.search(r"REG:(\d+)", res)
             regs = m.group(1) if m else "?"
+            m = re.search(r"STACK:(\d+)", res)
+            regs += f" (stack {m.group(1)} bytes)" if m else ""
     except (OSError, KeyError):
         pass
     print("OK mma", {k: v for k, v in consts.items() if k != "ASM"}, "shared", c.metadata.shared,
           "registers", regs,
           "| ld.global", len(re.findall(r"ld\.global", ptx)), "(v4:", len(re.findall(r"ld\.global[.\w]*\.v4", ptx)),
-          ") mma.sync", ptx.count("mma.sync"), "st.shared", ptx.count("st.shared"), "ld.shared",
-          ptx.count("ld.shared"), "shfl", ptx.count("shfl"))
+          ") mma.sync", ptx.count("mma.sync"), "wgmma", ptx.count("wgmma.mma_async"), "cp.async",
+          ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "ldmatrix", ptx.count("ldmatrix"), "st.shared",
+          ptx.count("st.shared"), "ld.shared", ptx.count("ld.shared"), "shfl", ptx.count("shfl"))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 """GPU probe of the compute-layout tensor-core kernel (qerl.kernels.fp4_mma, issue 14).
 
 Checks: compute layout round trip (bit for bit) and the kernel against the fp32 reference on the
-Qwen2.5-7B shapes, other families' shapes and ragged ones (N % 16, K % 64 != 0), M = 1-64, NVFP4 and
-MXFP4; repeated calls bitwise equal. Times: the 7B layer (sum of the seven linears) per M for bf16
-cuBLAS, qerl's current fused kernels and fp4_mma (default rule), and a config sweep per shape.
+Qwen2.5-7B shapes, other families' shapes and ragged ones (N % 16, K % 64 != 0), M = 1-300 (mma.sync
+up to 32, the warpgroup-MMA variant above on sm_90), NVFP4 and MXFP4; repeated calls bitwise equal.
+Times: the 7B layer (sum of the seven linears) per M for bf16 cuBLAS, qerl's Triton kernels and
+fp4_mma (default rule; the mma.sync variant alone up to M = 64), and a config sweep per shape.
 
     python -m benchmarks.mma_probe --out $OUT        (writes <out>/mma_probe.json)
 """
@@ -23,7 +24,8 @@ from qerl.arch import LINEAR_NAMES as PROJECTIONS
 from qerl.arch import linear_shapes
 from qerl.kernels import fp4, fp4_mma
 
-MS = (1, 2, 4, 8, 16, 32, 64)
+MS = (1, 2, 4, 8, 16, 32, 48, 64, 100, 128, 256, 300)
+LAYER_MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def check(res):
@@ -44,6 +46,8 @@ def check(res):
                 bad.append(("roundtrip", fmt, n, k))
             wd = formats.dequantize(t, fmt, dtype=torch.float32)
             for m in MS:
+                if m > fp4_mma.MAX_M and not fp4_mma.has_wgmma(torch.device("cuda")):
+                    continue
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ wd.T
                 try:
@@ -64,7 +68,7 @@ def check(res):
             ts = [formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt) for n, _ in group]
             ws = [(*fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], nv), t.get("weight_global_scale"), n)
                   for t, (n, _) in zip(ts, group)]
-            for m in (1, 8, 16, 32):
+            for m in (1, 8, 16, 32) + ((64, 200) if fp4_mma.has_wgmma(torch.device("cuda")) else ()):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ys = fp4_mma.grouped_linear(x, ws, k, nv)
                 ys2 = fp4_mma.grouped_linear(x, ws, k, nv)
@@ -78,7 +82,7 @@ def check(res):
     print(f"check: {n_ok} ok, {len(bad)} bad", bad[:10], flush=True)
 
 
-def layer(res, l2, model="qwen2.5-7b", ms=MS):
+def layer(res, l2, model="qwen2.5-7b", ms=LAYER_MS):
     shapes = linear_shapes(model)
     tot = {}
     for p in PROJECTIONS:
@@ -94,22 +98,22 @@ def layer(res, l2, model="qwen2.5-7b", ms=MS):
             fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc],
                    "nvfp4": [lambda tt=tt: fp4.launch_linear(x, tt["weight_packed"], tt["weight_scale"],
                                                              tt["weight_global_scale"], True) for tt in qc],
-                   "mma": [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True) for c in cl],
-                   "mma_noprefetch": [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True,
-                                                                 config=dict(fp4_mma.pick_config(m, n, k), PREFETCH=False))
-                                      for c in cl]}
+                   "mma": [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True) for c in cl]}
+            if m <= fp4_mma.MAX_M:  # the mma.sync variant alone
+                fns["mma_sync"] = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True,
+                                                              config=fp4_mma.pick_config(m, n, k)) for c in cl]
             for name, f in fns.items():
                 sec = time_graph(f, target_s=0.03)[0]
                 tot[(name, m)] = tot.get((name, m), 0.0) + sec * 1e6
         del qc, cl, wc
     out = {}
     for m in ms:
-        b, q, mm, npf = tot[("bf16", m)], tot[("nvfp4", m)], tot[("mma", m)], tot[("mma_noprefetch", m)]
-        out[m] = dict(bf16_us=b, nvfp4_us=q, mma_us=mm, mma_noprefetch_us=npf, nvfp4_over_bf16=b / q,
+        b, q, mm, ms_ = tot[("bf16", m)], tot[("nvfp4", m)], tot[("mma", m)], tot.get(("mma_sync", m))
+        out[m] = dict(bf16_us=b, nvfp4_us=q, mma_us=mm, mma_sync_us=ms_, nvfp4_over_bf16=b / q,
                       mma_over_bf16=b / mm,
                       hbm_tbps_mma=sum(n * k * 0.5625 for n, k in shapes.values()) / (mm * 1e-6) / 1e12)
         print(f"{model} layer M={m:3d}: bf16 {b:7.1f} us, nvfp4 now {q:7.1f} ({b / q:.2f}x), mma {mm:7.1f} "
-              f"({b / mm:.2f}x, {out[m]['hbm_tbps_mma']:.2f} TB/s), without prefetch {npf:7.1f}", flush=True)
+              f"({b / mm:.2f}x, {out[m]['hbm_tbps_mma']:.2f} TB/s), mma.sync alone {ms_ or float('nan'):7.1f}", flush=True)
     res.setdefault("layer", {})[model] = out
 
 
@@ -145,6 +149,39 @@ def sweep(res, l2):
     res["sweep"] = rows
 
 
+def sweep_wgmma(res, l2):
+    """The warpgroup-MMA variant's configs (BM, REPS, STAGES) and splits on the 7B and Llama-3-8B shapes."""
+    rows = []
+    shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"]
+    cands = [(64, 1, 4), (64, 2, 4), (64, 2, 3), (128, 1, 4), (128, 1, 3), (128, 2, 3)]
+    for n, k in shapes:
+        t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
+        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+        cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
+        gs = t["weight_global_scale"]
+        for m in (64, 128, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for bm, reps, stages in cands:
+                if bm > m:
+                    continue
+                for split in (None, 1, 2, 4):
+                    cfg = dict(BM=bm, KB=1, REPS=reps, STAGES=stages, PREFETCH=True, WGMMA=True, num_warps=4)
+                    try:
+                        f = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg, split_k=split) for c in cl]
+                        us = time_graph(f, target_s=0.02)[0] * 1e6
+                    except Exception as e:  # noqa: BLE001
+                        print("wgmma sweep fail", n, k, m, cfg, split, type(e).__name__, str(e)[:200])
+                        continue
+                    rows.append(dict(N=n, K=k, M=m, BM=bm, REPS=reps, STAGES=stages, split=split, us=us))
+            sel = [r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m]
+            if sel:
+                best = min(sel, key=lambda r: r["us"])
+                print(f"wgmma sweep N={n:6d} K={k:6d} M={m:3d}: best {best['us']:7.1f} us BM={best['BM']} "
+                      f"REPS={best['REPS']} STAGES={best['STAGES']} split={best['split']}", flush=True)
+        del qc, cl
+    res["sweep_wgmma"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -153,7 +190,8 @@ def main():
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%d"))
-    steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("sweep", lambda r: sweep(r, l2))]
+    steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("sweep_wgmma", lambda r: sweep_wgmma(r, l2)),
+             ("sweep", lambda r: sweep(r, l2))]
     run_steps(steps, res, os.path.join(a.out, "mma_probe.json"), a.only)
 
 if __name__ == "__main__":

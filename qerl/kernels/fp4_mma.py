@@ -7,19 +7,21 @@ makes it and ``cached_layout`` keeps it in the module's kernel cache, beside the
 which stay the module's state for export, ``state_dict``, AQN and the training kernels) into:
 
   - packed: uint8 [Np/16, Kp/64, 8 (g), 4 (c), 16]: for each 16-row x 64-column block, lane
-    (g, c) of a warp reads 16 contiguous bytes: rows g and g + 8 (h = 0, 1), columns
-    64 kb + 16 c + 0..15 (the 16 weights of one NVFP4 block, half of an MXFP4 block). Word t of
-    the 16 bytes holds columns 16 c + 4 t + 2 q + e; its nibble i (i < 4) is (h = i & 1,
-    q = i >> 1, e = 0) and nibble i + 4 the same with e = 1, so that ``(w << s) & mask`` turns it
-    into one bf16x2 register of the mma's A fragment.
-  - scales: uint8 [Np/16, Kp/64, 8 (g), 4 (c), 2 (h)]: the scale of the block of those weights.
-    NVFP4 stores t = ((F - 236) << 3) | mmm, F and mmm the exponent field and mantissa of the
-    bf16 equal to the E4M3 scale times 2^119 (exact, every E4M3 value), t = 0 for a zero scale;
-    the kernel makes the bf16 with one multiply-add. MXFP4 keeps the E8M0 byte.
+    (g, c) of a warp reads 16 contiguous bytes: exactly its A fragments of ``mma.m16n8k16`` (and of
+    the warpgroup ``wgmma``, whose register A operand has the same per-warp fragments) for the four
+    16-column steps t of the block, in natural column order. Word t holds rows g + 8 h (h = 0, 1),
+    columns 64 kb + 16 t + 8 q + 2 c + e; its nibble i (i < 4) is (h = i & 1, q = i >> 1, e = 0)
+    and nibble i + 4 the same with e = 1, so that ``(w << s) & mask`` turns it into one bf16x2
+    register of the fragment.
+  - scales: uint8 [Np/16, Kp/64, 8 (g), 4 (t), 2 (h)]: the scale of row g + 8 h's weights of step t
+    (its NVFP4 block; an MXFP4 block covers two steps and is stored twice). The four lanes c of a
+    row read the same 8 bytes. NVFP4 stores t = ((F - 236) << 3) | mmm, F and mmm the exponent field
+    and mantissa of the bf16 equal to the E4M3 scale times 2^119 (exact, every E4M3 value), t = 0
+    for a zero scale; the kernel makes the bf16 with one multiply-add. MXFP4 keeps the E8M0 byte.
 
-The permutation of K inside a 64-block is the same for the activations: lane (g, c) reads 16
-contiguous activations of row g, so the mma pairs weight and activation of the same k. Padding
-rows / columns are zero. ``from_compute_layout`` is the exact inverse (tests: bit for bit).
+K keeps its natural order: the activations are read as they are (the warpgroup kernel stages them
+into shared memory with asynchronous copies). Padding rows / columns are zero.
+``from_compute_layout`` is the exact inverse (tests: bit for bit).
 
 Exactness: the kernel decodes an E2M1 code c to the bf16 c * 2^-126 (bits placed, subnormal for
 0.5) and multiplies it by the scale's bf16 (E4M3 * 2^119 or 2^(e - 63)) with one bf16x2 FMA per
@@ -54,7 +56,8 @@ LAYOUT_CHUNK_ROWS = 1024  # rows to_compute_layout converts at a time (a multipl
 try:  # Gluon: triton >= 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     HAVE_GLUON = True
     # a CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier in later versions
@@ -138,22 +141,22 @@ def to_compute_layout(packed: torch.Tensor, scale: torch.Tensor, is_nv: bool) ->
         src = packed[r0:min(r1, N)]
         codes[:src.shape[0], :K:2] = src & 0xF
         codes[:src.shape[0], 1:K:2] = src >> 4
-        # [nb, h, g, kb, c, t, q, e] -> [nb, kb, g, c, t, nibble = (e, q, h)]
+        # [nb, h, g, kb, t, q, c, e] -> [nb, kb, g, c, t, nibble = (e, q, h)]
         nb = (r1 - r0) // 16
-        c8 = codes.view(nb, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
+        c8 = codes.view(nb, 2, 8, Kp // 64, 4, 2, 4, 2).permute(0, 3, 2, 6, 4, 7, 5, 1)
         c8 = c8.reshape(nb, Kp // 64, 8, 4, 4, 8).to(torch.int32)  # nibble index i = 4 e + 2 q + h
         words = torch.zeros(c8.shape[:-1], dtype=torch.int32, device=packed.device)
         for i in range(8):
             words |= c8[..., i] << (4 * i)
         out[r0 // 16:r1 // 16] = words.view(torch.uint8).view(nb, Kp // 64, 8, 4, 16)
-    # scales: block of column 64 kb + 16 c
+    # scales: block of columns 64 kb + 16 t ..
     code = nvfp4_scale_code(s) if is_nv else s
     sp = torch.zeros(Np, Kp // B, dtype=torch.uint8, device=packed.device)
     sp[:N, :K // B] = code
     cols = (torch.arange(Kp // 64, device=packed.device)[:, None] * 64
             + torch.arange(4, device=packed.device)[None, :] * 16) // B  # [kb, c]
-    st = sp[:, cols]  # [Np, kb, c]
-    st = st.view(Np // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).contiguous()  # [nb, kb, g, c, h]
+    st = sp[:, cols]  # [Np, kb, t]
+    st = st.view(Np // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).contiguous()  # [nb, kb, g, t, h]
     return out, st
 
 
@@ -166,11 +169,11 @@ def from_compute_layout(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, 
     Np, Kp = nb * 16, kb * 64
     words = packed_c.contiguous().view(torch.int32).view(nb, kb, 8, 4, 4)
     c8 = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1)  # [nb, kb, g, c, t, i]
-    c8 = c8.view(nb, kb, 8, 4, 4, 2, 2, 2)  # i = (e, q, h)
-    codes = c8.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(Np, Kp)  # [nb, h, g, kb, c, t, q, e]
+    c8 = c8.view(nb, kb, 8, 4, 4, 2, 2, 2)  # [nb, kb, g, c, t, e, q, h]
+    codes = c8.permute(0, 7, 2, 1, 4, 6, 3, 5).reshape(Np, Kp)  # [nb, h, g, kb, t, q, c, e]
     packed = (codes[:N, :K:2] | (codes[:N, 1:K:2] << 4)).to(torch.uint8)
     B = 16 if is_nv else 32
-    st = scales_c.permute(0, 4, 2, 1, 3).reshape(Np, kb * 4)  # [nb, h, g, kb, c] -> [Np, kb * 4]
+    st = scales_c.permute(0, 4, 2, 1, 3).reshape(Np, kb * 4)  # [nb, h, g, kb, t] -> [Np, kb * 4]
     st = st[:, ::B // 16] if B > 16 else st
     st = st[:N, :K // B]
     if is_nv:
@@ -218,24 +221,38 @@ if HAVE_GLUON:
                 i3[None, None, None, :, None], i4[None, None, None, None, :])
 
     @gluon.jit
-    def _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk, kb0, kb_lim, K):
-        """Weights, scales and activations of the KB column blocks from block kb0 (masked at kb_lim)."""
+    def _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim):
+        """Weights and scales of the KB column blocks from block kb0 (masked at kb_lim)."""
         wq = gl.load(w_ptr + (w_off + kb0 * 512), mask=(kb0 + wk) < kb_lim, other=0)
         sq = gl.load(s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk) < kb_lim, other=0)
-        kc = kb0 * 64 + xcol
-        xv = gl.load(x_ptr + (x_rows + kc), mask=x_mask_m & (kc < K), other=0.0)
-        return wq, sq, xv
+        return wq, sq
+
+    @gluon.jit
+    def _x_copy(x_smem, x_ptr, x_off, xr, xc, M, K, kb0, kb_lim):
+        """Asynchronous copy of the activation tile from column block kb0 into x_smem (16 bytes a
+        copy; rows >= M, columns >= K and blocks past kb_lim zero-filled); one commit group."""
+        kc = kb0 * 64 + xc
+        async_copy.async_copy_global_to_shared(x_smem, x_ptr + (x_off + kb0 * 64),
+                                               mask=(xr < M) & (kc < K) & (kc < kb_lim * 64))
+        async_copy.commit_group()
 
     @gluon.jit
     def _mma_kernel(x_ptr, w0, s0, g0, o0, w1, s1, g1, o1, w2, s2, g2, o2, ws_ptr, cnt_ptr,
-                    M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split,
+                    M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split, MT,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
-                    KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                    KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
+                    WGMMA: gl.constexpr, num_warps: gl.constexpr):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
-        Grid (T0 + T1 + T2, split): member i's T_i row tiles, one after the other. A program: REPS
-        16-row blocks per warp (BN = 64 REPS rows), BM (8-64) rows of x, KB 64-column blocks an
-        iteration. Outputs are contiguous [M, N_i]."""
-        pid = gl.program_id(0)
+        Grid ((T0 + T1 + T2) MT, split): member i's T_i row tiles, one after the other, each with
+        its MT tiles of BM rows of x next to each other (they share the weight tile in L2). A program:
+        REPS 16-row blocks per warp (BN = 64 REPS rows), BM (8-256) rows of x, KB 64-column blocks an
+        iteration. The activation tiles go through a ring of STAGES shared-memory buffers filled by
+        asynchronous copies; the weights are decoded in registers into the A operand of mma.sync
+        (mma_v2) or, with WGMMA (sm_90), of the warpgroup MMA, whose B operand is the shared tile.
+        Outputs are contiguous [M, N_i]."""
+        pid0 = gl.program_id(0)
+        pid = pid0 // MT  # row tile of all members
+        m0 = (pid0 % MT) * BM  # first row of x
         # this program's member (pointers chosen per program; scalars only)
         if NM == 1 or pid < T0:
             w_ptr, s_ptr, gs_ptr, out_ptr, N, pid_n, col0 = w0, s0, g0, o0, N0, pid, 0
@@ -246,56 +263,62 @@ if HAVE_GLUON:
         NTOT = N0 + N1 + N2
         R: gl.constexpr = 4 * REPS  # 16-row blocks of a program
         BN: gl.constexpr = 16 * R
-        NT: gl.constexpr = BM // 8
         BK: gl.constexpr = 64 * KB
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        if WGMMA:
+            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BM, 16])
+            x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        else:
+            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+            x_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
         b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
         # weights [R, 8 (g), 4 (c), KB, 16 bytes]: 16 contiguous bytes a lane, warps over row blocks
         w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-        # scales [R, 8, 4, KB, 2 (h)], loaded as a slice of [R, 8, 4, KB, 4 (t), 2 (h), 2] (the decode's
-        # scale words, made by broadcasting)
+        # scales [R, 8, 4 (c), KB, 8 (t, h)]: 8 contiguous bytes a lane (one load; the four lanes c of
+        # a row read the same ones), then [.., 4 (t), 2 (h), 2]: the decode's scale words, by broadcasting
+        s_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
         s7_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1, 1], [4, 1, 1, 1, 1, 1, 1],
                                               [6, 5, 4, 3, 2, 1, 0])
-        s_l: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(6, s7_l))
-        # activations [NT, 8 (g = row), 4 (c), KB, 16 bf16]: every warp holds the whole tile
-        x_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [1, 1, 1, 1, 4], [4, 3, 2, 1, 0])
+        # activation copies: [BM, BK] in 16-byte pieces, a warp along K
+        TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
+        x_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [4, 1], [1, 0])
 
         pid_k = gl.program_id(1)
         nb0 = pid_n * R
-        # weight / scale offsets of iteration 0 (block kb0 = 0)
         wr, wg, wc, wk, wb = _axes5(R, 8, 4, KB, 16, w_l)
         NBN = gl.cdiv(N, 16)
         nbc = gl.minimum(nb0 + wr, NBN - 1).to(gl.int64)
         w_off = ((nbc * NB_K) * 512 + wk * 512) + (wg * 64 + wc * 16) + wb
-        sr, sg, sc, sk, sh = _axes5(R, 8, 4, KB, 2, s_l)
+        sr, sg, sc, sk, sth = _axes5(R, 8, 4, KB, 8, s_l)
         snb = gl.minimum(nb0 + sr, NBN - 1).to(gl.int64)
-        s_off = ((snb * NB_K) * 64 + sk * 64) + (sg * 8 + sc * 2) + sh
-        # activation offsets: row nt * 8 + g, column 64 kb + 16 c + j
-        xt, xg, xc, xk, xj = _axes5(NT, 8, 4, KB, 16, x_l)
-        xrow = xt * 8 + xg
-        xcol = xk * 64 + xc * 16 + xj
-        x_rows = gl.minimum(xrow, M - 1).to(gl.int64) * stride_xm
-        x_mask_m = xrow < M
+        s_off = ((snb * NB_K) * 64 + sk * 64) + sg * 8 + sth + sc * 0
+        xr = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_ld))[:, None]
+        xc = gl.arange(0, BK, layout=gl.SliceLayout(0, x_ld))[None, :]
+        # (stride_xm // 8) * 8: the host guarantees 8 | stride (16-byte copies); this tells the compiler
+        x_off = gl.minimum(xr, M - 1).to(gl.int64) * ((stride_xm // 8) * 8) + xc
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_sl)
 
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+        a_prev = gl.zeros([BN, BK], gl.bfloat16, layout=a_l)  # registers of the MMA in flight (WGMMA)
         n_iter = gl.cdiv(NB_K, KB)
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, n_iter)
-        kb_lim = gl.minimum(NB_K, i1 * KB)  # blocks of this split (prefetches past it load nothing)
+        kb_lim = gl.minimum(NB_K, i1 * KB)  # blocks of this split (copies / loads past it: none)
+        for p in gl.static_range(STAGES - 1):  # the ring's first tiles
+            _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, (i0 + p) * KB, kb_lim)
         if PREFETCH:
-            wq, sq, xv = _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk, i0 * KB,
-                                    kb_lim, K)
+            wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, i0 * KB, kb_lim)
         for it in range(i0, i1):
-            if PREFETCH:  # the next iteration's loads go out before this one's decode
-                nwq, nsq, nxv = _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk,
-                                           (it + 1) * KB, kb_lim, K)
+            j = it - i0
+            if PREFETCH:  # the next iteration's weights go out before this one's decode
+                nwq, nsq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, (it + 1) * KB, kb_lim)
             else:
-                wq, sq, xv = _mma_loads(w_ptr, s_ptr, x_ptr, w_off, s_off, x_rows, xcol, x_mask_m, wk, sk, it * KB,
-                                        kb_lim, K)
-            # scale bytes to the decode's word: [.., KB, 2 (h)] -> [.., KB, 4 (t), 2 (h), 2] -> [.., KB, 16]
+                wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, it * KB, kb_lim)
+            # scale bytes to the decode's words: [.., KB, 4 (t), 2 (h)] -> [.., KB, 4 (t), 2 (h), 2] -> [.., KB, 16]
             s16 = gl.convert_layout(
-                gl.reshape(gl.expand_dims(gl.expand_dims(sq, 4), 6) + gl.zeros([R, 8, 4, KB, 4, 2, 2], gl.uint8, s7_l),
+                gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [R, 8, 4, KB, 4, 2]), gl.SliceLayout(6, s7_l)),
+                                          6) + gl.zeros([R, 8, 4, KB, 4, 2, 2], gl.uint8, s7_l),
                            [R, 8, 4, KB, 16]), w_l)
             lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
                                                dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
@@ -304,13 +327,27 @@ if HAVE_GLUON:
             wv = gl.reshape(wv, [R, 8, 4, KB, 4, 2, 2, 2])  # [nb, g, c, kb, t, h, e, q]
             wv = gl.permute(wv, [0, 5, 1, 3, 4, 7, 2, 6])  # [nb, h, g, kb, t, q, c, e]
             a = gl.convert_layout(gl.reshape(wv, [BN, BK]), a_l)
-            # [NT, g, c, KB, 16 = (t, q, e)] -> [kb, t, q, c, e, nt, g] -> [BK, BM]
-            xb = gl.reshape(xv, [NT, 8, 4, KB, 4, 2, 2])
-            xb = gl.permute(xb, [3, 4, 5, 2, 6, 0, 1])
-            b = gl.convert_layout(gl.reshape(xb, [BK, BM]), b_l)
-            acc = mma_v2(a, b, acc)
+            if WGMMA:  # the previous MMA has read its tile and registers before the buffer refills
+                acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+            # tile j landed (this thread's copies), visible to the async proxy, and every warp's
+            async_copy.wait_group(STAGES - 2)
+            if WGMMA:
+                fence_async_shared()
+            _cta_barrier()
+            # refill the buffer iteration j - 1 read
+            _x_copy(x_smem.index((j + STAGES - 1) % STAGES), x_ptr, x_off, xr, xc, M, K, (it + STAGES - 1) * KB,
+                    kb_lim)
+            xs = x_smem.index(j % STAGES).permute((1, 0))  # [BK, BM]
+            if WGMMA:
+                acc = warpgroup_mma(a, xs, acc, is_async=True)
+                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])  # returns at once: this one stays in flight
+            else:
+                acc = mma_v2(a, xs.load(b_l), acc)
             if PREFETCH:
-                wq, sq, xv = nwq, nsq, nxv
+                wq, sq = nwq, nsq
+        if WGMMA:
+            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+        async_copy.wait_group(0)
         if IS_NV:
             alpha = 128.0 / gl.load(gs_ptr)
         else:
@@ -318,7 +355,7 @@ if HAVE_GLUON:
         acc = acc * alpha
         # epilogue: acc [BN (n), BM (m)] -> out[m, n]; split-K reduced in a fixed order
         offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        offs_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
         o_off = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
         n_split = gl.num_programs(1)
@@ -331,13 +368,13 @@ if HAVE_GLUON:
             # every warp's partial is stored before the one counter update releases them (Gluon adds
             # no barrier of its own; without it other programs read partial tiles)
             _cta_barrier()
-            count = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+            count = gl.atomic_add(cnt_ptr + pid0, 1, sem="acq_rel")
             if count == n_split - 1:
                 total = gl.zeros([BN, BM], gl.float32, layout=mma)
                 for i in range(0, n_split):  # fixed order: bitwise the same every call
                     total += gl.load(ws_ptr + i * mn + w_offs, mask=mask, other=0.0, cache_modifier=".cg")
                 gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt_ptr + pid, 0)
+                gl.atomic_xchg(cnt_ptr + pid0, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -363,10 +400,12 @@ def available(device: torch.device | None = None) -> bool:
     return ok
 
 
-def _self_test(device: torch.device) -> bool:
-    """Compile and run the kernel once on a small weight (both formats) against the fp32 reference.
-    On another Triton whose Gluon API or compiler differs, a failure turns fp4_mma off with a warning:
-    the Triton kernels then serve the same calls (the same format and arithmetic up to rounding)."""
+def _self_test(device: torch.device, M: int = 3, config: dict | None = None, what: str = "fp4_mma kernel",
+               instead: str = "the Triton kernels serve every 4-bit call instead") -> bool:
+    """Compile and run the kernel once on a small weight (both formats, M rows) against the fp32
+    reference. On another Triton whose Gluon API or compiler differs, a failure turns the kernel off
+    with a warning: the Triton kernels then serve the same calls (the same format and arithmetic up to
+    rounding)."""
     import warnings
 
     from qerl import formats
@@ -376,28 +415,54 @@ def _self_test(device: torch.device) -> bool:
         for fmt in formats.with_kernel("triton"):  # the formats with Triton (and this) kernels
             t = formats.quantize(torch.randn(40, 192, device=device, generator=g) * 0.02, fmt)
             pc, sc = to_compute_layout(t["weight_packed"], t["weight_scale"], fmt == "nvfp4")
-            x = torch.randn(3, 192, device=device, dtype=torch.bfloat16, generator=g)
-            y = linear(x, pc, sc, t.get("weight_global_scale"), 40, 192, fmt == "nvfp4").float()
+            x = torch.randn(M, 192, device=device, dtype=torch.bfloat16, generator=g)
+            y = linear(x, pc, sc, t.get("weight_global_scale"), 40, 192, fmt == "nvfp4", config=config).float()
             ref = x.float() @ formats.dequantize(t, fmt, dtype=torch.float32).T
             err = float((y - ref).norm() / ref.norm())
             if not err < 1e-2:
                 raise RuntimeError(f"{fmt}: relative error {err:.2e} against the fp32 reference")
         return True
     except Exception as e:  # noqa: BLE001 - any failure: off, said once
-        warnings.warn(f"qerl: the fp4_mma kernel failed its self-test on {device} ({type(e).__name__}: "
-                      f"{str(e)[:200]}); the Triton kernels serve every 4-bit call instead", stacklevel=2)
+        warnings.warn(f"qerl: the {what} failed its self-test on {device} ({type(e).__name__}: "
+                      f"{str(e)[:200]}); {instead}", stacklevel=2)
         return False
 
 
-MAX_M = 64  # largest M the kernel accepts (B-operand registers grow with M); MMA_MAX_M: what dispatch sends
+_CAPABILITY: dict = {}
 
 
-def pick_config(M: int, N: int, K: int) -> dict:
-    """Launch config by rule (the H100 sweep of cf3257f over the 7B and Llama-3-8B shapes,
+def has_wgmma(device: torch.device) -> bool:
+    """sm_90 (Hopper), the kernel available and its warpgroup-MMA variant through a self-test (made
+    once, at the first call). (sm_100 has no register-A wgmma; it takes the mma.sync path.)"""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _CAPABILITY.get(idx)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(idx)[0] == 9 and available(device)
+        if ok:
+            if torch.cuda.is_current_stream_capturing():
+                return False  # no self-test inside a capture: not yet (asked again after it)
+            M = 8 + MMA_MAX_M
+            ok = _self_test(torch.device("cuda", idx), M=M, config=pick_config(M, 40, 192, wgmma=True),
+                            what="fp4_mma warpgroup-MMA variant",
+                            instead=f"the mma.sync variant serves M <= {MMA_MAX_M}, the Triton kernels the rest")
+        _CAPABILITY[idx] = ok
+    return ok
+
+
+def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
+    """Launch config by rule. mma.sync (the H100 sweep of cf3257f over the 7B and Llama-3-8B shapes,
     results/kernels/h100_mma_probe_cf3257f.json): BM the smallest of 8 / 16 / 32 / 64 holding M;
     KB (64-column blocks an iteration) so that a lane holds <= 64 activations of the B operand,
-    and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2;
-    split-K (in ``linear``) for about 4 waves of programs (2 waves and <= 8 splits at BM = 64)."""
+    and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2.
+    Warpgroup MMA (``wgmma``, sm_90, M > 32): tiles of BM = 64 rows of x with 128 weight rows, or of
+    BM = 128 rows with 64 weight rows (the fp32 accumulator: 64 registers a thread either way), a
+    4-deep ring of 64-column activation tiles. Split-K (in ``grouped_linear``) for about 4 waves of
+    programs (2 waves and <= 8 splits from BM = 64)."""
+    if wgmma and M > MMA_MAX_M:
+        BM = 64 if M <= 64 else 128
+        return dict(BM=BM, KB=1, REPS=2 if BM == 64 else 1, num_warps=4, PREFETCH=True, STAGES=4, WGMMA=True)
     BM = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
     pf = BM >= PREFETCH_MIN_BM
     if BM == 16 and N * K >= (1 << 25):
@@ -429,21 +494,27 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     M = x2.shape[0]
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"fp4_mma takes 1 to 3 weights a launch, got {len(weights)}")
-    if M > MAX_M:
-        raise ValueError(f"fp4_mma serves M <= {MAX_M}, got {M}")
     if x2.dtype != torch.bfloat16:
         raise ValueError(f"fp4_mma takes bfloat16 activations, got {x2.dtype}")
     if x2.stride(-1) != 1:
         raise ValueError("fp4_mma takes activations with contiguous rows")
+    if K % 8 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        raise ValueError("fp4_mma copies activations 16 bytes at a time: K and the row stride must be "
+                         "multiples of 8, the data 16-byte aligned")
     Ns = [w[3] for w in weights]
     if outs is None:
         outs = [torch.empty((M, n), dtype=x2.dtype, device=x2.device) for n in Ns]
-    cfg = dict(config or pick_config(M, max(Ns), K))
+    cfg = dict(config or pick_config(M, max(Ns), K, has_wgmma(x2.device)))
     warps = cfg.pop("num_warps", 4)
     cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
+    cfg.setdefault("STAGES", 2)
+    cfg.setdefault("WGMMA", False)
+    if not cfg["WGMMA"] and M > MAX_M:
+        raise ValueError(f"fp4_mma's mma.sync path serves M <= {MAX_M}, got {M}")
     rows = 4 * cfg["REPS"]
+    mt = triton.cdiv(M, cfg["BM"])  # row tiles of x, next to each other in the grid
     tiles = [triton.cdiv(w[0].shape[0], rows) for w in weights]
-    n_tiles = sum(tiles)
+    n_tiles = sum(tiles) * mt
     nbk = weights[0][0].shape[1]
     iters = triton.cdiv(nbk, cfg["KB"])
     if split_k is None:
@@ -460,7 +531,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
         args += [pc, sc, gs if gs is not None else sc, outs[min(i, len(weights) - 1)]]
     Np = Ns + [0] * (3 - len(Ns))
     Tp = tiles + [0] * (3 - len(tiles))
-    args += [ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips]
+    args += [ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips, mt]
     kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **cfg)
     if describe:  # (kernel, grid, args, kwargs, workspace need): for fp4.Plan's DirectLaunch
         return _mma_kernel, (n_tiles, split), tuple(args), kwargs, ws_need
@@ -482,17 +553,17 @@ def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: 
     mag, neg = c8 & 0x7, (c8 & 0x8) != 0
     code = torch.where(mag >= 2, torch.exp2((mag >> 1).double() - 1) * (1 + (mag & 1) / 2), (mag & 1) * 0.5)
     code = torch.where(neg, -code, code)
-    t = scales_c.to(torch.int64)  # [nb, kb, g, c, h]
+    t = scales_c.to(torch.int64)  # [nb, kb, g, t, h]
     if is_nv:
         F, mant = (t >> 3) + T_OFFSET, t & 0x7
         sbf = torch.exp2(F.double() - 127) * (1 + mant / 8)  # the bf16 the kernel makes (t = 0 too)
         scale = sbf * 2.0 ** -119
     else:
         scale = torch.exp2(t.double() - 127)
-    # weight (h, c, t, q, e) of lane (g, c): scale of (g, c, h)
-    c8 = code.view(nb, kb, 8, 4, 4, 2, 2, 2)  # [.., t, e, q, h]
-    w = c8 * scale[:, :, :, :, None, None, None, :]
-    w = w.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(nb * 16, kb * 64)[:N, :K]
+    # weight (h, t, q, c, e) of lane (g, c): scale of (g, t, h)
+    c8 = code.view(nb, kb, 8, 4, 4, 2, 2, 2)  # [nb, kb, g, c, t, e, q, h]
+    w = c8 * scale[:, :, :, None, :, None, None, :]
+    w = w.permute(0, 7, 2, 1, 4, 6, 3, 5).reshape(nb * 16, kb * 64)[:N, :K]
     if is_nv and gs is not None:
         w = w / float(gs)
     return w.float()
@@ -501,9 +572,13 @@ def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: 
 # ----------------------------------------------------------------------------------------------
 # use from the dispatch paths
 
+MAX_M = 64  # largest M the mma.sync path accepts (B-operand registers grow with M); the wgmma path: any M
+
 # Served M (activation rows) by default: at M = 64 the kernel was no faster than the tensor-core
 # dot kernel (7B layer 273 vs 289 us with its best split rule), so larger M keeps the older paths.
 MMA_MAX_M = 32
+# Served M on sm_90 by the warpgroup-MMA variant (M > MMA_MAX_M).
+WGMMA_MAX_M = 256
 ENABLED = os.environ.get("QERL_MMA", "1") != "0"  # QERL_MMA=0: the older fused kernels at every M
 _CACHE_KEY = "fp4_mma_layout"
 
@@ -514,7 +589,11 @@ def applies(x: torch.Tensor, in_features: int) -> bool:
     if not ENABLED or x.dtype != torch.bfloat16 or x.device.type != "cuda":
         return False
     M = x.numel() // max(in_features, 1)
-    if not 1 <= M <= MMA_MAX_M or (torch.is_grad_enabled() and x.requires_grad):
+    if M < 1 or (torch.is_grad_enabled() and x.requires_grad) or in_features % 8 or x.data_ptr() % 16:
+        return False  # (16-byte activation copies: K % 8, 16-byte aligned rows)
+    if x.dim() >= 2 and x.stride(-2) % 8 and x.shape[-2] > 1:
+        return False
+    if M > MMA_MAX_M and not (M <= WGMMA_MAX_M and has_wgmma(x.device)):
         return False
     if torch.compiler.is_compiling():
         return False

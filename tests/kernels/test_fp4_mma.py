@@ -60,6 +60,37 @@ def test_kernel_arithmetic_gives_the_dequantized_weight(fmt, n, k):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
+def test_lanes_hold_their_mma_fragments_in_natural_column_order():
+    """The layout's promise, from the PTX definition of mma.m16n8k16's A fragment (a0: row g,
+    columns 2c, 2c+1; a1: row g+8; a2: row g, columns 2c+8, 2c+9; a3: row g+8, those columns): lane
+    (g, c)'s word t, decoded nibble by nibble, is the fragment of the 16-column step t of the block,
+    and its scale bytes are those of rows g and g+8 at that step (one code and scale per weight,
+    read from the original tensors, not from the layout code)."""
+    n, k = 40, 192
+    t = _weight(n, k, "nvfp4", seed=3)
+    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
+    p = t["weight_packed"]
+    codes = torch.stack([p & 0xF, p >> 4], -1).view(n, k)  # natural [N, K] codes
+    scodes = fp4_mma.nvfp4_scale_code(t["weight_scale"].view(torch.uint8))  # [N, K/16]
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        nb, kb = int(torch.randint(3, (1,), generator=rng)), int(torch.randint(3, (1,), generator=rng))
+        g, c, tt = (int(v) for v in torch.randint(0, 8, (1,), generator=rng).tolist() + torch.randint(
+            0, 4, (2,), generator=rng).tolist())
+        word = int.from_bytes(bytes(pc[nb, kb, g, c, 4 * tt:4 * tt + 4].tolist()), "little")
+        frag = [(0, 0), (1, 0), (0, 8), (1, 8)]  # (row + 8 h, column offset) of a0 .. a3
+        for r, (h, dq) in enumerate(frag):
+            for e in range(2):
+                nib = (word >> (4 * (4 * e + 2 * (dq // 8) + h))) & 0xF
+                row, col = 16 * nb + 8 * h + g, 64 * kb + 16 * tt + dq + 2 * c + e
+                want = int(codes[row, col]) if row < n and col < k else 0
+                assert nib == want, (nb, kb, g, c, tt, r, e)
+        for h in range(2):
+            row = 16 * nb + 8 * h + g
+            want = int(scodes[row, (64 * kb + 16 * tt) // 16]) if row < n else 0
+            assert int(sc[nb, kb, g, tt, h]) == want
+
+
 def test_weights_without_an_exact_layout_are_refused():
     t = _weight(32, 64, "nvfp4")
     p, s = t["weight_packed"].clone(), t["weight_scale"].clone()
@@ -104,11 +135,16 @@ def test_kernel_matches_the_reference_gpu(fmt, n, k):
     nv = fmt == "nvfp4"
     pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], nv)
     wd = formats.dequantize(t, fmt, dtype=torch.float32)
-    for m in (1, 3, 8, 16, 32, 64):
+    wg = fp4_mma.has_wgmma(torch.device("cuda"))
+    cases = [(m, None) for m in (1, 3, 8, 16, 32)] + [(64, fp4_mma.pick_config(64, n, k))]  # mma.sync
+    if wg:  # the warpgroup-MMA variant: one tile, ragged tiles, several row tiles of x
+        cases += [(m, None) for m in (40, 64, 100, 128, 256, 300)]
+    for m, cfg in cases:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        y = fp4_mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv)
-        assert _rel(y, x.float() @ wd.T) < 1e-2, (m, _rel(y, x.float() @ wd.T))
-        assert torch.equal(y, fp4_mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv))  # split-K fixed order
+        y = fp4_mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv, config=cfg)
+        assert _rel(y, x.float() @ wd.T) < 1e-2, (m, cfg, _rel(y, x.float() @ wd.T))
+        # split-K in a fixed order: the same bits every call
+        assert torch.equal(y, fp4_mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv, config=cfg))
 
 
 @pytest.mark.gpu
@@ -118,7 +154,7 @@ def test_grouped_launch_equals_separate_launches_gpu():
     ts = [{kk: v.cuda() for kk, v in _weight(n, k, "nvfp4", seed=i).items()} for i, n in enumerate((3584, 512, 512))]
     ws = [(*fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True), t["weight_global_scale"], n)
           for t, n in zip(ts, (3584, 512, 512))]
-    for m in (1, 8, 32):
+    for m in (1, 8, 32) + ((64, 200) if fp4_mma.has_wgmma(torch.device("cuda")) else ()):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for y, t in zip(fp4_mma.grouped_linear(x, ws, k, True), ts):
             ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
@@ -145,6 +181,29 @@ def test_plan_direct_launch_of_the_mma_kernel_gpu():
             assert _rel(y, x.float() @ wd.T) < 1e-2
             assert torch.equal(y, fp4_mma.linear(x, *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True))
     assert any(k[0] == "mma" and v is not None for k, v in plan._direct.items())
+
+
+@pytest.mark.gpu
+@gpu
+def test_strided_and_unaligned_activations_gpu():
+    """Rows with a stride (a slice of a wider tensor) are copied right; activations the 16-byte
+    copies cannot take (K or the row stride not a multiple of 8, a misaligned start) are not sent
+    to the kernel by ``applies`` and refused by ``grouped_linear`` with the reason."""
+    n, k = 256, 512
+    t = {kk: v.cuda() for kk, v in _weight(n, k, "nvfp4").items()}
+    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
+    wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
+    for m in (5, 100):
+        wide = torch.randn(m, k + 64, device="cuda", dtype=torch.bfloat16)
+        x = wide[:, :k]  # row stride k + 64
+        assert fp4_mma.applies(x, k) or m > fp4_mma.MMA_MAX_M
+        if m <= fp4_mma.MMA_MAX_M or fp4_mma.has_wgmma(x.device):
+            y = fp4_mma.linear(x, pc, sc, t["weight_global_scale"], n, k, True)
+            assert _rel(y, x.float() @ wd.T) < 1e-2
+        odd = torch.randn(m, k + 1, device="cuda", dtype=torch.bfloat16)[:, 1:]  # start 2 bytes off
+        assert not fp4_mma.applies(odd, k)
+        with pytest.raises(ValueError, match="16 bytes"):
+            fp4_mma.linear(odd, pc, sc, t["weight_global_scale"], n, k, True)
 
 
 def test_a_failing_self_test_turns_the_kernel_off_with_a_warning():
