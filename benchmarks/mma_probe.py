@@ -149,11 +149,63 @@ def sweep(res, l2):
     res["sweep"] = rows
 
 
+VARIANTS = {  # (BM, KB, REPS, STAGES, WGMMA, W_RING, PREFETCH)
+    16: [(16, 2, 2, 2, False, False, False), (16, 2, 2, 4, False, True, False), (16, 1, 1, 4, False, True, False)],
+    32: [(32, 1, 1, 2, False, False, True), (32, 1, 1, 4, False, True, False), (32, 1, 2, 4, False, True, False)],
+    64: [(64, 1, 2, 2, False, False, True), (64, 1, 1, 4, True, False, True), (64, 1, 1, 4, True, True, False),
+         (64, 1, 2, 4, True, True, False), (64, 1, 1, 3, True, True, False)],
+    128: [(64, 1, 1, 4, True, False, True), (64, 1, 1, 4, True, True, False), (128, 1, 1, 4, True, True, False),
+          (128, 1, 1, 3, True, True, False), (64, 1, 2, 4, True, True, False)],
+    256: [(128, 1, 1, 4, True, False, True), (128, 1, 1, 4, True, True, False), (128, 1, 1, 3, True, True, False),
+          (64, 1, 1, 4, True, True, False), (128, 1, 2, 3, True, True, False)],
+}
+
+
+def variants(res, l2, model="qwen2.5-7b"):
+    """The 7B layer (sum of the seven linears) per M for each kernel variant in VARIANTS (wgmma ones
+    on sm_90 only), next to bf16 cuBLAS: which variant the rule should pick."""
+    shapes = linear_shapes(model)
+    wg = fp4_mma.has_wgmma(torch.device("cuda"))
+    tot = {}
+    for p in PROJECTIONS:
+        n, k = shapes[p]
+        w = torch.randn(n, k, device="cuda") * 0.02
+        t = formats.quantize(w, "nvfp4")
+        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+        cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
+        wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
+        gs = t["weight_global_scale"]
+        for m, cands in VARIANTS.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc]}
+            for bm, kb, reps, st, wgm, ring, pf in cands:
+                if wgm and not wg:
+                    continue
+                cfg = dict(BM=bm, KB=kb, REPS=reps, STAGES=st, WGMMA=wgm, W_RING=ring, PREFETCH=pf, num_warps=4)
+                fns[str(cfg)] = [lambda c=c, cfg=cfg: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg) for c in cl]
+            for name, f in fns.items():
+                try:
+                    sec = time_graph(f, target_s=0.02)[0]
+                except Exception as e:  # noqa: BLE001
+                    print("variant fail", m, name, type(e).__name__, str(e)[:300], flush=True)
+                    sec = float("nan")
+                tot[(m, name)] = tot.get((m, name), 0.0) + sec * 1e6
+        del qc, cl, wc
+    out = {}
+    for (m, name), us in tot.items():
+        out.setdefault(str(m), {})[name] = us
+    for m, d in out.items():
+        b = d["bf16"]
+        print(f"M={m}: bf16 {b:.1f} us; " + "; ".join(f"{k} {v:.1f} ({b / v:.2f}x)" for k, v in d.items() if k != "bf16"),
+              flush=True)
+    res["variants"] = out
+
+
 def sweep_wgmma(res, l2):
     """The warpgroup-MMA variant's configs (BM, REPS, STAGES) and splits on the 7B and Llama-3-8B shapes."""
     rows = []
     shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"]
-    cands = [(64, 1, 4), (64, 2, 4), (64, 2, 3), (128, 1, 4), (128, 1, 3), (128, 2, 3)]
+    cands = [(64, 1, 4), (64, 2, 4), (64, 1, 3), (128, 1, 4), (128, 1, 3)]
     for n, k in shapes:
         t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
         qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
@@ -165,7 +217,8 @@ def sweep_wgmma(res, l2):
                 if bm > m:
                     continue
                 for split in (None, 1, 2, 4):
-                    cfg = dict(BM=bm, KB=1, REPS=reps, STAGES=stages, PREFETCH=True, WGMMA=True, num_warps=4)
+                    cfg = dict(BM=bm, KB=1, REPS=reps, STAGES=stages, PREFETCH=False, WGMMA=True, W_RING=True,
+                               num_warps=4)
                     try:
                         f = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg, split_k=split) for c in cl]
                         us = time_graph(f, target_s=0.02)[0] * 1e6
@@ -190,7 +243,8 @@ def main():
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%d"))
-    steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("sweep_wgmma", lambda r: sweep_wgmma(r, l2)),
+    steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("variants", lambda r: variants(r, l2)),
+             ("sweep_wgmma", lambda r: sweep_wgmma(r, l2)),
              ("sweep", lambda r: sweep(r, l2))]
     run_steps(steps, res, os.path.join(a.out, "mma_probe.json"), a.only)
 

@@ -228,6 +228,13 @@ if HAVE_GLUON:
         return wq, sq
 
     @gluon.jit
+    def _w_copy(w_dst, s_dst, w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim):
+        """Asynchronous copies of the weights and scales of the KB column blocks from block kb0 (of
+        this thread's layout: 16 and 8 contiguous bytes); not committed (the activations' copy is)."""
+        async_copy.async_copy_global_to_shared(w_dst, w_ptr + (w_off + kb0 * 512), mask=(kb0 + wk) < kb_lim)
+        async_copy.async_copy_global_to_shared(s_dst, s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk) < kb_lim)
+
+    @gluon.jit
     def _x_copy(x_smem, x_ptr, x_off, xr, xc, M, K, kb0, kb_lim):
         """Asynchronous copy of the activation tile from column block kb0 into x_smem (16 bytes a
         copy; rows >= M, columns >= K and blocks past kb_lim zero-filled); one commit group."""
@@ -241,7 +248,7 @@ if HAVE_GLUON:
                     M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split, MT,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
                     KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
-                    WGMMA: gl.constexpr, num_warps: gl.constexpr):
+                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
         Grid ((T0 + T1 + T2) MT, split): member i's T_i row tiles, one after the other, each with
         its MT tiles of BM rows of x next to each other (they share the weight tile in L2). A program:
@@ -298,23 +305,45 @@ if HAVE_GLUON:
         # (stride_xm // 8) * 8: the host guarantees 8 | stride (16-byte copies); this tells the compiler
         x_off = gl.minimum(xr, M - 1).to(gl.int64) * ((stride_xm // 8) * 8) + xc
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_sl)
+        if W_RING:  # weights and scales ride in the ring too (16- and 8-byte copies, no swizzle needed)
+            w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 8, 4, KB, 16], gl.SwizzledSharedLayout(
+                vec=16, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0]))
+            s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 8, 4, KB, 8], gl.SwizzledSharedLayout(
+                vec=8, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0]))
 
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-        a_prev = gl.zeros([BN, BK], gl.bfloat16, layout=a_l)  # registers of the MMA in flight (WGMMA)
         n_iter = gl.cdiv(NB_K, KB)
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, n_iter)
         kb_lim = gl.minimum(NB_K, i1 * KB)  # blocks of this split (copies / loads past it: none)
         for p in gl.static_range(STAGES - 1):  # the ring's first tiles
-            _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, (i0 + p) * KB, kb_lim)
-        if PREFETCH:
+            kb0 = (i0 + p) * KB
+            if W_RING:
+                _w_copy(w_smem.index(p), s_smem.index(p), w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim)
+            _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, kb0, kb_lim)
+        if PREFETCH and not W_RING:
             wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, i0 * KB, kb_lim)
         for it in range(i0, i1):
             j = it - i0
-            if PREFETCH:  # the next iteration's weights go out before this one's decode
-                nwq, nsq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, (it + 1) * KB, kb_lim)
-            else:
-                wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, it * KB, kb_lim)
+            if not W_RING:
+                if PREFETCH:  # the next iteration's weights go out before this one's decode
+                    nwq, nsq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, (it + 1) * KB, kb_lim)
+                else:
+                    wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, it * KB, kb_lim)
+            # tile j landed (this thread's copies; visible to the async proxy for WGMMA), and every
+            # warp is done with the buffer of iteration j - 1
+            async_copy.wait_group(STAGES - 2)
+            if WGMMA:
+                fence_async_shared()
+            _cta_barrier()
+            # refill that buffer
+            kb1 = (it + STAGES - 1) * KB
+            sn = (j + STAGES - 1) % STAGES
+            if W_RING:
+                _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
+                wq = w_smem.index(j % STAGES).load(w_l)
+                sq = s_smem.index(j % STAGES).load(s_l)
+            _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
             # scale bytes to the decode's words: [.., KB, 4 (t), 2 (h)] -> [.., KB, 4 (t), 2 (h), 2] -> [.., KB, 16]
             s16 = gl.convert_layout(
                 gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [R, 8, 4, KB, 4, 2]), gl.SliceLayout(6, s7_l)),
@@ -327,26 +356,16 @@ if HAVE_GLUON:
             wv = gl.reshape(wv, [R, 8, 4, KB, 4, 2, 2, 2])  # [nb, g, c, kb, t, h, e, q]
             wv = gl.permute(wv, [0, 5, 1, 3, 4, 7, 2, 6])  # [nb, h, g, kb, t, q, c, e]
             a = gl.convert_layout(gl.reshape(wv, [BN, BK]), a_l)
-            if WGMMA:  # the previous MMA has read its tile and registers before the buffer refills
-                acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
-            # tile j landed (this thread's copies), visible to the async proxy, and every warp's
-            async_copy.wait_group(STAGES - 2)
-            if WGMMA:
-                fence_async_shared()
-            _cta_barrier()
-            # refill the buffer iteration j - 1 read
-            _x_copy(x_smem.index((j + STAGES - 1) % STAGES), x_ptr, x_off, xr, xc, M, K, (it + STAGES - 1) * KB,
-                    kb_lim)
             xs = x_smem.index(j % STAGES).permute((1, 0))  # [BK, BM]
             if WGMMA:
+                # waited at once: with the MMA left in flight across the next decode (register A operand),
+                # results came out wrong on the H100 (Triton 3.6; results/kernels/NOTES.md)
                 acc = warpgroup_mma(a, xs, acc, is_async=True)
-                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a])  # returns at once: this one stays in flight
+                acc = warpgroup_mma_wait(0, deps=[acc])
             else:
                 acc = mma_v2(a, xs.load(b_l), acc)
-            if PREFETCH:
+            if PREFETCH and not W_RING:
                 wq, sq = nwq, nsq
-        if WGMMA:
-            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         async_copy.wait_group(0)
         if IS_NV:
             alpha = 128.0 / gl.load(gs_ptr)
@@ -462,7 +481,7 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
     programs (2 waves and <= 8 splits from BM = 64)."""
     if wgmma and M > MMA_MAX_M:
         BM = 64 if M <= 64 else 128
-        return dict(BM=BM, KB=1, REPS=2 if BM == 64 else 1, num_warps=4, PREFETCH=True, STAGES=4, WGMMA=True)
+        return dict(BM=BM, KB=1, REPS=1, num_warps=4, PREFETCH=False, STAGES=4, WGMMA=True, W_RING=True)
     BM = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
     pf = BM >= PREFETCH_MIN_BM
     if BM == 16 and N * K >= (1 << 25):
@@ -509,6 +528,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
     cfg.setdefault("STAGES", 2)
     cfg.setdefault("WGMMA", False)
+    cfg.setdefault("W_RING", False)
     if not cfg["WGMMA"] and M > MAX_M:
         raise ValueError(f"fp4_mma's mma.sync path serves M <= {MAX_M}, got {M}")
     rows = 4 * cfg["REPS"]
