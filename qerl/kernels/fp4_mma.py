@@ -57,7 +57,8 @@ try:  # Gluon: triton >= 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                       warpgroup_mma_init, warpgroup_mma_wait)
 
     HAVE_GLUON = True
     # a CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier in later versions
@@ -248,7 +249,7 @@ if HAVE_GLUON:
                     M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split, MT,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
                     KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
-                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr):
+                    WGMMA: gl.constexpr, W_RING: gl.constexpr, A_SMEM: gl.constexpr, num_warps: gl.constexpr):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
         Grid ((T0 + T1 + T2) MT, split): member i's T_i row tiles, one after the other, each with
         its MT tiles of BM rows of x next to each other (they share the weight tile in L2). A program:
@@ -316,14 +317,49 @@ if HAVE_GLUON:
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, n_iter)
         kb_lim = gl.minimum(NB_K, i1 * KB)  # blocks of this split (copies / loads past it: none)
-        for p in gl.static_range(STAGES - 1):  # the ring's first tiles
+        if A_SMEM:
+            # WGMMA with the decoded weights staged in shared memory (two buffers), so that one MMA
+            # stays in flight across the next tile's decode: the ring runs STAGES - 2 tiles ahead, the
+            # buffer an MMA may still read is not refilled before the next iteration has waited on it.
+            a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BK], a_sl)
+            acc = warpgroup_mma_init(acc)
+            for p in gl.static_range(STAGES - 2):
+                kb0 = (i0 + p) * KB
+                _w_copy(w_smem.index(p), s_smem.index(p), w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim)
+                _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, kb0, kb_lim)
+            for it in range(i0, i1):
+                j = it - i0
+                async_copy.wait_group(STAGES - 3)
+                fence_async_shared()
+                _cta_barrier()
+                kb1 = (it + STAGES - 2) * KB
+                sn = (j + STAGES - 2) % STAGES
+                _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
+                _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
+                wq = w_smem.index(j % STAGES).load(w_l)
+                sq = s_smem.index(j % STAGES).load(s_l)
+                s16 = gl.convert_layout(
+                    gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [R, 8, 4, KB, 4, 2]),
+                                                                gl.SliceLayout(6, s7_l)), 6)
+                               + gl.zeros([R, 8, 4, KB, 4, 2, 2], gl.uint8, s7_l), [R, 8, 4, KB, 16]), w_l)
+                lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
+                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+                wv = gl.permute(gl.reshape(gl.join(lo, hi), [R, 8, 4, KB, 4, 2, 2, 2]), [0, 5, 1, 3, 4, 7, 2, 6])
+                a_smem.index(j % 2).store(gl.convert_layout(gl.reshape(wv, [BN, BK]), a_l))
+                fence_async_shared()
+                _cta_barrier()
+                acc = warpgroup_mma(a_smem.index(j % 2), x_smem.index(j % STAGES).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[acc]))
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        for p in gl.static_range(STAGES - 1 if not A_SMEM else 0):  # the ring's first tiles
             kb0 = (i0 + p) * KB
             if W_RING:
                 _w_copy(w_smem.index(p), s_smem.index(p), w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim)
             _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, kb0, kb_lim)
         if PREFETCH and not W_RING:
             wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, i0 * KB, kb_lim)
-        for it in range(i0, i1):
+        for it in range(i0, i1 if not A_SMEM else i0):
             j = it - i0
             if not W_RING:
                 if PREFETCH:  # the next iteration's weights go out before this one's decode
@@ -458,6 +494,7 @@ def has_wgmma(device: torch.device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _CAPABILITY.get(idx)
     if ok is None:
+        # (after available(): its own self-test runs with M <= MMA_MAX_M, which never asks this)
         ok = torch.cuda.get_device_capability(idx)[0] == 9 and available(device)
         if ok:
             if torch.cuda.is_current_stream_capturing():
@@ -474,15 +511,18 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
     """Launch config by rule. mma.sync (the H100 sweep of cf3257f over the 7B and Llama-3-8B shapes,
     results/kernels/h100_mma_probe_cf3257f.json): BM the smallest of 8 / 16 / 32 / 64 holding M;
     KB (64-column blocks an iteration) so that a lane holds <= 64 activations of the B operand,
-    and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2.
-    Warpgroup MMA (``wgmma``, sm_90, M > 32): tiles of BM = 64 rows of x with 128 weight rows, or of
-    BM = 128 rows with 64 weight rows (the fp32 accumulator: 64 registers a thread either way), a
-    4-deep ring of 64-column activation tiles. Split-K (in ``grouped_linear``) for about 4 waves of
-    programs (2 waves and <= 8 splits from BM = 64)."""
+    and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2. From
+    BM = 32 the weights go through the shared-memory ring with the activations (W_RING, 4 stages):
+    7B layer at M = 32 178 us against 208 with register loads (H100, dd9dab3, results/kernels/NOTES.md).
+    Warpgroup MMA (``wgmma``, sm_90, M > 32): 64 weight rows x 64 rows of x a program (row tiles of x
+    in the grid), weights and activations through a 4-deep ring: 7B layer M = 64 178 us (mma.sync 244),
+    M = 128 251 (BM = 128: 301), M = 256 414 (BM = 128: 479) in the same run. Split-K (in
+    ``grouped_linear``) for about 4 waves of programs (2 waves and <= 8 splits from BM = 64)."""
     if wgmma and M > MMA_MAX_M:
-        BM = 64 if M <= 64 else 128
-        return dict(BM=BM, KB=1, REPS=1, num_warps=4, PREFETCH=False, STAGES=4, WGMMA=True, W_RING=True)
+        return dict(BM=64, KB=1, REPS=1, num_warps=4, PREFETCH=False, STAGES=4, WGMMA=True, W_RING=True)
     BM = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
+    if BM == 32:  # weights through the ring, two row blocks a warp
+        return dict(BM=32, KB=1, REPS=2, num_warps=4, PREFETCH=False, STAGES=4, W_RING=True)
     pf = BM >= PREFETCH_MIN_BM
     if BM == 16 and N * K >= (1 << 25):
         return dict(BM=16, KB=2, REPS=2, num_warps=4, PREFETCH=pf)
@@ -523,12 +563,13 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     Ns = [w[3] for w in weights]
     if outs is None:
         outs = [torch.empty((M, n), dtype=x2.dtype, device=x2.device) for n in Ns]
-    cfg = dict(config or pick_config(M, max(Ns), K, has_wgmma(x2.device)))
+    cfg = dict(config or pick_config(M, max(Ns), K, M > MMA_MAX_M and has_wgmma(x2.device)))
     warps = cfg.pop("num_warps", 4)
     cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
     cfg.setdefault("STAGES", 2)
     cfg.setdefault("WGMMA", False)
     cfg.setdefault("W_RING", False)
+    cfg.setdefault("A_SMEM", False)
     if not cfg["WGMMA"] and M > MAX_M:
         raise ValueError(f"fp4_mma's mma.sync path serves M <= {MAX_M}, got {M}")
     rows = 4 * cfg["REPS"]
