@@ -149,15 +149,13 @@ def sweep(res, l2):
     res["sweep"] = rows
 
 
-VARIANTS = {  # (BM, KB, REPS, STAGES, WGMMA, W_RING, PREFETCH, A_SMEM)
-    16: [(16, 2, 2, 2, False, False, False, False), (16, 1, 1, 4, False, True, False, False)],
-    32: [(32, 1, 1, 2, False, False, True, False), (32, 1, 2, 4, False, True, False, False)],
-    64: [(64, 1, 1, 4, True, True, False, False), (64, 1, 1, 4, True, True, False, True),
-         (64, 1, 2, 4, True, True, False, True), (64, 1, 1, 6, True, True, False, True)],
-    128: [(64, 1, 1, 4, True, True, False, False), (64, 1, 1, 4, True, True, False, True),
-          (128, 1, 1, 4, True, True, False, True), (64, 1, 2, 4, True, True, False, True)],
-    256: [(64, 1, 1, 4, True, True, False, False), (64, 1, 1, 4, True, True, False, True),
-          (128, 1, 1, 4, True, True, False, True), (64, 1, 2, 4, True, True, False, True)],
+VARIANTS = {  # (BM, KB, REPS, STAGES, WGMMA, W_RING, PREFETCH)
+    16: [(16, 2, 2, 2, False, False, False), (16, 1, 1, 4, False, True, False)],
+    32: [(32, 1, 1, 2, False, False, True), (32, 1, 2, 4, False, True, False)],
+    64: [(64, 1, 2, 2, False, False, True), (64, 1, 1, 4, True, False, True), (64, 1, 1, 4, True, True, False),
+         (64, 1, 2, 4, True, True, False)],
+    128: [(64, 1, 1, 4, True, True, False), (128, 1, 1, 4, True, True, False)],
+    256: [(64, 1, 1, 4, True, True, False), (128, 1, 1, 4, True, True, False)],
 }
 
 
@@ -178,11 +176,10 @@ def variants(res, l2, model="qwen2.5-7b"):
         for m, cands in VARIANTS.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc]}
-            for bm, kb, reps, st, wgm, ring, pf, asm in cands:
+            for bm, kb, reps, st, wgm, ring, pf in cands:
                 if wgm and not wg:
                     continue
-                cfg = dict(BM=bm, KB=kb, REPS=reps, STAGES=st, WGMMA=wgm, W_RING=ring, PREFETCH=pf, A_SMEM=asm,
-                           num_warps=4)
+                cfg = dict(BM=bm, KB=kb, REPS=reps, STAGES=st, WGMMA=wgm, W_RING=ring, PREFETCH=pf, num_warps=4)
                 fns[str(cfg)] = [lambda c=c, cfg=cfg: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg) for c in cl]
             for name, f in fns.items():
                 try:

@@ -28,13 +28,17 @@ Exactness: the kernel decodes an E2M1 code c to the bf16 c * 2^-126 (bits placed
 two weights: the weight times 2^-7 (2^-62), exactly. The powers of two and the NVFP4 global divisor
 come off in the epilogue; the tensor cores accumulate in fp32.
 
-The kernel (Gluon, Triton's explicit-layout dialect): each lane loads its 16 weight bytes and 2
-scale bytes a block and its activations with vector loads in a layout equal to the mma operand
-layouts (every conversion is free: ``python -m benchmarks.compile_check_sm90 mma`` shows no shared
-memory or shuffles), decodes with inline PTX, multiplies with ``mma_v2`` and reduces split-K in a
-fixed order. ``grouped_linear`` runs up to three weights that share an input in one launch.
-Dispatch (``applies``): bf16 inputs with 1 <= M <= MMA_MAX_M on sm_80+, no autograd through x, not
-while torch.compile traces; ``QERL_MMA=0`` turns it off. Measurements: results/kernels/NOTES.md.
+The kernel (Gluon, Triton's explicit-layout dialect): the activation tiles (and from BM = 32 the
+weight and scale bytes) go through a ring of shared-memory buffers filled by asynchronous 16-byte
+copies; each lane decodes its 16 weight bytes with inline PTX straight into the MMA's A operand
+(every layout conversion free: ``python -m benchmarks.compile_check_sm90 mma`` shows no shuffles).
+Up to M = 32 it multiplies with ``mma_v2`` (mma.sync; activations by ldmatrix); above, on sm_90,
+with the warpgroup MMA (A from registers, B the shared activation tile), waited at once (left in
+flight across the next decode, its register operand came out corrupted: results/kernels/NOTES.md).
+Split-K partial sums are reduced in a fixed order. ``grouped_linear`` runs up to three weights that
+share an input in one launch. Dispatch (``applies``): bf16 inputs, K and row stride multiples of 8,
+16-byte aligned, no autograd through x, not while torch.compile traces; 1 <= M <= MMA_MAX_M on sm_80+,
+up to WGMMA_MAX_M on sm_90; ``QERL_MMA=0`` turns it off. Measurements: results/kernels/NOTES.md.
 
 Requires Gluon (triton >= 3.6) and a GPU with mma.sync bf16 (sm_80+); ``available()`` says whether
 it can run. Not run under TRITON_INTERPRET: the CPU tests check the layout, its inverse and a torch
@@ -57,12 +61,7 @@ try:  # Gluon: triton >= 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        warpgroup_mma,
-        warpgroup_mma_init,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     HAVE_GLUON = True
     # a CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier in later versions
@@ -253,7 +252,7 @@ if HAVE_GLUON:
                     M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split, MT,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
                     KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
-                    WGMMA: gl.constexpr, W_RING: gl.constexpr, A_SMEM: gl.constexpr, num_warps: gl.constexpr):
+                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
         Grid ((T0 + T1 + T2) MT, split): member i's T_i row tiles, one after the other, each with
         its MT tiles of BM rows of x next to each other (they share the weight tile in L2). A program:
@@ -321,49 +320,14 @@ if HAVE_GLUON:
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, n_iter)
         kb_lim = gl.minimum(NB_K, i1 * KB)  # blocks of this split (copies / loads past it: none)
-        if A_SMEM:
-            # WGMMA with the decoded weights staged in shared memory (two buffers), so that one MMA
-            # stays in flight across the next tile's decode: the ring runs STAGES - 2 tiles ahead, the
-            # buffer an MMA may still read is not refilled before the next iteration has waited on it.
-            a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BK], a_sl)
-            acc = warpgroup_mma_init(acc)
-            for p in gl.static_range(STAGES - 2):
-                kb0 = (i0 + p) * KB
-                _w_copy(w_smem.index(p), s_smem.index(p), w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim)
-                _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, kb0, kb_lim)
-            for it in range(i0, i1):
-                j = it - i0
-                async_copy.wait_group(STAGES - 3)
-                fence_async_shared()
-                _cta_barrier()
-                kb1 = (it + STAGES - 2) * KB
-                sn = (j + STAGES - 2) % STAGES
-                _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
-                _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
-                wq = w_smem.index(j % STAGES).load(w_l)
-                sq = s_smem.index(j % STAGES).load(s_l)
-                s16 = gl.convert_layout(
-                    gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [R, 8, 4, KB, 4, 2]),
-                                                                gl.SliceLayout(6, s7_l)), 6)
-                               + gl.zeros([R, 8, 4, KB, 4, 2, 2], gl.uint8, s7_l), [R, 8, 4, KB, 16]), w_l)
-                lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
-                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-                wv = gl.permute(gl.reshape(gl.join(lo, hi), [R, 8, 4, KB, 4, 2, 2, 2]), [0, 5, 1, 3, 4, 7, 2, 6])
-                a_smem.index(j % 2).store(gl.convert_layout(gl.reshape(wv, [BN, BK]), a_l))
-                fence_async_shared()
-                _cta_barrier()
-                acc = warpgroup_mma(a_smem.index(j % 2), x_smem.index(j % STAGES).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[acc]))
-            acc = warpgroup_mma_wait(0, deps=[acc])
-        for p in gl.static_range(STAGES - 1 if not A_SMEM else 0):  # the ring's first tiles
+        for p in gl.static_range(STAGES - 1):  # the ring's first tiles
             kb0 = (i0 + p) * KB
             if W_RING:
                 _w_copy(w_smem.index(p), s_smem.index(p), w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim)
             _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, kb0, kb_lim)
         if PREFETCH and not W_RING:
             wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, i0 * KB, kb_lim)
-        for it in range(i0, i1 if not A_SMEM else i0):
+        for it in range(i0, i1):
             j = it - i0
             if not W_RING:
                 if PREFETCH:  # the next iteration's weights go out before this one's decode
@@ -573,7 +537,6 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     cfg.setdefault("STAGES", 2)
     cfg.setdefault("WGMMA", False)
     cfg.setdefault("W_RING", False)
-    cfg.setdefault("A_SMEM", False)
     if not cfg["WGMMA"] and M > MAX_M:
         raise ValueError(f"fp4_mma's mma.sync path serves M <= {MAX_M}, got {M}")
     rows = 4 * cfg["REPS"]
