@@ -149,13 +149,17 @@ def sweep(res, l2):
     res["sweep"] = rows
 
 
-VARIANTS = {  # (BM, KB, REPS, STAGES, WGMMA, W_RING, PREFETCH)
-    16: [(16, 2, 2, 2, False, False, False), (16, 1, 1, 4, False, True, False)],
-    32: [(32, 1, 1, 2, False, False, True), (32, 1, 2, 4, False, True, False)],
-    64: [(64, 1, 2, 2, False, False, True), (64, 1, 1, 4, True, False, True), (64, 1, 1, 4, True, True, False),
-         (64, 1, 2, 4, True, True, False)],
-    128: [(64, 1, 1, 4, True, True, False), (128, 1, 1, 4, True, True, False)],
-    256: [(64, 1, 1, 4, True, True, False), (128, 1, 1, 4, True, True, False)],
+def _v(BM, REPS=1, STAGES=4, WGMMA=True, W_RING=True, PREFETCH=False, KB=1, num_warps=4, maxnreg=None):
+    return dict(BM=BM, KB=KB, REPS=REPS, STAGES=STAGES, WGMMA=WGMMA, W_RING=W_RING, PREFETCH=PREFETCH,
+                num_warps=num_warps, maxnreg=maxnreg)
+
+
+VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only)
+    16: [_v(16, KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False), _v(16, WGMMA=False, num_warps=8)],
+    32: [_v(32, REPS=2, WGMMA=False), _v(32, WGMMA=False, num_warps=8)],
+    64: [_v(64), _v(64, num_warps=8), _v(64, maxnreg=128), _v(64, num_warps=8, maxnreg=128)],
+    128: [_v(64), _v(64, num_warps=8), _v(64, maxnreg=128), _v(128, num_warps=8)],
+    256: [_v(64), _v(64, num_warps=8), _v(64, maxnreg=128), _v(128, num_warps=8)],
 }
 
 
@@ -164,7 +168,7 @@ def variants(res, l2, model="qwen2.5-7b"):
     on sm_90 only), next to bf16 cuBLAS: which variant the rule should pick."""
     shapes = linear_shapes(model)
     wg = fp4_mma.has_wgmma(torch.device("cuda"))
-    tot = {}
+    tot, bad = {}, []
     for p in PROJECTIONS:
         n, k = shapes[p]
         w = torch.randn(n, k, device="cuda") * 0.02
@@ -176,11 +180,19 @@ def variants(res, l2, model="qwen2.5-7b"):
         for m, cands in VARIANTS.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc]}
-            for bm, kb, reps, st, wgm, ring, pf in cands:
-                if wgm and not wg:
+            ref = None
+            for cfg in cands:
+                if cfg["WGMMA"] and not wg:
                     continue
-                cfg = dict(BM=bm, KB=kb, REPS=reps, STAGES=st, WGMMA=wgm, W_RING=ring, PREFETCH=pf, num_warps=4)
-                fns[str(cfg)] = [lambda c=c, cfg=cfg: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg) for c in cl]
+                try:  # each variant checked against the fp32 reference on this shape first
+                    if ref is None:
+                        ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
+                    e = rel(fp4_mma.linear(x, cl[0][0], cl[0][1], gs, n, k, True, config=cfg), ref)
+                    if not e < 1e-2:
+                        bad.append((n, k, m, str(cfg), e))
+                except Exception as ex:  # noqa: BLE001
+                    bad.append((n, k, m, str(cfg), f"{type(ex).__name__}: {str(ex)[:200]}"))
+                fns[str({k: v for k, v in cfg.items() if v is not None})] = [lambda c=c, cfg=cfg: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg) for c in cl]
             for name, f in fns.items():
                 try:
                     sec = time_graph(f, target_s=0.02)[0]
@@ -197,13 +209,15 @@ def variants(res, l2, model="qwen2.5-7b"):
         print(f"M={m}: bf16 {b:.1f} us; " + "; ".join(f"{k} {v:.1f} ({b / v:.2f}x)" for k, v in d.items() if k != "bf16"),
               flush=True)
     res["variants"] = out
+    res["variants_bad"] = bad
+    print(f"variants: {len(bad)} wrong", bad[:5], flush=True)
 
 
 def sweep_wgmma(res, l2):
-    """The warpgroup-MMA variant's configs (BM, REPS, STAGES) and splits on the 7B and Llama-3-8B shapes."""
+    """The warpgroup-MMA variant's rule config at splits 1-8 against the rule's split, on the 7B and
+    Llama-3-8B shapes."""
     rows = []
     shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"]
-    cands = [(64, 1, 4), (64, 2, 4), (64, 1, 3), (128, 1, 4), (128, 1, 3)]
     for n, k in shapes:
         t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
         qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
@@ -211,24 +225,21 @@ def sweep_wgmma(res, l2):
         gs = t["weight_global_scale"]
         for m in (64, 128, 256):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            for bm, reps, stages in cands:
-                if bm > m:
+            cfg = fp4_mma.pick_config(m, n, k, wgmma=True)
+            for split in (None, 1, 2, 4, 8):
+                try:
+                    f = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg, split_k=split) for c in cl]
+                    us = time_graph(f, target_s=0.02)[0] * 1e6
+                except Exception as e:  # noqa: BLE001
+                    print("wgmma sweep fail", n, k, m, cfg, split, type(e).__name__, str(e)[:200])
                     continue
-                for split in (None, 1, 2, 4):
-                    cfg = dict(BM=bm, KB=1, REPS=reps, STAGES=stages, PREFETCH=False, WGMMA=True, W_RING=True,
-                               num_warps=4)
-                    try:
-                        f = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg, split_k=split) for c in cl]
-                        us = time_graph(f, target_s=0.02)[0] * 1e6
-                    except Exception as e:  # noqa: BLE001
-                        print("wgmma sweep fail", n, k, m, cfg, split, type(e).__name__, str(e)[:200])
-                        continue
-                    rows.append(dict(N=n, K=k, M=m, BM=bm, REPS=reps, STAGES=stages, split=split, us=us))
+                rows.append(dict(N=n, K=k, M=m, split=split, us=us))
             sel = [r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m]
             if sel:
                 best = min(sel, key=lambda r: r["us"])
-                print(f"wgmma sweep N={n:6d} K={k:6d} M={m:3d}: best {best['us']:7.1f} us BM={best['BM']} "
-                      f"REPS={best['REPS']} STAGES={best['STAGES']} split={best['split']}", flush=True)
+                auto = [r["us"] for r in sel if r["split"] is None]
+                print(f"wgmma split N={n:6d} K={k:6d} M={m:3d}: rule {auto[0] if auto else float('nan'):7.1f} us; "
+                      f"best {best['us']:7.1f} split={best['split']}", flush=True)
         del qc, cl
     res["sweep_wgmma"] = rows
 

@@ -272,28 +272,29 @@ if HAVE_GLUON:
         else:
             w_ptr, s_ptr, gs_ptr, out_ptr, N, pid_n, col0 = w2, s2, g2, o2, N2, pid - T0 - T1, N0 + N1
         NTOT = N0 + N1 + N2
-        R: gl.constexpr = 4 * REPS  # 16-row blocks of a program
+        R: gl.constexpr = num_warps * REPS  # 16-row blocks of a program (a warp takes REPS of them)
         BN: gl.constexpr = 16 * R
         BK: gl.constexpr = 64 * KB
         if WGMMA:
-            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                           instr_shape=[16, BM, 16])
             x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         else:
-            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, 8])
             x_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
         b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
         # weights [R, 8 (g), 4 (c), KB, 16 bytes]: 16 contiguous bytes a lane, warps over row blocks
-        w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+        w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [num_warps, 1, 1, 1, 1], [4, 3, 2, 1, 0])
         # scales [R, 8, 4 (c), KB, 8 (t, h)]: 8 contiguous bytes a lane (one load; the four lanes c of
         # a row read the same ones), then [.., 4 (t), 2 (h), 2]: the decode's scale words, by broadcasting
-        s_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-        s7_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1, 1], [4, 1, 1, 1, 1, 1, 1],
+        s_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [num_warps, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+        s7_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1, 1], [num_warps, 1, 1, 1, 1, 1, 1],
                                               [6, 5, 4, 3, 2, 1, 0])
         # activation copies: [BM, BK] in 16-byte pieces, a warp along K
         TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
-        x_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [4, 1], [1, 0])
+        x_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [num_warps, 1], [1, 0])
 
         pid_k = gl.program_id(1)
         nb0 = pid_n * R
@@ -533,13 +534,15 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
         outs = [torch.empty((M, n), dtype=x2.dtype, device=x2.device) for n in Ns]
     cfg = dict(config or pick_config(M, max(Ns), K, M > MMA_MAX_M and has_wgmma(x2.device)))
     warps = cfg.pop("num_warps", 4)
+    launch = {"maxnreg": cfg.pop("maxnreg")} if cfg.get("maxnreg") else {}
+    cfg.pop("maxnreg", None)
     cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
     cfg.setdefault("STAGES", 2)
     cfg.setdefault("WGMMA", False)
     cfg.setdefault("W_RING", False)
     if not cfg["WGMMA"] and M > MAX_M:
         raise ValueError(f"fp4_mma's mma.sync path serves M <= {MAX_M}, got {M}")
-    rows = 4 * cfg["REPS"]
+    rows = warps * cfg["REPS"]  # 16-row blocks a program
     mt = triton.cdiv(M, cfg["BM"])  # row tiles of x, next to each other in the grid
     tiles = [triton.cdiv(w[0].shape[0], rows) for w in weights]
     n_tiles = sum(tiles) * mt
@@ -560,7 +563,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     Np = Ns + [0] * (3 - len(Ns))
     Tp = tiles + [0] * (3 - len(tiles))
     args += [ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips, mt]
-    kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **cfg)
+    kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **launch, **cfg)
     if describe:  # (kernel, grid, args, kwargs, workspace need): for fp4.Plan's DirectLaunch
         return _mma_kernel, (n_tiles, split), tuple(args), kwargs, ws_need
     _mma_kernel[(n_tiles, split)](*args, **kwargs)
