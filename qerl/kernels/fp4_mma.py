@@ -505,6 +505,18 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
 PREFETCH_MIN_BM = 32
 
 
+def wgmma_split(n_tiles: int, k_iters: int, sms: int) -> int:
+    """Split-K of the warpgroup-MMA variant: a power of two <= 4 near 2 sms / n_tiles programs, scaled
+    up for long K (k_iters / 128). From the H100 sweep over the 7B and Llama-3-8B shapes at M = 64 /
+    128 / 256 (ead7943, results/kernels/h100_mma_probe_ead7943.json): within 3% of the best split
+    everywhere but one shape (11%), where the older waves rule was up to 15% off on five."""
+    want = 2 * sms / max(n_tiles, 1) * max(1.0, k_iters / 128)
+    s = 1
+    while s * 2 <= min(want, 4):
+        s *= 2
+    return max(1, min(s, k_iters))
+
+
 def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs: torch.Tensor | None, N: int,
            K: int, is_nv: bool, out: torch.Tensor | None = None, config: dict | None = None,
            split_k: int | None = None) -> torch.Tensor:
@@ -549,9 +561,12 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     nbk = weights[0][0].shape[1]
     iters = triton.cdiv(nbk, cfg["KB"])
     if split_k is None:
-        wide = cfg["BM"] >= 64
-        split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), 8 if wide else None,
-                             fp4.WAVES_MID if wide else fp4.WAVES, 2)
+        if cfg["WGMMA"]:
+            split_k = wgmma_split(n_tiles, iters, fp4._num_sms(x2.device))
+        else:
+            wide = cfg["BM"] >= 64
+            split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), 8 if wide else None,
+                                 fp4.WAVES_MID if wide else fp4.WAVES, 2)
     ips = triton.cdiv(iters, split_k)
     split = triton.cdiv(iters, ips)
     ws_need = (0 if split == 1 else split * M * sum(Ns), n_tiles if split > 1 else 0)

@@ -211,3 +211,14 @@ def test_a_failing_self_test_turns_the_kernel_off_with_a_warning():
     False, so that available() sends every call to the Triton kernels."""
     with pytest.warns(UserWarning, match="failed its self-test"):
         assert fp4_mma._self_test(torch.device("cpu")) is False
+
+
+def test_wgmma_split_rule():
+    """A power of two from 1 to 4, never more splits than K blocks; more splits for fewer tiles and
+    for longer K."""
+    for tiles in (1, 8, 56, 224, 1184):
+        for iters in (1, 3, 56, 296):
+            s = fp4_mma.wgmma_split(tiles, iters, 132)
+            assert s in (1, 2, 4) and s <= max(iters, 1)
+    assert fp4_mma.wgmma_split(8, 56, 132) == 4 and fp4_mma.wgmma_split(592, 56, 132) == 1
+    assert fp4_mma.wgmma_split(224, 296, 132) > fp4_mma.wgmma_split(224, 56, 132)
