@@ -512,9 +512,9 @@ def wgmma_split(n_tiles: int, k_iters: int, sms: int) -> int:
     everywhere but one shape (11%), where the older waves rule was up to 15% off on five."""
     want = 2 * sms / max(n_tiles, 1) * max(1.0, k_iters / 128)
     s = 1
-    while s * 2 <= min(want, 4):
+    while s * 2 <= min(want, 4, k_iters):
         s *= 2
-    return max(1, min(s, k_iters))
+    return s
 
 
 def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs: torch.Tensor | None, N: int,
