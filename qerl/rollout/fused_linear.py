@@ -1,7 +1,7 @@
 """Linears that share an input (q/k/v, gate/up) in few launches, for the fused decode step.
 
 ``grouped_linears(x, modules)`` returns [m(x) for m in modules] computed as: the modules' base
-matmuls (4-bit weights of one format at small batch on the GPU: ONE launch of qerl.kernels.fp4_mma
+matmuls (4-bit weights of one format at decode batches on the GPU: ONE launch of qerl.kernels.fp4_mma
 for the group; else each module's 4-bit kernel or F.linear), then ONE ``lora_a`` launch for the
 adapters of the group (stacked A, read live from the parameters) and ONE ``lora_out`` launch that
 adds bias and ``scaling * h B^T`` to every base output in place (qerl.kernels.fused). A QuantLinear
@@ -54,7 +54,7 @@ def _parts(m: nn.Module) -> _Parts | None:
 
 def _mma_group(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor] | None:
     """The base outputs of 2-3 4-bit QuantLinears of one format on the same input in ONE launch of
-    qerl.kernels.fp4_mma (small batches on the GPU), or None where that kernel does not apply."""
+    qerl.kernels.fp4_mma (decode batches on the GPU), or None where that kernel does not apply."""
     from qerl.kernels import fp4_mma
 
     if not 2 <= len(modules) <= 3 or not all(isinstance(m, QuantLinear) for m in modules):
