@@ -287,10 +287,11 @@ def _lora_a_dot_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.conste
     [BLOCK_M, K_CHUNK] x [K_CHUNK, BLOCK_R] product with tl.dot in near-fp32 precision (tf32x3:
     bf16 activations are exact in tf32, A's fp32 in two parts), so that x is read once an adapter,
     not once for every two rows of A."""
-    i = tl.program_id(0)
+    nrb = tl.cdiv(R, BLOCK_R)
+    i = tl.program_id(0) // nrb  # adapter i, rows rr of its A
+    rr = (tl.program_id(0) % nrb) * BLOCK_R + tl.arange(0, BLOCK_R)
     s = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rr = tl.arange(0, BLOCK_R)
     a_ptr = _pick(i, a0, a1, a2)
     mr, mm = rr < R, rows < M
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -322,10 +323,11 @@ def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
     if M >= LORA_A_DOT_MIN_M:
         h = torch.empty((S, M, n * R), dtype=torch.float32, device=x.device)
         a = list(As) + [As[0]] * (3 - n)
-        BLOCK_M = min(32, triton.next_power_of_2(M))
-        grid = (n, S, triton.cdiv(M, BLOCK_M))
-        _lora_a_dot_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=LORA_A_K_CHUNK, BLOCK_M=BLOCK_M,
-                                 BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_K=64)
+        # 16 x 16 tiles of h: many programs (a 64-row q/k/v call: 96), each streaming its slices of x and A
+        BLOCK_R = 16
+        grid = (n * triton.cdiv(R, BLOCK_R), S, triton.cdiv(M, 16))
+        _lora_a_dot_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=LORA_A_K_CHUNK, BLOCK_M=16,
+                                 BLOCK_R=BLOCK_R, BLOCK_K=128)
         return h
     BLOCK_M = min(16, triton.next_power_of_2(M))
     BLOCK_R = triton.next_power_of_2(R) if INTERPRETED else 2  # GPU: many small programs; interpreter: few
@@ -352,8 +354,8 @@ def _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, m
         for s in range(0, S):
             h += tl.load(h_ptr + (s * M + ms[:, None]).to(tl.int64) * NR + i * R + rr[None, :],
                          mask=mm[:, None] & mr[None, :], other=0.0)
-        if USE_DOT:  # many rows: one fp32 (FMA, not tf32) matmul [ROWS, R] x [R, BLOCK_N]
-            y += scaling * tl.dot(h, tl.trans(B), input_precision="ieee")
+        if USE_DOT:  # many rows: one near-fp32 (tf32x3) matmul [ROWS, R] x [R, BLOCK_N]
+            y += scaling * tl.dot(h, tl.trans(B), input_precision="tf32x3")
         else:
             y += scaling * tl.sum(h[:, None, :] * B[None, :, :], axis=2)
     return y
