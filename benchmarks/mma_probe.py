@@ -82,17 +82,23 @@ def check(res):
     print(f"check: {n_ok} ok, {len(bad)} bad", bad[:10], flush=True)
 
 
+def _weight_copies(n, k, l2, bf16=False):
+    """A random NVFP4 weight [n, k]: (tensors, copies of them, their compute layouts, global scale, bf16
+    copies or []), as many copies as keep the timed calls out of L2 (n_copies)."""
+    w = torch.randn(n, k, device="cuda") * 0.02
+    t = formats.quantize(w, "nvfp4")
+    qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
+    cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
+    wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))] if bf16 else []
+    return t, qc, cl, t["weight_global_scale"], wc
+
+
 def layer(res, l2, model="qwen2.5-7b", ms=LAYER_MS):
     shapes = linear_shapes(model)
     tot = {}
     for p in PROJECTIONS:
         n, k = shapes[p]
-        w = torch.randn(n, k, device="cuda") * 0.02
-        t = formats.quantize(w, "nvfp4")
-        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
-        cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
-        wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
-        gs = t["weight_global_scale"]
+        t, qc, cl, gs, wc = _weight_copies(n, k, l2, bf16=True)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc],
@@ -124,10 +130,7 @@ def sweep(res, l2):
              16: [(16, 2, 1), (16, 4, 1), (16, 1, 1), (16, 2, 2)], 32: [(32, 1, 1), (32, 2, 1)],
              64: [(64, 1, 1), (64, 1, 2)]}
     for n, k in shapes:
-        t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
-        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
-        cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
-        gs = t["weight_global_scale"]
+        t, qc, cl, gs, _ = _weight_copies(n, k, l2)
         for m, cc in cands.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for bm, kb, reps in cc:
@@ -171,12 +174,7 @@ def variants(res, l2, model="qwen2.5-7b"):
     tot, bad = {}, []
     for p in PROJECTIONS:
         n, k = shapes[p]
-        w = torch.randn(n, k, device="cuda") * 0.02
-        t = formats.quantize(w, "nvfp4")
-        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
-        cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
-        wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
-        gs = t["weight_global_scale"]
+        t, qc, cl, gs, wc = _weight_copies(n, k, l2, bf16=True)
         for m, cands in VARIANTS.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc]}
@@ -219,10 +217,7 @@ def sweep_wgmma(res, l2):
     rows = []
     shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"]
     for n, k in shapes:
-        t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
-        qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
-        cl = [fp4_mma.to_compute_layout(tt["weight_packed"], tt["weight_scale"], True) for tt in qc]
-        gs = t["weight_global_scale"]
+        t, qc, cl, gs, _ = _weight_copies(n, k, l2)
         for m in (64, 128, 256):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cfg = fp4_mma.pick_config(m, n, k, wgmma=True)

@@ -259,7 +259,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """Partial sum s = program_id(1) (a K chunk) of rows program_id(2) of h for rows rr of adapter i's A
+    (program_id(0)). USE_DOT (many rows): tl.dot in near-fp32 precision (tf32x3: bf16 activations are
+    exact in tf32, A's fp32 in two parts) on 16 x 16 tiles; else a broadcast product in fp32."""
     nrb = tl.cdiv(R, BLOCK_R)
     i = tl.program_id(0) // nrb  # adapter i, rows rr of its A
     rr = (tl.program_id(0) % nrb) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -275,34 +278,10 @@ def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr,
                     other=0.0).to(tl.float32)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=mm[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
-    tl.store(h_ptr + (s * M + rows[:, None]).to(tl.int64) * NR + i * R + rr[None, :], acc,
-             mask=mm[:, None] & mr[None, :])
-
-
-@triton.jit
-def _lora_a_dot_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """lora_a for many rows: adapter program_id(0), K chunk program_id(1), rows program_id(2); one
-    [BLOCK_M, K_CHUNK] x [K_CHUNK, BLOCK_R] product with tl.dot in near-fp32 precision (tf32x3:
-    bf16 activations are exact in tf32, A's fp32 in two parts), so that x is read once an adapter,
-    not once for every two rows of A."""
-    nrb = tl.cdiv(R, BLOCK_R)
-    i = tl.program_id(0) // nrb  # adapter i, rows rr of its A
-    rr = (tl.program_id(0) % nrb) * BLOCK_R + tl.arange(0, BLOCK_R)
-    s = tl.program_id(1)
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_ptr = _pick(i, a0, a1, a2)
-    mr, mm = rr < R, rows < M
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(s * K_CHUNK, tl.minimum(s * K_CHUNK + K_CHUNK, K), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mk = ks < K
-        a = tl.load(a_ptr + rr[:, None].to(tl.int64) * K + ks[None, :], mask=mr[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=mm[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
-        acc = tl.dot(x, tl.trans(a), acc, input_precision="tf32x3")
+        if USE_DOT:
+            acc = tl.dot(x, tl.trans(a), acc, input_precision="tf32x3")
+        else:
+            acc += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
     tl.store(h_ptr + (s * M + rows[:, None]).to(tl.int64) * NR + i * R + rr[None, :], acc,
              mask=mm[:, None] & mr[None, :])
 
@@ -320,23 +299,18 @@ def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
     R = As[0].shape[0]
     n = len(As)
     S = triton.cdiv(K, LORA_A_K_CHUNK)
-    if M >= LORA_A_DOT_MIN_M:
-        h = torch.empty((S, M, n * R), dtype=torch.float32, device=x.device)
-        a = list(As) + [As[0]] * (3 - n)
-        # 16 x 16 tiles of h: many programs (a 64-row q/k/v call: 96), each streaming its slices of x and A
-        BLOCK_R = 16
-        grid = (n * triton.cdiv(R, BLOCK_R), S, triton.cdiv(M, 16))
-        _lora_a_dot_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=LORA_A_K_CHUNK, BLOCK_M=16,
-                                 BLOCK_R=BLOCK_R, BLOCK_K=128)
-        return h
-    BLOCK_M = min(16, triton.next_power_of_2(M))
-    BLOCK_R = triton.next_power_of_2(R) if INTERPRETED else 2  # GPU: many small programs; interpreter: few
-    BLOCK_K = min(256, triton.next_power_of_2(K))
+    dot = M >= LORA_A_DOT_MIN_M
+    if dot:  # 16 x 16 tiles of h: many programs (a 64-row q/k/v call: 96), each streaming its slices of x, A
+        BLOCK_M, BLOCK_R, BLOCK_K = 16, 16, 128
+    else:
+        BLOCK_M = min(16, triton.next_power_of_2(M))
+        BLOCK_R = triton.next_power_of_2(R) if INTERPRETED else 2  # GPU: many small programs; interpreter: few
+        BLOCK_K = min(256, triton.next_power_of_2(K))
     h = torch.empty((S, M, n * R), dtype=torch.float32, device=x.device)
     a = list(As) + [As[0]] * (3 - n)
     grid = (n * triton.cdiv(R, BLOCK_R), S, triton.cdiv(M, BLOCK_M))
     _lora_a_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=LORA_A_K_CHUNK, BLOCK_M=BLOCK_M,
-                         BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
+                         BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, USE_DOT=dot)
     return h
 
 
