@@ -93,6 +93,16 @@ def _weight_copies(n, k, l2, bf16=False):
     return t, qc, cl, t["weight_global_scale"], wc
 
 
+def _time_config(x, cl, gs, n, k, cfg, split, what):
+    """us of one fp4_mma config / split over the weight copies cl, or None (printed) if it fails."""
+    try:
+        f = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg, split_k=split) for c in cl]
+        return time_graph(f, target_s=0.02)[0] * 1e6
+    except Exception as e:  # noqa: BLE001
+        print(what, "fail", n, k, x.shape[0], cfg, split, type(e).__name__, str(e)[:200])
+        return None
+
+
 def layer(res, l2, model="qwen2.5-7b", ms=LAYER_MS):
     shapes = linear_shapes(model)
     tot = {}
@@ -136,11 +146,8 @@ def sweep(res, l2):
             for bm, kb, reps in cc:
                 for split in (None, 1, 2, 4, 8, 16, 32):
                     cfg = dict(BM=bm, KB=kb, REPS=reps, num_warps=4)
-                    try:
-                        f = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg, split_k=split) for c in cl]
-                        us = time_graph(f, target_s=0.02)[0] * 1e6
-                    except Exception as e:  # noqa: BLE001
-                        print("sweep fail", n, k, m, cfg, split, type(e).__name__, str(e)[:200])
+                    us = _time_config(x, cl, gs, n, k, cfg, split, "sweep")
+                    if us is None:
                         continue
                     rows.append(dict(N=n, K=k, M=m, BM=bm, KB=kb, REPS=reps, split=split, us=us))
             best = min((r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m), key=lambda r: r["us"])
@@ -222,11 +229,8 @@ def sweep_wgmma(res, l2):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cfg = fp4_mma.pick_config(m, n, k, wgmma=True)
             for split in (None, 1, 2, 4, 8):
-                try:
-                    f = [lambda c=c: fp4_mma.linear(x, c[0], c[1], gs, n, k, True, config=cfg, split_k=split) for c in cl]
-                    us = time_graph(f, target_s=0.02)[0] * 1e6
-                except Exception as e:  # noqa: BLE001
-                    print("wgmma sweep fail", n, k, m, cfg, split, type(e).__name__, str(e)[:200])
+                us = _time_config(x, cl, gs, n, k, cfg, split, "wgmma sweep")
+                if us is None:
                     continue
                 rows.append(dict(N=n, K=k, M=m, split=split, us=us))
             sel = [r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m]
