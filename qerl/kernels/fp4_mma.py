@@ -486,7 +486,8 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
     Warpgroup MMA (``wgmma``, sm_90, M > 32): 64 weight rows x 64 rows of x a program (row tiles of x
     in the grid), weights and activations through a 4-deep ring: 7B layer M = 64 178 us (mma.sync 244),
     M = 128 251 (BM = 128: 301), M = 256 414 (BM = 128: 479) in the same run. Split-K (in
-    ``grouped_linear``) for about 4 waves of programs (2 waves and <= 8 splits from BM = 64)."""
+    ``grouped_linear``): mma.sync for about 4 waves of programs (2 waves and <= 8 splits at BM = 64),
+    the warpgroup variant by ``wgmma_split``."""
     if wgmma and M > MMA_MAX_M:
         return dict(BM=64, KB=1, REPS=1, num_warps=4, PREFETCH=False, STAGES=4, WGMMA=True, W_RING=True)
     BM = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
@@ -498,7 +499,8 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
     return dict(BM=BM, KB=max(1, 32 // BM), REPS=2 if BM == 64 else 1, num_warps=4, PREFETCH=pf)
 
 
-# Software prefetch (the next iteration's loads issued before this one's decode) from BM = 32: it
+# Software prefetch of the weights in registers (the next iteration's loads issued before this one's
+# decode), where the weights do not ride in the ring (now: the BM = 64 mma.sync config only): it
 # doubles the registers (62 -> 138 a thread at BM = 8), and the lost occupancy cost more than the
 # loads in flight gained at small M. H100, 7B layer (c2bb60c, results/kernels/h100_mma_probe_c2bb60c.json):
 # M = 1 88.2 us without vs 116.9 with, M = 16 117.3 vs 140.2, M = 32 264.3 vs 220.9.
