@@ -447,8 +447,10 @@ def _self_test(device: torch.device, M: int = 3, config: dict | None = None, wha
                 raise RuntimeError(f"{fmt}: relative error {err:.2e} against the fp32 reference")
         return True
     except Exception as e:  # noqa: BLE001 - any failure: off, said once
+        msg = str(e)  # a CompilationError starts with the source context; its cause is at the end
+        msg = msg if len(msg) <= 500 else f"{msg[:150]} ... {msg[-350:]}"
         warnings.warn(f"qerl: the {what} failed its self-test on {device} ({type(e).__name__}: "
-                      f"{str(e)[:200]}); {instead}", stacklevel=2)
+                      f"{msg}); {instead}", stacklevel=2)
         return False
 
 
