@@ -80,10 +80,10 @@ def test_curves_draw_mean_and_a_std_band(results):
     assert lo < line.get_ydata().min() and hi > line.get_ydata().max()  # +- std (0.02) around the mean
 
 
-def test_kernel_table_matches_benchmark_summary():
+def test_kernel_table_matches_benchmark_summary(tmp_path):
     if not (ROOT / "results/kernels/h100.json").exists():
         pytest.skip("no kernel results")
-    k = plots.kernel_table(results=ROOT / "results", out_dir=None)
+    k = plots.kernel_table(results=ROOT / "results", out_dir=tmp_path)  # (None: it would redraw the repo's figure)
     summary = json.loads((ROOT / "results/kernels/h100.json").read_text())["summary"]
     for m in (1, 8, 2048):
         got = k.loc[("qwen2.5-7b", "linear", m), "bf16/nvfp4"]
