@@ -117,7 +117,7 @@ def test_silu_mul(device):
                                            (3, True, 300, 20, 16)])
 def test_lora_a_and_out(n, bias, K, M, R, device):
     """Stacked A (K split into partial sums when K > LORA_A_K_CHUNK), then bias + scaled B in place.
-    6 rows: two 4-row lora_out programs, one ragged; 20 rows at rank 16: the fp32 tl.dot tile."""
+    6 rows: two 4-row lora_out programs, one ragged; 20 rows at rank 16: the tl.dot kernels (lora_a from 16 rows, lora_out's row tile)."""
     torch.manual_seed(0)
     Ns = [96, 32, 48][:n]
     if device == "cuda":  # Qwen2.5-7B: q/k/v, gate/up, down at r = 32, batch 8

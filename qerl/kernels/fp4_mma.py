@@ -454,7 +454,7 @@ def _self_test(device: torch.device, M: int = 3, config: dict | None = None, wha
         return False
 
 
-_CAPABILITY: dict = {}
+_WGMMA_OK: dict = {}  # device index -> the warpgroup-MMA variant passed its self-test
 
 
 def has_wgmma(device: torch.device) -> bool:
@@ -463,7 +463,7 @@ def has_wgmma(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _CAPABILITY.get(idx)
+    ok = _WGMMA_OK.get(idx)
     if ok is None:
         # (after available(): its own self-test runs with M <= MMA_MAX_M, which never asks this)
         ok = torch.cuda.get_device_capability(idx)[0] == 9 and available(device)
@@ -474,7 +474,7 @@ def has_wgmma(device: torch.device) -> bool:
             ok = _self_test(torch.device("cuda", idx), M=M, config=pick_config(M, 40, 192, wgmma=True),
                             what="fp4_mma warpgroup-MMA variant",
                             instead=f"the mma.sync variant serves M <= {MMA_MAX_M}, the Triton kernels the rest")
-        _CAPABILITY[idx] = ok
+        _WGMMA_OK[idx] = ok
     return ok
 
 
@@ -542,7 +542,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
         raise ValueError(f"fp4_mma takes bfloat16 activations, got {x2.dtype}")
     if x2.stride(-1) != 1:
         raise ValueError("fp4_mma takes activations with contiguous rows")
-    if K % 8 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+    if K % 8 or (M > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
         raise ValueError("fp4_mma copies activations 16 bytes at a time: K and the row stride must be "
                          "multiples of 8, the data 16-byte aligned")
     Ns = [w[3] for w in weights]
@@ -550,8 +550,8 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
         outs = [torch.empty((M, n), dtype=x2.dtype, device=x2.device) for n in Ns]
     cfg = dict(config or pick_config(M, max(Ns), K, M > MMA_MAX_M and has_wgmma(x2.device)))
     warps = cfg.pop("num_warps", 4)
-    launch = {"maxnreg": cfg.pop("maxnreg")} if cfg.get("maxnreg") else {}
-    cfg.pop("maxnreg", None)
+    maxnreg = cfg.pop("maxnreg", None)
+    launch = {"maxnreg": maxnreg} if maxnreg else {}
     cfg.setdefault("PREFETCH", cfg["BM"] >= PREFETCH_MIN_BM)
     cfg.setdefault("STAGES", 2)
     cfg.setdefault("WGMMA", False)
@@ -624,8 +624,8 @@ def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: 
 
 MAX_M = 64  # largest M the mma.sync path accepts (B-operand registers grow with M); the wgmma path: any M
 
-# Served M (activation rows) by default: at M = 64 the kernel was no faster than the tensor-core
-# dot kernel (7B layer 273 vs 289 us with its best split rule), so larger M keeps the older paths.
+# Served M (activation rows) by the mma.sync variant: at M = 64 it was no faster than the Triton
+# tensor-core kernel (7B layer 273 vs 289 us); on sm_90 the warpgroup-MMA variant takes over above.
 MMA_MAX_M = 32
 # Served M on sm_90 by the warpgroup-MMA variant (M > MMA_MAX_M).
 WGMMA_MAX_M = 256
@@ -635,13 +635,15 @@ _CACHE_KEY = "fp4_mma_layout"
 
 def applies(x: torch.Tensor, in_features: int) -> bool:
     """Whether a forward of x should take this kernel: enabled, bf16 on a capable GPU, 1 <= M <=
-    MMA_MAX_M, no autograd through x (the kernel has no backward of its own), not being traced."""
+    MMA_MAX_M (WGMMA_MAX_M on sm_90), rows the 16-byte copies can take (K and every row stride
+    multiples of 8, 16-byte aligned), no autograd through x (the kernel has no backward of its own),
+    not being traced."""
     if not ENABLED or x.dtype != torch.bfloat16 or x.device.type != "cuda":
         return False
     M = x.numel() // max(in_features, 1)
     if M < 1 or (torch.is_grad_enabled() and x.requires_grad) or in_features % 8 or x.data_ptr() % 16:
-        return False  # (16-byte activation copies: K % 8, 16-byte aligned rows)
-    if x.dim() >= 2 and x.stride(-2) % 8 and x.shape[-2] > 1:
+        return False
+    if any(x.stride(d) % 8 for d in range(x.dim() - 1) if x.shape[d] > 1):  # the rows of x.reshape(-1, K)
         return False
     if M > MMA_MAX_M and not (M <= WGMMA_MAX_M and has_wgmma(x.device)):
         return False

@@ -378,7 +378,7 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
 
 
 # Rows a lora_out program takes: up to 4 at small M (a broadcast product), from 16 rows up to
-# LORA_OUT_DOT_ROWS in one program with an fp32 tl.dot (each B tile then read once per column block,
+# LORA_OUT_DOT_ROWS in one program with a near-fp32 (tf32x3) tl.dot (each B tile then read once per column block,
 # not once per 4 rows). Before: one program looped over all M rows; at M = 64 the 7B decode step
 # spent 9.8 ms in qerl's fused kernels (results/decode_profile/h100_profile_decode_69e04ba.log),
 # 5.4 ms with 4-row programs (h100_profile_decode_0f3b7a2.log: lora_out 3.2 ms).
