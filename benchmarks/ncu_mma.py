@@ -1,10 +1,11 @@
 """One fp4_mma launch (or bf16 cuBLAS) for Nsight Compute to profile (issue 14: what bounds a shape).
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \\
-        --section WarpStateStats -k regex:_mma_kernel --launch-skip 2 --launch-count 1 \\
+        --section WarpStateStats -k regex:_mma_kernel --launch-skip 8 --launch-count 1 \\
         python -m benchmarks.ncu_mma --n 18944 --k 3584 --m 64 [--cfg '{"BM": 64, ...}'] [--split 2]
 
-Runs the call three times (the first compiles), so ``--launch-skip 2`` catches a warm one. ``--bf16``
+Runs the call ten times; the kernel's self-tests launch it up to four times before, so ``--launch-skip 8``
+catches a warm call of this shape. ``--bf16``
 runs ``F.linear`` on a bf16 weight instead (profile with ``-k regex:gemm|gemv``).
 """
 
@@ -32,13 +33,13 @@ def main():
     x = torch.randn(a.m, a.k, device="cuda", dtype=torch.bfloat16)
     if a.bf16:
         wb = w.bfloat16()
-        for _ in range(3):
+        for _ in range(10):
             F.linear(x, wb)
     else:
         t = formats.quantize(w, "nvfp4")
         pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
         cfg = json.loads(a.cfg) if a.cfg else None
-        for _ in range(3):
+        for _ in range(10):
             y = fp4_mma.linear(x, pc, sc, t["weight_global_scale"], a.n, a.k, True, config=cfg, split_k=a.split)
         ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
         err = float((y.float() - ref).norm() / ref.norm())
