@@ -66,6 +66,7 @@ def check_mma(cfg: dict, warps: int) -> None:
     consts = dict(IS_NV=nv, NM=cfg.pop("NM", 1), BM=cfg.pop("BM", 8), REPS=cfg.pop("REPS", 1), KB=cfg.pop("KB", 4),
                   ASM=fp4_mma._ASM_NV if nv else fp4_mma._ASM_MX, PREFETCH=cfg.pop("PREFETCH", False),
                   STAGES=cfg.pop("STAGES", 2), WGMMA=cfg.pop("WGMMA", False), W_RING=cfg.pop("W_RING", False),
+                  FENCE=cfg.pop("FENCE", True), LATE=cfg.pop("LATE", False),
                   num_warps=warps)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
@@ -88,6 +89,12 @@ def check_mma(cfg: dict, warps: int) -> None:
             regs = m.group(1) if m else "?"
             m = re.search(r"STACK:(\d+)", res)
             regs += f" (stack {m.group(1)} bytes)" if m else ""
+            if os.environ.get("SASS_OUT"):  # the machine code, for instruction counts of the loop
+                dis = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+                with open(os.environ["SASS_OUT"], "w") as fo:
+                    fo.write(dis)
+                with open(os.environ["SASS_OUT"] + ".ptx", "w") as fo:
+                    fo.write(ptx)
     except (OSError, KeyError):
         pass
     print("OK mma", {k: v for k, v in consts.items() if k != "ASM"}, "shared", c.metadata.shared,

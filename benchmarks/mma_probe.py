@@ -159,17 +159,17 @@ def sweep(res, l2):
     res["sweep"] = rows
 
 
-def _v(BM, REPS=1, STAGES=4, WGMMA=True, W_RING=True, PREFETCH=False, KB=1, num_warps=4, maxnreg=None):
+def _v(BM, REPS=1, STAGES=4, WGMMA=True, W_RING=True, PREFETCH=False, KB=1, num_warps=4, maxnreg=None, **extra):
     return dict(BM=BM, KB=KB, REPS=REPS, STAGES=STAGES, WGMMA=WGMMA, W_RING=W_RING, PREFETCH=PREFETCH,
-                num_warps=num_warps, maxnreg=maxnreg)
+                num_warps=num_warps, maxnreg=maxnreg, **extra)
 
 
+_W = [_v(64), _v(64, LATE=True), _v(64, LATE=True, FENCE=2), _v(64, LATE=True, FENCE=0)]
 VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only)
-    16: [_v(16, KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False), _v(16, WGMMA=False, num_warps=8)],
-    32: [_v(32, REPS=2, WGMMA=False), _v(32, WGMMA=False, num_warps=8)],
-    64: [_v(64), _v(64, num_warps=8), _v(64, maxnreg=128), _v(64, num_warps=8, maxnreg=128)],
-    128: [_v(64), _v(64, num_warps=8), _v(64, maxnreg=128), _v(128, num_warps=8)],
-    256: [_v(64), _v(64, num_warps=8), _v(64, maxnreg=128), _v(128, num_warps=8)],
+    16: [_v(16, KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False), _v(16, KB=2, REPS=2, STAGES=2, WGMMA=False,
+                                                                     W_RING=False, LATE=True)],
+    32: [_v(32, REPS=2, WGMMA=False), _v(32, REPS=2, WGMMA=False, LATE=True)],
+    64: _W, 128: _W, 256: _W,
 }
 
 

@@ -252,7 +252,8 @@ if HAVE_GLUON:
                     M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split, MT,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
                     KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
-                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr):
+                    WGMMA: gl.constexpr, W_RING: gl.constexpr, FENCE: gl.constexpr, LATE: gl.constexpr,
+                    num_warps: gl.constexpr):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
         Grid ((T0 + T1 + T2) MT, split): member i's T_i row tiles, one after the other, each with
         its MT tiles of BM rows of x next to each other (they share the weight tile in L2). A program:
@@ -317,6 +318,7 @@ if HAVE_GLUON:
                 vec=8, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0]))
 
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+        fz = gl.zeros([32 * num_warps], gl.int32, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         n_iter = gl.cdiv(NB_K, KB)
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, n_iter)
@@ -338,17 +340,26 @@ if HAVE_GLUON:
             # tile j landed (this thread's copies; visible to the async proxy for WGMMA), and every
             # warp is done with the buffer of iteration j - 1
             async_copy.wait_group(STAGES - 2)
-            if WGMMA:
+            if WGMMA and FENCE == 3:  # the proxy fence as plain asm: no shared-memory access to Triton's barrier pass
+                gl.inline_asm_elementwise("fence.proxy.async.shared::cta; mov.b32 $0, $1;", "=r,r", [fz], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+            elif WGMMA and FENCE:
                 fence_async_shared()
-            _cta_barrier()
+            if not (LATE and FENCE == 2):
+                _cta_barrier()
             # refill that buffer
             kb1 = (it + STAGES - 1) * KB
             sn = (j + STAGES - 1) % STAGES
             if W_RING:
-                _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
-                wq = w_smem.index(j % STAGES).load(w_l)
-                sq = s_smem.index(j % STAGES).load(s_l)
-            _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
+                if LATE:
+                    wq = w_smem.index(j % STAGES).load(w_l)
+                    sq = s_smem.index(j % STAGES).load(s_l)
+                else:
+                    _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
+                    wq = w_smem.index(j % STAGES).load(w_l)
+                    sq = s_smem.index(j % STAGES).load(s_l)
+            if not LATE:
+                _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
             # scale bytes to the decode's words: [.., KB, 4 (t), 2 (h)] -> [.., KB, 4 (t), 2 (h), 2] -> [.., KB, 16]
             s16 = gl.convert_layout(
                 gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [R, 8, 4, KB, 4, 2]), gl.SliceLayout(6, s7_l)),
@@ -369,6 +380,10 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
             else:
                 acc = mma_v2(a, xs.load(b_l), acc)
+            if LATE:  # refill after this tile's MMA (no false hazards between the copies and the reads)
+                if W_RING:
+                    _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
+                _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
             if PREFETCH and not W_RING:
                 wq, sq = nwq, nsq
         async_copy.wait_group(0)
@@ -556,6 +571,8 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     cfg.setdefault("STAGES", 2)
     cfg.setdefault("WGMMA", False)
     cfg.setdefault("W_RING", False)
+    cfg.setdefault("FENCE", True)
+    cfg.setdefault("LATE", False)
     if not cfg["WGMMA"] and M > MAX_M:
         raise ValueError(f"fp4_mma's mma.sync path serves M <= {MAX_M}, got {M}")
     rows = warps * cfg["REPS"]  # 16-row blocks a program
