@@ -164,11 +164,13 @@ def _v(BM, REPS=1, STAGES=4, WGMMA=True, W_RING=True, PREFETCH=False, KB=1, num_
                 num_warps=num_warps, maxnreg=maxnreg, **extra)
 
 
-_W = [_v(64), _v(64, LATE=True), _v(64, LATE=True, FENCE=2), _v(64, LATE=True, FENCE=0)]
+_W = [_v(64), _v(64, LATE=True, FENCE=2), _v(64, maxnreg=96), _v(64, maxnreg=80, STAGES=3), _v(64, KB=2, STAGES=3),
+      _v(64, KB=2, STAGES=3, maxnreg=128), _v(64, KB=2, STAGES=2)]
+_S16 = dict(KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False)
 VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only)
-    16: [_v(16, KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False), _v(16, KB=2, REPS=2, STAGES=2, WGMMA=False,
-                                                                     W_RING=False, LATE=True)],
-    32: [_v(32, REPS=2, WGMMA=False), _v(32, REPS=2, WGMMA=False, LATE=True)],
+    16: [_v(16, **_S16), _v(16, LATE=True, **_S16), _v(16, LATE=True, maxnreg=80, **_S16),
+         _v(16, LATE=True, maxnreg=64, **_S16)],
+    32: [_v(32, REPS=2, WGMMA=False), _v(32, REPS=2, WGMMA=False, LATE=True, maxnreg=96)],
     64: _W, 128: _W, 256: _W,
 }
 
