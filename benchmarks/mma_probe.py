@@ -245,6 +245,31 @@ def sweep_wgmma(res, l2):
     res["sweep_wgmma"] = rows
 
 
+def sweep_tiles(res, l2):
+    """Split-K at M = 1 / 8 (the rule's config), and at M = 64-256 the warpgroup variant with 128 weight
+    rows a program (REPS 2, or 8 warps) at splits that keep the grid full, against the rule."""
+    rows = []
+    shapes = [(18944, 3584), (3584, 18944), (3584, 3584), (512, 3584), (14336, 4096)]
+    big = [_v(64), _v(64, REPS=2), _v(64, num_warps=8)]
+    for n, k in shapes:
+        t, qc, cl, gs, _ = _weight_copies(n, k, l2)
+        for m in (1, 8, 64, 128, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cfgs = [fp4_mma.pick_config(m, n, k)] if m <= 8 else big
+            for ci, cfg in enumerate(cfgs):
+                for split in ((None, 2, 4, 8, 16) if m <= 8 else (None, 1, 2, 4, 8)):
+                    us = _time_config(x, cl, gs, n, k, {kk: v for kk, v in cfg.items() if v is not None}, split, "tiles")
+                    if us is not None:
+                        rows.append(dict(N=n, K=k, M=m, cfg=ci, split=split, us=us))
+            sel = [r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m]
+            rule = [r["us"] for r in sel if r["cfg"] == 0 and r["split"] is None]
+            best = min(sel, key=lambda r: r["us"])
+            print(f"tiles N={n:6d} K={k:6d} M={m:3d}: rule {rule[0] if rule else float('nan'):7.1f} us; best {best['us']:7.1f} "
+                  f"cfg {best['cfg']} split {best['split']}", flush=True)
+        del qc, cl
+    res["sweep_tiles"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -255,7 +280,7 @@ def main():
     res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%d"))
     steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("variants", lambda r: variants(r, l2)),
              ("sweep_wgmma", lambda r: sweep_wgmma(r, l2)),
-             ("sweep", lambda r: sweep(r, l2))]
+             ("sweep_tiles", lambda r: sweep_tiles(r, l2)), ("sweep", lambda r: sweep(r, l2))]
     run_steps(steps, res, os.path.join(a.out, "mma_probe.json"), a.only)
 
 if __name__ == "__main__":
