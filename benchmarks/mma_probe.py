@@ -164,7 +164,7 @@ def _v(BM, REPS=1, STAGES=4, WGMMA=True, W_RING=True, PREFETCH=False, KB=1, num_
                 num_warps=num_warps, maxnreg=maxnreg, **extra)
 
 
-_W = [_v(64), _v(64, LATE=True, FENCE=2), _v(64, maxnreg=96), _v(64, maxnreg=80, STAGES=3), _v(64, KB=2, STAGES=3),
+_W = [_v(64), _v(64, LATE=True), _v(64, maxnreg=96), _v(64, maxnreg=80, STAGES=3), _v(64, KB=2, STAGES=3),
       _v(64, KB=2, STAGES=3, maxnreg=128), _v(64, KB=2, STAGES=2)]
 _S16 = dict(KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False)
 VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only)
