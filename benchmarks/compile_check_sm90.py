@@ -66,7 +66,6 @@ def check_mma(cfg: dict, warps: int) -> None:
     consts = dict(IS_NV=nv, NM=cfg.pop("NM", 1), BM=cfg.pop("BM", 8), REPS=cfg.pop("REPS", 1), KB=cfg.pop("KB", 4),
                   ASM=fp4_mma._ASM_NV if nv else fp4_mma._ASM_MX, PREFETCH=cfg.pop("PREFETCH", False),
                   STAGES=cfg.pop("STAGES", 2), WGMMA=cfg.pop("WGMMA", False), W_RING=cfg.pop("W_RING", False),
-                  LATE=cfg.pop("LATE", False),
                   num_warps=warps)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())

@@ -164,13 +164,11 @@ def _v(BM, REPS=1, STAGES=4, WGMMA=True, W_RING=True, PREFETCH=False, KB=1, num_
                 num_warps=num_warps, maxnreg=maxnreg, **extra)
 
 
-_W = [_v(64), _v(64, LATE=True), _v(64, maxnreg=96), _v(64, maxnreg=80, STAGES=3), _v(64, KB=2, STAGES=3),
-      _v(64, KB=2, STAGES=3, maxnreg=128), _v(64, KB=2, STAGES=2)]
+_W = [_v(64), _v(64, maxnreg=96), _v(64, maxnreg=80, STAGES=3), _v(64, KB=2, STAGES=3), _v(64, KB=2, STAGES=2)]
 _S16 = dict(KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False)
-VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only)
-    16: [_v(16, **_S16), _v(16, LATE=True, **_S16), _v(16, LATE=True, maxnreg=80, **_S16),
-         _v(16, LATE=True, maxnreg=64, **_S16)],
-    32: [_v(32, REPS=2, WGMMA=False), _v(32, REPS=2, WGMMA=False, LATE=True, maxnreg=96)],
+VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only): the rule's first, then what else was measured
+    16: [_v(16, **_S16), _v(16, maxnreg=80, **_S16)],
+    32: [_v(32, REPS=2, WGMMA=False)],
     64: _W, 128: _W, 256: _W,
 }
 
@@ -270,30 +268,6 @@ def sweep_tiles(res, l2):
     res["sweep_tiles"] = rows
 
 
-def late16(res, l2):
-    """M = 16, the BM 16 config with and without the late refill (and a 3-deep ring), on single linears
-    and on gate/up as one grouped launch (as the decode step runs them)."""
-    cfgs = {"rule_no_late": _v(16, **_S16), "late": _v(16, LATE=True, **_S16),
-            "late_3stages": _v(16, LATE=True, **dict(_S16, STAGES=3))}
-    out = {}
-    for name, group in (("gate", [(18944, 3584)]), ("down", [(3584, 18944)]), ("gate_up", [(18944, 3584)] * 2)):
-        k = group[0][1]
-        ws = []
-        for n, _ in group:
-            t, qc, cl, gs, _ = _weight_copies(n, k, l2)
-            ws.append([(c[0], c[1], gs, n) for c in cl])
-        copies = list(zip(*ws))
-        x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
-        for cn, cfg in cfgs.items():
-            cfg = {kk: v for kk, v in cfg.items() if v is not None}
-            us = time_graph([lambda c=c, cfg=cfg: fp4_mma.grouped_linear(x, list(c), k, True, config=cfg) for c in copies],
-                            target_s=0.02)[0] * 1e6
-            out[f"{name}/{cn}"] = us
-            print(f"late16 {name} {cn}: {us:.1f} us", flush=True)
-        del ws, copies
-    res["late16"] = out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -304,7 +278,7 @@ def main():
     res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%d"))
     steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("variants", lambda r: variants(r, l2)),
              ("sweep_wgmma", lambda r: sweep_wgmma(r, l2)),
-             ("sweep_tiles", lambda r: sweep_tiles(r, l2)), ("late16", lambda r: late16(r, l2)), ("sweep", lambda r: sweep(r, l2))]
+             ("sweep_tiles", lambda r: sweep_tiles(r, l2)), ("sweep", lambda r: sweep(r, l2))]
     run_steps(steps, res, os.path.join(a.out, "mma_probe.json"), a.only)
 
 if __name__ == "__main__":

@@ -252,7 +252,7 @@ if HAVE_GLUON:
                     M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split, MT,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
                     KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
-                    WGMMA: gl.constexpr, W_RING: gl.constexpr, LATE: gl.constexpr, num_warps: gl.constexpr):
+                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
         Grid ((T0 + T1 + T2) MT, split): member i's T_i row tiles, one after the other, each with
         its MT tiles of BM rows of x next to each other (they share the weight tile in L2). A program:
@@ -260,9 +260,7 @@ if HAVE_GLUON:
         iteration. The activation tiles go through a ring of STAGES shared-memory buffers filled by
         asynchronous copies; the weights are decoded in registers into the A operand of mma.sync
         (mma_v2) or, with WGMMA (sm_90), of the warpgroup MMA, whose B operand is the shared tile.
-        LATE: the ring's refill copies go out after the tile's MMA rather than before its decode (no
-        barrier of Triton's between them and the reads of the current buffer). Outputs are contiguous
-        [M, N_i]."""
+        Outputs are contiguous [M, N_i]."""
         pid0 = gl.program_id(0)
         pid = pid0 // MT  # row tile of all members
         m0 = (pid0 % MT) * BM  # first row of x
@@ -347,15 +345,10 @@ if HAVE_GLUON:
             kb1 = (it + STAGES - 1) * KB
             sn = (j + STAGES - 1) % STAGES
             if W_RING:
-                if LATE:
-                    wq = w_smem.index(j % STAGES).load(w_l)
-                    sq = s_smem.index(j % STAGES).load(s_l)
-                else:
-                    _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
-                    wq = w_smem.index(j % STAGES).load(w_l)
-                    sq = s_smem.index(j % STAGES).load(s_l)
-            if not LATE:
-                _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
+                _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
+                wq = w_smem.index(j % STAGES).load(w_l)
+                sq = s_smem.index(j % STAGES).load(s_l)
+            _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
             # scale bytes to the decode's words: [.., KB, 4 (t), 2 (h)] -> [.., KB, 4 (t), 2 (h), 2] -> [.., KB, 16]
             s16 = gl.convert_layout(
                 gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [R, 8, 4, KB, 4, 2]), gl.SliceLayout(6, s7_l)),
@@ -376,10 +369,6 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
             else:
                 acc = mma_v2(a, xs.load(b_l), acc)
-            if LATE:  # refill after this tile's MMA (no false hazards between the copies and the reads)
-                if W_RING:
-                    _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
-                _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
             if PREFETCH and not W_RING:
                 wq, sq = nwq, nsq
         async_copy.wait_group(0)
@@ -493,9 +482,7 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
     """Launch config by rule. mma.sync (the H100 sweep of cf3257f over the 7B and Llama-3-8B shapes,
     results/kernels/h100_mma_probe_cf3257f.json): BM the smallest of 8 / 16 / 32 / 64 holding M;
     KB (64-column blocks an iteration) so that a lane holds <= 64 activations of the B operand,
-    and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2, the
-    refill after the MMA (LATE: 7B layer at M = 16 131 / 133 us against 135 / 137 in two runs, H100,
-    results/kernels/h100_mma_probe_c245a69.json, _60b585f.json). From
+    and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2. From
     BM = 32 the weights go through the shared-memory ring with the activations (W_RING, 4 stages):
     7B layer at M = 32 178 us against 208 with register loads (H100, dd9dab3, results/kernels/NOTES.md).
     Warpgroup MMA (``wgmma``, sm_90, M > 32): 64 weight rows x 64 rows of x a program (row tiles of x
@@ -510,7 +497,7 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
         return dict(BM=32, KB=1, REPS=2, num_warps=4, PREFETCH=False, STAGES=4, W_RING=True)
     pf = BM >= PREFETCH_MIN_BM
     if BM == 16 and N * K >= (1 << 25):
-        return dict(BM=16, KB=2, REPS=2, num_warps=4, PREFETCH=pf, LATE=True)
+        return dict(BM=16, KB=2, REPS=2, num_warps=4, PREFETCH=pf)
     return dict(BM=BM, KB=max(1, 32 // BM), REPS=2 if BM == 64 else 1, num_warps=4, PREFETCH=pf)
 
 
@@ -569,7 +556,6 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     cfg.setdefault("STAGES", 2)
     cfg.setdefault("WGMMA", False)
     cfg.setdefault("W_RING", False)
-    cfg.setdefault("LATE", False)
     if not cfg["WGMMA"] and M > MAX_M:
         raise ValueError(f"fp4_mma's mma.sync path serves M <= {MAX_M}, got {M}")
     rows = warps * cfg["REPS"]  # 16-row blocks a program
