@@ -166,8 +166,15 @@ def _v(BM, REPS=1, STAGES=4, WGMMA=True, W_RING=True, PREFETCH=False, KB=1, num_
 
 _W = [_v(64), _v(64, maxnreg=96), _v(64, maxnreg=80, STAGES=3), _v(64, KB=2, STAGES=3), _v(64, KB=2, STAGES=2)]
 _S16 = dict(KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False)
+_S8 = dict(KB=4, STAGES=2, WGMMA=False, W_RING=False)
+_R8 = dict(WGMMA=False, W_RING=True)
 VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only): the rule's first, then what else was measured
-    16: [_v(16, **_S16), _v(16, maxnreg=80, **_S16)],
+    1: [_v(8, **_S8), _v(8, KB=4, STAGES=3, **_R8), _v(8, KB=4, STAGES=4, **_R8), _v(8, KB=2, STAGES=4, **_R8),
+        _v(8, KB=2, STAGES=6, **_R8)],
+    8: [_v(8, **_S8), _v(8, KB=4, STAGES=3, **_R8), _v(8, KB=4, STAGES=4, **_R8), _v(8, KB=2, STAGES=4, **_R8),
+        _v(8, KB=2, STAGES=6, **_R8)],
+    16: [_v(16, **_S16), _v(16, maxnreg=80, **_S16), _v(16, KB=2, REPS=2, STAGES=3, **_R8),
+         _v(16, KB=1, REPS=2, STAGES=4, **_R8), _v(16, KB=2, REPS=1, STAGES=4, **_R8)],
     32: [_v(32, REPS=2, WGMMA=False)],
     64: _W, 128: _W, 256: _W,
 }
@@ -182,7 +189,10 @@ def variants(res, l2, model="qwen2.5-7b"):
     for p in PROJECTIONS:
         n, k = shapes[p]
         t, qc, cl, gs, wc = _weight_copies(n, k, l2, bf16=True)
+        only = os.environ.get("QERL_PROBE_MS")  # e.g. "1,8,16": those M of VARIANTS only
         for m, cands in VARIANTS.items():
+            if only and str(m) not in only.split(","):
+                continue
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             fns = {"bf16": [lambda wi=wi: F.linear(x, wi) for wi in wc]}
             ref = None
