@@ -13,7 +13,8 @@ graph captured once sees every later update:
     cache write at the slot read from a device tensor (no host sync), one kernel for all heads.
   - ``silu_mul``: SiLU(gate) * up.
   - ``lora_a``: h = x A^T for up to three adapters that share the input x (q/k/v, gate/up), one
-    kernel, split over K (partial sums, added by ``lora_out``: deterministic, no atomics).
+    kernel, split over K (partial sums, added by ``lora_out`` in a fixed order: deterministic, no
+    atomics).
   - ``lora_out``: y += bias + scaling * h B^T in place on up to three base outputs, one kernel;
     ``lora_silu_mul``: the same for gate and up, then SiLU(gate) * up, one kernel.
 
@@ -37,7 +38,21 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-LORA_A_K_CHUNK = 1024  # K elements per lora_a program: K / 1024 partial sums per output
+LORA_A_K_CHUNK = 1024  # K elements per lora_a program from LORA_A_DOT_MIN_M rows (the tl.dot path)
+# Below that (decode batches), shorter chunks: at most LORA_A_MAX_SPLITS partial sums, at least 256
+# elements each, so that a program streams its slice of A in one or two loads rather than four
+# dependent ones (lora_out then sums the partials in one vector load).
+LORA_A_MIN_CHUNK = 256
+LORA_A_MAX_SPLITS = 32
+# lora_out loads up to this many partial-sum floats of h at once (a [splits, rows, r] block)
+LORA_OUT_H_BLOCK = 4096
+
+
+def lora_a_chunk(M: int, K: int) -> int:
+    """K elements a lora_a program sums (its partial sums: cdiv(K, chunk))."""
+    if M >= LORA_A_DOT_MIN_M:
+        return LORA_A_K_CHUNK
+    return max(LORA_A_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(K, LORA_A_MAX_SPLITS)))
 
 
 @triton.jit
@@ -298,36 +313,41 @@ def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
     M, K = x.shape
     R = As[0].shape[0]
     n = len(As)
-    S = triton.cdiv(K, LORA_A_K_CHUNK)
+    chunk = lora_a_chunk(M, K)
+    S = triton.cdiv(K, chunk)
     dot = M >= LORA_A_DOT_MIN_M
     if dot:  # 16 x 16 tiles of h: many programs (a 64-row q/k/v call: 96), each streaming its slices of x, A
         BLOCK_M, BLOCK_R, BLOCK_K = 16, 16, 128
     else:
         BLOCK_M = min(16, triton.next_power_of_2(M))
         BLOCK_R = triton.next_power_of_2(R) if INTERPRETED else 2  # GPU: many small programs; interpreter: few
-        BLOCK_K = min(256, triton.next_power_of_2(K))
+        BLOCK_K = min(chunk, triton.next_power_of_2(K))
     h = torch.empty((S, M, n * R), dtype=torch.float32, device=x.device)
     a = list(As) + [As[0]] * (3 - n)
     grid = (n * triton.cdiv(R, BLOCK_R), S, triton.cdiv(M, BLOCK_M))
-    _lora_a_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=LORA_A_K_CHUNK, BLOCK_M=BLOCK_M,
+    _lora_a_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=chunk, BLOCK_M=BLOCK_M,
                          BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, USE_DOT=dot)
     return h
 
 
 @triton.jit
 def _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, mr, scaling,
-               HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr):
+               HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SB: tl.constexpr):
     """Rows ``ms`` of output i, columns ``cols``: y + bias + scaling * h B^T in fp32, [ROWS, BLOCK_N]
-    (h: the sum of the S partial sums of lora_a)."""
+    (h: the sum of the S partial sums of lora_a, SB of them a load, added in a fixed order)."""
     msk = mm[:, None] & mn[None, :]
     y = tl.load(y_ptr + ms[:, None].to(tl.int64) * N + cols[None, :], mask=msk, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += bias[None, :]
     if HAS_LORA:
         h = tl.zeros((ms.shape[0], rr.shape[0]), dtype=tl.float32)
-        for s in range(0, S):
-            h += tl.load(h_ptr + (s * M + ms[:, None]).to(tl.int64) * NR + i * R + rr[None, :],
-                         mask=mm[:, None] & mr[None, :], other=0.0)
+        sb = tl.arange(0, SB)
+        for s0 in range(0, S, SB):  # [SB, ROWS, r] partial sums a load (one load for S <= SB)
+            ss = s0 + sb
+            hp = tl.load(h_ptr + ((ss[:, None, None] * M + ms[None, :, None]).to(tl.int64) * NR + i * R
+                                  + rr[None, None, :]),
+                         mask=(ss[:, None, None] < S) & mm[None, :, None] & mr[None, None, :], other=0.0)
+            h += tl.sum(hp, axis=0)
         if USE_DOT:  # many rows: one near-fp32 (tf32x3) matmul [ROWS, R] x [R, BLOCK_N]
             y += scaling * tl.dot(h, tl.trans(B), input_precision="tf32x3")
         else:
@@ -338,7 +358,7 @@ def _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, m
 @triton.jit
 def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, N1, N2, R, NR, S, scaling,
                      HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+                     BLOCK_R: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr):
     """Output i = program_id(0) in place, columns of program_id(1), rows of program_id(2) (ROWS at
     a time, so that a large batch spreads over programs); or (SILU_MUL, one program row)
     out = SiLU(y0') * y1'."""
@@ -365,12 +385,12 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
     TY: tl.constexpr = y0.dtype.element_ty
     USE_DOT: tl.constexpr = ROWS >= 16 and BLOCK_R >= 16
     y = _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, mr, scaling, HAS_LORA, HAS_BIAS,
-                   USE_DOT)
+                   USE_DOT, SB)
     offs = ms[:, None].to(tl.int64) * N + cols[None, :]
     if SILU_MUL:  # y is the gate rows; the up rows are output 1; HF rounding of each step
         g = _rnd(y, TY).to(tl.float32)
         u = _rnd(_lora_tile(y1, B1, bias1, h_ptr, ms, mm, M, N, cols, mn, 1, R, NR, S, rr, mr, scaling,
-                            HAS_LORA, HAS_BIAS, USE_DOT), TY).to(tl.float32)
+                            HAS_LORA, HAS_BIAS, USE_DOT, SB), TY).to(tl.float32)
         act = _rnd(g / (1.0 + tl.exp(-g)), TY).to(tl.float32)
         tl.store(out_ptr + offs, _rnd(act * u, TY), mask=mm[:, None] & mn[None, :])
     else:
@@ -399,11 +419,13 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None):
     c = (list(biases) + [biases[0]] * (3 - n)) if has_bias else y
     S, NR = (h.shape[0], h.shape[2]) if has_lora else (1, 1)
     Ns = [t.shape[1] for t in y]
+    BLOCK_R = triton.next_power_of_2(R)
+    SB = max(1, min(triton.next_power_of_2(S), LORA_OUT_H_BLOCK // (ROWS * BLOCK_R)))
     grid = (1 if out is not None else n, triton.cdiv(max(Ns), BLOCK_N), max(1, triton.cdiv(M, ROWS)))
     _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0],
                            out if out is not None else y[0], M, Ns[0], Ns[1], Ns[2], R, NR, S, scaling,
                            HAS_LORA=has_lora, HAS_BIAS=has_bias, SILU_MUL=out is not None, BLOCK_N=BLOCK_N,
-                           BLOCK_R=triton.next_power_of_2(R), ROWS=ROWS)
+                           BLOCK_R=BLOCK_R, ROWS=ROWS, SB=SB)
 
 
 @torch.library.custom_op("qerl::lora_out", mutates_args=("ys",))
