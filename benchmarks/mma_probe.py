@@ -168,14 +168,21 @@ _W = [_v(64), _v(64, maxnreg=96), _v(64, maxnreg=80, STAGES=3), _v(64, KB=2, STA
 _S16 = dict(KB=2, REPS=2, STAGES=2, WGMMA=False, W_RING=False)
 _S8 = dict(KB=4, STAGES=2, WGMMA=False, W_RING=False)
 _R8 = dict(WGMMA=False, W_RING=True)
+_N8 = dict(STAGES=2, WGMMA=False, W_RING=False)
+# BM = 8 (M <= 8, or M = 16 / 32 as 2 / 4 row tiles of x): register loads (_N8) and the ring (_R8) at
+# 1-8 warps a program, KB 1-8 (registers at KB 4: 61 a thread; REPS 2 doubles them: compile_check_sm90)
+_SMALL = [_v(8, **_S8), _v(8, KB=4, STAGES=3, **_R8), _v(8, KB=4, STAGES=4, **_R8), _v(8, KB=2, STAGES=4, **_R8),
+          _v(8, KB=2, STAGES=6, **_R8), _v(8, KB=1, STAGES=8, **_R8), _v(8, KB=4, num_warps=8, **_N8),
+          _v(8, KB=4, num_warps=2, **_N8), _v(8, KB=2, STAGES=4, num_warps=2, **_R8),
+          _v(8, KB=4, STAGES=4, num_warps=1, **_R8), _v(8, KB=8, **_N8), _v(8, KB=2, **_N8)]
 VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only): the rule's first, then what else was measured
-    1: [_v(8, **_S8), _v(8, KB=4, STAGES=3, **_R8), _v(8, KB=4, STAGES=4, **_R8), _v(8, KB=2, STAGES=4, **_R8),
-        _v(8, KB=2, STAGES=6, **_R8)],
-    8: [_v(8, **_S8), _v(8, KB=4, STAGES=3, **_R8), _v(8, KB=4, STAGES=4, **_R8), _v(8, KB=2, STAGES=4, **_R8),
-        _v(8, KB=2, STAGES=6, **_R8)],
-    16: [_v(16, **_S16), _v(16, maxnreg=80, **_S16), _v(16, KB=2, REPS=2, STAGES=3, **_R8),
-         _v(16, KB=1, REPS=2, STAGES=4, **_R8), _v(16, KB=2, REPS=1, STAGES=4, **_R8)],
-    32: [_v(32, REPS=2, WGMMA=False)],
+    1: _SMALL,
+    8: _SMALL,
+    16: [_v(16, **_S16), _v(16, KB=2, REPS=1, **_N8), _v(16, KB=2, REPS=1, STAGES=4, **_R8),
+         _v(16, KB=1, REPS=1, STAGES=6, **_R8), _v(8, **_S8), _v(8, KB=2, STAGES=4, **_R8),
+         _v(8, KB=4, STAGES=4, **_R8), _v(16, maxnreg=80, **_S16)],
+    32: [_v(32, REPS=2, WGMMA=False), _v(16, **_S16), _v(16, KB=2, REPS=1, STAGES=4, **_R8), _v(8, **_S8),
+         _v(8, KB=2, STAGES=4, **_R8)],
     64: _W, 128: _W, 256: _W,
 }
 
@@ -185,7 +192,7 @@ def variants(res, l2, model="qwen2.5-7b"):
     on sm_90 only), next to bf16 cuBLAS: which variant the rule should pick."""
     shapes = linear_shapes(model)
     wg = fp4_mma.has_wgmma(torch.device("cuda"))
-    tot, bad = {}, []
+    tot, bad, per = {}, [], {}
     for p in PROJECTIONS:
         n, k = shapes[p]
         t, qc, cl, gs, wc = _weight_copies(n, k, l2, bf16=True)
@@ -215,6 +222,7 @@ def variants(res, l2, model="qwen2.5-7b"):
                     print("variant fail", m, name, type(e).__name__, str(e)[:300], flush=True)
                     sec = float("nan")
                 tot[(m, name)] = tot.get((m, name), 0.0) + sec * 1e6
+                per[(m, name, p)] = sec * 1e6
         del qc, cl, wc
     out = {}
     for (m, name), us in tot.items():
@@ -225,6 +233,7 @@ def variants(res, l2, model="qwen2.5-7b"):
               flush=True)
     res["variants"] = out
     res["variants_bad"] = bad
+    res["variants_per_proj"] = [dict(M=m, variant=name, proj=p, us=us) for (m, name, p), us in per.items()]
     print(f"variants: {len(bad)} wrong", bad[:5], flush=True)
 
 
