@@ -89,6 +89,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # before the run, not after it
     device = torch.device(args.device)
     config = model_config(sc.MODELS[args.model])
     if args.layers:

@@ -6,7 +6,8 @@ function of (seed, seq_id, t, vocabulary index), computed on the device with a c
 temperature-scaled, top-k/top-p-filtered logits. Hence a sequence samples the same tokens whatever
 batch, engine or data-parallel rank it is generated in (given the same logits), with no generator
 state and no host sync. Gumbel-max is exact: argmax(log p_i + G_i) with G_i = -log(-log U_i) is a
-draw from p.
+draw from p. On a GPU the draw runs as one kernel (``qerl.kernels.sampling.gumbel_argmax``: the same
+noise bits and the same token; ``QERL_FUSED_SAMPLER=0`` keeps the torch ops).
 
 Log-probs and entropies are those of softmax(logits / temperature), TRL's convention, so they
 compare directly with the training forward; top-k / top-p only restrict what is sampled.
@@ -19,11 +20,15 @@ rollout and the training forward both use it, which keeps their log-probs close
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 _M32 = 0xFFFFFFFF
+# QERL_FUSED_SAMPLER=0: the Gumbel-max draw as torch ops on a GPU too (the fused kernel gives the same
+# tokens in one launch instead of ~20; kept for A/B runs)
+FUSED_SAMPLER = os.environ.get("QERL_FUSED_SAMPLER", "1") != "0"
 
 
 @dataclass
@@ -178,8 +183,14 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         tok = logits.argmax(-1)
     else:
         filt = filter_logits(scaled, top_k, top_p)
-        gumbel = -torch.log(-torch.log(uniform_noise(keys, t, logits.size(-1))))
-        tok = (filt + gumbel).argmax(-1)
+        if filt.is_cuda and FUSED_SAMPLER:  # the same draw in one kernel (qerl.kernels.sampling)
+            from qerl.kernels.sampling import gumbel_argmax
+
+            tt = t if torch.is_tensor(t) else torch.tensor(t, dtype=torch.long, device=filt.device)
+            tok = gumbel_argmax(filt.contiguous(), keys, tt)
+        else:
+            gumbel = -torch.log(-torch.log(uniform_noise(keys, t, logits.size(-1))))
+            tok = (filt + gumbel).argmax(-1)
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1), ent
 
 
