@@ -287,6 +287,33 @@ def sweep_tiles(res, l2):
     res["sweep_tiles"] = rows
 
 
+def sweep_small_split(res, l2):
+    """Split-K of the mma.sync rule's config at M = 1 / 8 / 16, split 1 (no reduction tail) to 6, on the 7B
+    and Llama-3-8B shapes: whether the fixed-order reduction's extra round trip or the grid size bounds
+    the small-M calls."""
+    rows = []
+    shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"]
+    for n, k in shapes:
+        t, qc, cl, gs, _ = _weight_copies(n, k, l2)
+        for m in (1, 8, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cfg = fp4_mma.pick_config(m, n, k)
+            for split in (None, 1, 2, 3, 4, 6):
+                us = _time_config(x, cl, gs, n, k, cfg, split, "small split")
+                if us is not None:
+                    rows.append(dict(N=n, K=k, M=m, split=split, us=us))
+            sel = [r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m]
+            if sel:
+                best = min(sel, key=lambda r: r["us"])
+                auto = [r["us"] for r in sel if r["split"] is None]
+                one = [r["us"] for r in sel if r["split"] == 1]
+                print(f"small split N={n:6d} K={k:6d} M={m:3d}: rule {auto[0] if auto else float('nan'):6.1f} us, "
+                      f"split 1 {one[0] if one else float('nan'):6.1f}; best {best['us']:6.1f} split={best['split']}",
+                      flush=True)
+        del qc, cl
+    res["sweep_small_split"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -297,7 +324,8 @@ def main():
     res = dict(gpu=props.name, git_sha=os.environ.get("QERL_GIT_SHA"), date=time.strftime("%Y-%m-%d"))
     steps = [("check", check), ("layer", lambda r: layer(r, l2)), ("variants", lambda r: variants(r, l2)),
              ("sweep_wgmma", lambda r: sweep_wgmma(r, l2)),
-             ("sweep_tiles", lambda r: sweep_tiles(r, l2)), ("sweep", lambda r: sweep(r, l2))]
+             ("sweep_tiles", lambda r: sweep_tiles(r, l2)), ("sweep", lambda r: sweep(r, l2)),
+             ("sweep_small_split", lambda r: sweep_small_split(r, l2))]
     run_steps(steps, res, os.path.join(a.out, "mma_probe.json"), a.only)
 
 if __name__ == "__main__":
