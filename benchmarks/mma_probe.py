@@ -178,7 +178,7 @@ _SMALL = [_v(8, **_S8), _v(8, KB=4, STAGES=3, **_R8), _v(8, KB=4, STAGES=4, **_R
 VARIANTS = {  # kernel configs per M (wgmma ones on sm_90 only): the rule's first, then what else was measured
     1: _SMALL,
     8: _SMALL,
-    16: [_v(16, KB=2, REPS=1, **_N8), _v(16, **_S16), _v(16, KB=2, REPS=1, STAGES=4, **_R8),
+    16: [_v(16, **_S16), _v(16, KB=2, REPS=1, **_N8), _v(16, KB=2, REPS=1, STAGES=4, **_R8),
          _v(16, KB=1, REPS=1, STAGES=6, **_R8), _v(8, **_S8), _v(8, KB=2, STAGES=4, **_R8),
          _v(8, KB=4, STAGES=4, **_R8), _v(16, maxnreg=80, **_S16)],
     32: [_v(32, REPS=2, WGMMA=False), _v(16, **_S16), _v(16, KB=2, REPS=1, STAGES=4, **_R8), _v(8, **_S8),
