@@ -420,7 +420,10 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None):
     S, NR = (h.shape[0], h.shape[2]) if has_lora else (1, 1)
     Ns = [t.shape[1] for t in y]
     BLOCK_R = triton.next_power_of_2(R)
-    SB = max(1, min(triton.next_power_of_2(S), LORA_OUT_H_BLOCK // (ROWS * BLOCK_R)))
+    # partial sums a load: several at decode batches (one vector load); one at a time in the 16+-row tiles,
+    # where a [2, 64, r] block cost registers: lora_out 0.82 -> 1.09 ms a bs64 7B step (H100, 409cc93 vs
+    # 818447e, results/decode_profile/NOTES.md; this restores 409cc93's loop there, not re-measured)
+    SB = 1 if ROWS >= 16 else max(1, min(triton.next_power_of_2(S), LORA_OUT_H_BLOCK // (ROWS * BLOCK_R)))
     grid = (1 if out is not None else n, triton.cdiv(max(Ns), BLOCK_N), max(1, triton.cdiv(M, ROWS)))
     _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0],
                            out if out is not None else y[0], M, Ns[0], Ns[1], Ns[2], R, NR, S, scaling,
