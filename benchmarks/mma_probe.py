@@ -237,29 +237,33 @@ def variants(res, l2, model="qwen2.5-7b"):
     print(f"variants: {len(bad)} wrong", bad[:5], flush=True)
 
 
-def sweep_wgmma(res, l2):
-    """The warpgroup-MMA variant's rule config at splits 1-8 against the rule's split, on the 7B and
-    Llama-3-8B shapes."""
+def _split_sweep(l2, ms, splits, wgmma, label):
+    """The rule's config of each M at each split (None: the rule's split) on the 7B and Llama-3-8B shapes;
+    prints the rule, split 1 and the best per shape and M; returns the rows."""
     rows = []
     shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"]
     for n, k in shapes:
         t, qc, cl, gs, _ = _weight_copies(n, k, l2)
-        for m in (64, 128, 256):
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cfg = fp4_mma.pick_config(m, n, k, wgmma=True)
-            for split in (None, 1, 2, 4, 8):
-                us = _time_config(x, cl, gs, n, k, cfg, split, "wgmma sweep")
-                if us is None:
-                    continue
-                rows.append(dict(N=n, K=k, M=m, split=split, us=us))
+            cfg = fp4_mma.pick_config(m, n, k, wgmma=wgmma)
+            for split in splits:
+                us = _time_config(x, cl, gs, n, k, cfg, split, label)
+                if us is not None:
+                    rows.append(dict(N=n, K=k, M=m, split=split, us=us))
             sel = [r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m]
             if sel:
                 best = min(sel, key=lambda r: r["us"])
-                auto = [r["us"] for r in sel if r["split"] is None]
-                print(f"wgmma split N={n:6d} K={k:6d} M={m:3d}: rule {auto[0] if auto else float('nan'):7.1f} us; "
-                      f"best {best['us']:7.1f} split={best['split']}", flush=True)
+                at = {r["split"]: r["us"] for r in sel}
+                print(f"{label} N={n:6d} K={k:6d} M={m:3d}: rule {at.get(None, float('nan')):6.1f} us, split 1 "
+                      f"{at.get(1, float('nan')):6.1f}; best {best['us']:6.1f} split={best['split']}", flush=True)
         del qc, cl
-    res["sweep_wgmma"] = rows
+    return rows
+
+
+def sweep_wgmma(res, l2):
+    """The warpgroup-MMA variant's rule config at splits 1-8 against the rule's split."""
+    res["sweep_wgmma"] = _split_sweep(l2, (64, 128, 256), (None, 1, 2, 4, 8), True, "wgmma split")
 
 
 def sweep_tiles(res, l2):
@@ -288,30 +292,9 @@ def sweep_tiles(res, l2):
 
 
 def sweep_small_split(res, l2):
-    """Split-K of the mma.sync rule's config at M = 1 / 8 / 16, split 1 (no reduction tail) to 6, on the 7B
-    and Llama-3-8B shapes: whether the fixed-order reduction's extra round trip or the grid size bounds
-    the small-M calls."""
-    rows = []
-    shapes = sorted(set(linear_shapes("qwen2.5-7b").values())) + OTHER_SHAPES["llama-3-8b"]
-    for n, k in shapes:
-        t, qc, cl, gs, _ = _weight_copies(n, k, l2)
-        for m in (1, 8, 16):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cfg = fp4_mma.pick_config(m, n, k)
-            for split in (None, 1, 2, 3, 4, 6):
-                us = _time_config(x, cl, gs, n, k, cfg, split, "small split")
-                if us is not None:
-                    rows.append(dict(N=n, K=k, M=m, split=split, us=us))
-            sel = [r for r in rows if r["N"] == n and r["K"] == k and r["M"] == m]
-            if sel:
-                best = min(sel, key=lambda r: r["us"])
-                auto = [r["us"] for r in sel if r["split"] is None]
-                one = [r["us"] for r in sel if r["split"] == 1]
-                print(f"small split N={n:6d} K={k:6d} M={m:3d}: rule {auto[0] if auto else float('nan'):6.1f} us, "
-                      f"split 1 {one[0] if one else float('nan'):6.1f}; best {best['us']:6.1f} split={best['split']}",
-                      flush=True)
-        del qc, cl
-    res["sweep_small_split"] = rows
+    """Split-K of the mma.sync rule's config at M = 1 / 8 / 16, split 1 (no reduction tail) to 6: whether
+    the fixed-order reduction's extra round trip or the grid size bounds the small-M calls."""
+    res["sweep_small_split"] = _split_sweep(l2, (1, 8, 16), (None, 1, 2, 3, 4, 6), False, "small split")
 
 
 def main():
