@@ -4,14 +4,15 @@
 temperature-scaled (and top-k / top-p filtered) logits and g_v = -log(-log(u_v)), where u is a pure
 function of (the sequence's key, the step t, the vocabulary index v): murmur3's 32-bit finaliser
 (``uniform_noise``). In torch that is about twenty elementwise kernels over [B, V] int64 tensors: at
-B = 64 and V = 152k, ~0.7 ms of a 9 ms Qwen2.5-7B decode step (results/decode_profile/NOTES.md).
+B = 64 and V = 152k, ~1 ms of a 9.35 ms Qwen2.5-7B decode step, 0.03 ms in this kernel (H100 A/B,
+results/decode_profile/NOTES.md).
 
 ``gumbel_argmax`` does the same arithmetic in one launch over (rows x vocabulary blocks): the hash in
 uint32 registers (the same bits as the int64 torch code, which masks to 32 bits after each step), u
 exactly as torch makes it (24 bits, exact in fp32), the two logs with libdevice's ``logf`` (what torch's
 CUDA ``log`` calls), the fp32 add, and a per-block argmax; then the first maximum over the blocks. So
 the token is torch's for the same inputs (ties to the lowest index, as ``torch.argmax``), which the GPU
-test checks token for token; ``gumbel_argmax_reference`` is that torch code. NaN logits are not
+test checks token for token; ``gumbel_argmax_reference`` (``common.gumbel_argmax_torch``) is that torch code. NaN logits are not
 expected here (the trainer's guards stop a NaN run earlier); where one occurs torch.argmax would pick it
 and this kernel may not.
 
@@ -27,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from qerl.rollout.common import gumbel_argmax_torch
 
 BLOCK_V = 2048  # vocabulary entries a program: V = 152k -> 75 programs a row
 # the interpreter has no libdevice: numpy's float32 log stands in for it there (the CPU tests)
@@ -93,9 +96,5 @@ def _(x, keys, t):
     return x.new_empty((x.shape[0],), dtype=torch.long)
 
 
-def gumbel_argmax_reference(x: torch.Tensor, keys: torch.Tensor, t) -> torch.Tensor:
-    """The torch code the kernel replaces (``sample_tokens``' Gumbel-max draw), any device."""
-    from qerl.rollout.common import uniform_noise
-
-    gumbel = -torch.log(-torch.log(uniform_noise(keys, t, x.size(-1))))
-    return (x + gumbel).argmax(-1)
+# the torch code the kernel replaces (``sample_tokens``' draw off the GPU or with QERL_FUSED_SAMPLER=0)
+gumbel_argmax_reference = gumbel_argmax_torch

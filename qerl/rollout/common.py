@@ -169,6 +169,13 @@ def uniform_noise(keys: torch.Tensor, t: torch.Tensor | int, vocab: int) -> torc
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32
 
 
+def gumbel_argmax_torch(x: torch.Tensor, keys: torch.Tensor, t) -> torch.Tensor:
+    """argmax_v(x + Gumbel noise of (key, t, v)) per row, as torch ops (any device): the draw that
+    ``qerl.kernels.sampling.gumbel_argmax`` makes in one kernel, and its reference."""
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, t, x.size(-1))))
+    return (x + gumbel).argmax(-1)
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
                   keys: torch.Tensor, t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick the next token of each row. Returns (tokens [B], logprob of each [B], entropy [B]).
@@ -189,8 +196,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
             tt = t if torch.is_tensor(t) else torch.tensor(t, dtype=torch.long, device=filt.device)
             tok = gumbel_argmax(filt.contiguous(), keys, tt)
         else:
-            gumbel = -torch.log(-torch.log(uniform_noise(keys, t, logits.size(-1))))
-            tok = (filt + gumbel).argmax(-1)
+            tok = gumbel_argmax_torch(filt, keys, t)
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1), ent
 
 
