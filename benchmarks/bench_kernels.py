@@ -11,7 +11,11 @@ linears, bf16 time / nvfp4 time): `qwen2.5-7b/layer/M<m>/nvfp4_over_bf16` for ev
 `eager_call_us/nvfp4`, `eager_call_us/bf16`, `eager_call/nvfp4_over_bf16` (host time of one eager
 QuantLinear / F.linear call at M = 1 on a [1024, 4096] layer: mean over 1000 back-to-back calls,
 no synchronisation, median of 5 alternating rounds); split-K deterministic vs atomic layer time at
-M = 1 / 8 / 16.
+M = 1 / 8 / 16. Where humming-kernels is installed (optional: pip install "qerl[bench]"), it is an
+anchor column on the qwen2.5-7b shapes, in its default (stream-K) and batch-invariant modes, each
+(M, mode) checked against the fp32 reference first: `qwen2.5-7b/layer/M<m>/nvfp4_over_humming` and
+`.../nvfp4_over_humming_batch_invariant` (humming time / qerl time). Without it the column is
+skipped and the JSON's `humming.not_measured` says why.
 
 Timing: each measurement captures a CUDA graph of R calls rotating over C copies of the weights
 (C * bytes > 3 x L2, so the weights come from HBM, not L2), replays it after warm-up, and takes
@@ -22,6 +26,7 @@ measured in the same run.
 Run:   python -m benchmarks.bench_kernels                   (all models, about 2 min on an H200)
        python -m benchmarks.bench_kernels --models qwen2.5-7b --m 1 8 2048
        python -m benchmarks.bench_kernels --sweep           (also try launch configs, 7B layer)
+       python -m benchmarks.bench_kernels --humming-check   (only the humming column's path, one layer)
 """
 
 import argparse
@@ -267,6 +272,230 @@ def sweep(l2, out_rows, ms=(1, 8, 16, 64, 2048)):
 
 
 # ----------------------------------------------------------------------------------------------
+# humming-kernels: an optional anchor column (pip install "qerl[bench]")
+#
+# humming (vllm-project/humming, Apache-2.0) JIT-compiles Marlin-family W4A16 GEMMs; on sm_90 it
+# runs warp-specialised WGMMA with TMA and stream-K. It loads compressed-tensors NVFP4 tensors as
+# qerl exports them: same names (weight_packed, weight_scale, weight_global_scale), same dtypes and
+# shapes, and it reads weight_global_scale as a divisor as qerl does (it stores 1 / gs as its
+# weight_scale_2 multiplier). Each (shape, M, mode) is checked against the fp32 product of qerl's
+# dequantized weight before it is timed, so the column times the same product as qerl's.
+
+HUMMING_METHODS = {"humming": False, "humming_batch_invariant": True}  # row method -> use_batch_invariant
+HUMMING_MAX_REL_ERR = 2e-2  # bf16 activations and output against the fp32 reference: ~3e-3 when right
+HUMMING_CHECK_MS = (1, 16, 256)
+
+
+def _nvrtc_builtins_dirs(paths=None):
+    """Folders under <entry>/nvidia/*/lib* of `paths` (default sys.path) holding libnvrtc-builtins:
+    where pip's nvidia-cuda-nvrtc (cu12 and cu13 layouts) puts the library NVRTC loads by name."""
+    import glob
+
+    dirs = []
+    for entry in sys.path if paths is None else paths:
+        for lib in sorted(glob.glob(os.path.join(entry or ".", "nvidia", "*", "lib*", "libnvrtc-builtins*.so*"))):
+            d = os.path.dirname(os.path.abspath(lib))
+            if d not in dirs:
+                dirs.append(d)
+    return dirs
+
+
+def _prepend_ld_library_path(dirs):
+    """Put `dirs` first on LD_LIBRARY_PATH in os.environ; returns those added. Only processes started
+    afterwards see it, which is what humming needs: it compiles in a helper subprocess
+    (nvrtc_compile) whose libnvrtc dlopens libnvrtc-builtins by name, and a pip-installed NVRTC's
+    folder is on no loader path."""
+    parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    new = [d for d in dirs if d not in parts]
+    if new:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(new + parts)
+    return new
+
+
+class Humming:
+    """humming-kernels as the benchmark uses it: HummingLayer over qerl's NVFP4 tensors, a tuning
+    config per M from its heuristics (without one, its first call compiles one kernel per M range,
+    28 of them), default (stream-K) and batch-invariant modes."""
+
+    def __init__(self, humming, layer_cls, heuristics, info):
+        self.humming, self.layer_cls, self.heuristics, self.info = humming, layer_cls, heuristics, info
+
+    @staticmethod
+    def weight_config():
+        """The compressed-tensors weights entry qerl exports for nvfp4 (config.json
+        quantization_config, config_groups.group_0), with its quant_method and format: what
+        HummingLayer(weight_config=...) reads, as its from_safetensors builds it."""
+        cfg = formats.get("nvfp4").export_config(["Linear"], [])
+        group = cfg["config_groups"]["group_0"]
+        return dict(group["weights"], quant_method=cfg["quant_method"], format=group["format"])
+
+    def make_layer(self, t, n, k, steps=None):
+        """A transformed HummingLayer [n, k] holding qerl's NVFP4 tensors `t` (CUDA).
+        `steps` (a list) gets the name of each call before it runs, for error messages."""
+        steps = [] if steps is None else steps
+        steps.append("HummingLayer(weight_config=nvfp4-pack-quantized)")
+        layer = self.layer_cls(shape_n=n, shape_k=k, weight_config=self.weight_config(),
+                               torch_dtype=torch.bfloat16).cuda()
+        steps.append("load_from_tensors")
+        want = {name: (tuple(p.shape), p.dtype) for name, p in layer.named_parameters()}
+        have = {name: (tuple(v.shape), v.dtype) for name, v in t.items()}
+        if any(want.get(name) != have[name] for name in have) or not set(want) <= set(have):
+            raise ValueError(f"humming expects {want}, qerl's nvfp4 tensors are {have}")
+        layer.load_from_tensors({name: v.cuda() for name, v in t.items()})
+        steps.append("transform")
+        layer.transform()
+        return layer
+
+    def configs(self, layer, m, batch_invariant):
+        """(compute_config, tuning_config) for one M: the heuristics' single kernel for M."""
+        tuning = self.heuristics(layer.humming_config, shape_m=m, use_batch_invariant=batch_invariant)
+        return ({"use_batch_invariant": True} if batch_invariant else None), tuning
+
+    @staticmethod
+    def describe(tuning):
+        """A short name of a tuning config: stream-K or data-parallel, and the block shape."""
+        bm, bn, bk = tuning.get("block_shape", (0, 0, 0))
+        return f"{'stream-k' if tuning.get('use_stream_k') else 'dp'} {bm}x{bn}x{bk} st{tuning.get('num_stages', '?')}"
+
+
+def load_humming():
+    """(Humming, None) where humming-kernels imports, else (None, why). Puts the folder of the
+    libnvrtc-builtins that humming's NVRTC loads on LD_LIBRARY_PATH (see _prepend_ld_library_path):
+    the folder of the libnvrtc humming picks where that holds one, else pip's nvidia/*/lib folders."""
+    try:
+        import humming
+        from humming.layer import HummingLayer
+        from humming.tune import get_heuristics_config
+    except Exception as e:  # noqa: BLE001 - absent or broken: the column is skipped, with why
+        return None, f"humming-kernels not importable: {type(e).__name__}: {e}"
+    info = {"version": getattr(humming, "__version__", None), "nvrtc": None, "ld_library_path_added": []}
+    dirs = []
+    try:
+        from humming.utils.nvrtc import get_nvrtc_library_path
+
+        info["nvrtc"] = get_nvrtc_library_path()
+        dirs = _nvrtc_builtins_dirs_in(os.path.dirname(info["nvrtc"]))
+    except Exception as e:  # noqa: BLE001 - the first compile will fail with humming's own message
+        info["nvrtc"] = f"not located: {type(e).__name__}: {e}"
+    info["ld_library_path_added"] = _prepend_ld_library_path(dirs or _nvrtc_builtins_dirs())
+    return Humming(humming, HummingLayer, get_heuristics_config, info), None
+
+
+def _nvrtc_builtins_dirs_in(folder):
+    """[folder] if it holds a libnvrtc-builtins, else []."""
+    import glob
+
+    return [folder] if glob.glob(os.path.join(folder, "libnvrtc-builtins*.so*")) else []
+
+
+def rel_err(out, ref):
+    """||out - ref|| / ||ref|| in fp32 (inf where out is not finite or has the wrong shape)."""
+    if tuple(out.shape) != tuple(ref.shape) or not bool(torch.isfinite(out).all()):
+        return float("inf")
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def bench_humming_shape(hum, model, proj_names, n, k, ms, l2, rows):
+    """Time humming on one linear shape at every M in both modes, as bench_shape times qerl (CUDA
+    graph replay over copies of the weights that together exceed 3 x L2), each (M, mode) first
+    checked against the fp32 reference. Appends rows (method humming / humming_batch_invariant);
+    returns notes on whatever failed, naming the call."""
+    notes = []
+    where = f"{model} {'/'.join(proj_names)} [{n}x{k}]"
+    steps = []
+    try:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        t = formats.quantize(w, "nvfp4")
+        wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
+        layers = [hum.make_layer(t, n, k, steps) for _ in range(n_copies(n * k * BYTES_PER_WEIGHT["nvfp4"], l2))]
+    except Exception as e:  # noqa: BLE001 - record and go on without this shape
+        notes.append(f"humming {where}: {steps[-1] if steps else 'setup'} failed: {type(e).__name__}: {str(e)[:300]}")
+        print("  " + notes[-1], flush=True)
+        return notes
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ wd.T
+        for meth, bi in HUMMING_METHODS.items():
+            step = "get_heuristics_config"
+            try:
+                cc, tuning = hum.configs(layers[0], m, bi)
+                step = "forward (first call compiles)"
+                err = rel_err(layers[0](x, compute_config=cc, tuning_config=tuning), ref)
+                if not err <= HUMMING_MAX_REL_ERR:
+                    raise ValueError(f"relative error {err:.3g} against the fp32 reference > {HUMMING_MAX_REL_ERR}")
+                step = "timing"
+                sec, mode = time_graph([lambda L=L, x=x, cc=cc, tuning=tuning: L(x, compute_config=cc, tuning_config=tuning)
+                                        for L in layers])
+            except Exception as e:  # noqa: BLE001 - a failed (M, mode) is a note, never a crash
+                notes.append(f"{meth} {where} M={m}: {step} failed: {type(e).__name__}: {str(e)[:300]}")
+                print("  " + notes[-1], flush=True)
+                continue
+            moved = n * k * BYTES_PER_WEIGHT["nvfp4"] + 2 * m * (n + k)
+            rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="linear", method=meth,
+                             ms=sec * 1e3, tbps=moved / sec / 1e12, tflops=2 * m * n * k / sec / 1e12, timing=mode,
+                             kernel=hum.describe(tuning), rel_err=err))
+    del layers
+    torch.cuda.empty_cache()
+    return notes
+
+
+def humming_check(l2, ms=HUMMING_CHECK_MS, model="qwen2.5-7b", proj="q_proj"):
+    """--humming-check: the humming path alone, on one `proj` layer of `model`. Prints where humming
+    finds CUDA and NVRTC, builds the layer call by call, checks each M and mode against the fp32
+    reference and times it (with qerl's nvfp4 and bf16 on the same layer for scale). Returns the
+    exit code: 0 if every check passed, 1 otherwise."""
+    hum, why = load_humming()
+    if hum is None:
+        print(f"FAIL import: {why}")
+        return 1
+    print(f"humming {hum.info['version']}; NVRTC {hum.info['nvrtc']}; LD_LIBRARY_PATH += {hum.info['ld_library_path_added']}")
+    try:
+        from humming.utils.cuda import filter_cuda_paths
+
+        env = filter_cuda_paths(required_headers=["nvrtc.h"])
+        print(f"CUDA environment humming compiles with: {env['source']} {env['path']}; includes {env['include_paths']}")
+    except Exception as e:  # noqa: BLE001 - report and go on: the compile will say the same
+        print(f"FAIL humming.utils.cuda.filter_cuda_paths(nvrtc.h): {type(e).__name__}: {e}")
+    try:
+        from humming.utils.nvrtc import may_build_nvrtc_compile_binary
+
+        print(f"compile helper: {may_build_nvrtc_compile_binary()}")
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL humming.utils.nvrtc.may_build_nvrtc_compile_binary: {type(e).__name__}: {e}")
+    n, k = linear_shapes(model)[proj]
+    print(f"{model} {proj} [{n}x{k}], M = {list(ms)}")
+    rows = []
+    t0 = time.time()
+    notes = bench_humming_shape(hum, model, [proj], n, k, ms, l2, rows)
+    print(f"humming built, checked and timed in {time.time() - t0:.0f} s (compiles included)")
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    t = formats.quantize(w.float(), "nvfp4")
+    qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * BYTES_PER_WEIGHT["nvfp4"], l2))]
+    caches = [{} for _ in qc]
+    wc = [w.clone() for _ in range(n_copies(n * k * 2, l2))]
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        line = [f"M={m:5d}"]
+        for meth in HUMMING_METHODS:
+            r = [r for r in rows if r["M"] == m and r["method"] == meth]
+            line.append(f"{meth} {r[0]['ms'] * 1e3:8.1f} us (err {r[0]['rel_err']:.1e}, {r[0]['kernel']})" if r
+                        else f"{meth} FAILED")
+        try:
+            q_us = time_graph([lambda tt=tt, c=c, x=x: kernels.linear(x, "nvfp4", tt, n, k, backend="triton", cache=c)
+                               for tt, c in zip(qc, caches)])[0] * 1e6
+            b_us = time_graph([lambda wi=wi, x=x: F.linear(x, wi) for wi in wc])[0] * 1e6
+            line.append(f"qerl nvfp4 {q_us:8.1f} us, bf16 {b_us:8.1f} us")
+        except Exception as e:  # noqa: BLE001 - only context for the humming numbers
+            line.append(f"qerl/bf16 timing failed: {type(e).__name__}: {str(e)[:200]}")
+        print("  ".join(line), flush=True)
+    for note in notes:
+        print("FAIL " + note)
+    ok = not notes and len(rows) == len(ms) * len(HUMMING_METHODS)
+    print("humming check: " + ("ok" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------------------------
 # main
 
 
@@ -413,6 +642,11 @@ def summarize(rows, copy_tbps, extra=None):
         s[f"qwen2.5-7b/layer/M{m}/grad_input_nvfp4_over_bf16"] = ratio(
             layer("grad_input", "bf16", m), layer("grad_input", "nvfp4", m))
     s["qwen2.5-7b/layer/M1/nvfp4_over_nf4"] = ratio(layer("linear", "nf4", 1), layer("linear", "nvfp4", 1))
+    for meth in HUMMING_METHODS:  # only where humming was measured on every linear of the layer
+        for m in ms:
+            r = ratio(layer("linear", meth, m), layer("linear", "nvfp4", m))
+            if r is not None:
+                s[f"qwen2.5-7b/layer/M{m}/nvfp4_over_{meth}"] = r
     for fmt, tb in extra.get("decode", {}).items():
         s[f"qwen2.5-7b/decode_tbps/{fmt}"] = tb
     eager = extra.get("eager")
@@ -441,6 +675,11 @@ def main():
     ap.add_argument("--sweep-only", action="store_true", help="only the config sweep (writes <gpu>_sweep.json)")
     ap.add_argument("--sweep-m", nargs="+", type=int, default=[1, 8, 16, 64, 2048], help="M of the sweep")
     ap.add_argument("--no-nf4", action="store_true", help="skip bitsandbytes NF4")
+    ap.add_argument("--no-humming", action="store_true", help="skip the humming-kernels anchor column")
+    ap.add_argument("--humming-models", nargs="+", default=["qwen2.5-7b"], choices=list(LAYER_CONFIGS),
+                    help="models whose shapes humming is timed on (each (shape, M, mode) compiles a kernel)")
+    ap.add_argument("--humming-check", action="store_true",
+                    help="only check and time humming on one 7B q_proj layer at M = 1, 16, 256, then exit")
     args = ap.parse_args()
 
     import triton
@@ -468,6 +707,16 @@ def main():
     if bnb_why:
         print("NF4 not measured:", bnb_why)
 
+    if args.humming_check:
+        sys.exit(humming_check(l2))
+    hum, hum_why = (None, "--no-humming") if args.no_humming else load_humming()
+    env["humming"] = None if hum is None else hum.info["version"]
+    if hum is None:
+        print("humming not measured:", hum_why)
+    else:
+        print("humming:", json.dumps(hum.info))
+    hum_notes = []
+
     copy_tbps = copy_bandwidth()
     print(f"copy bandwidth (read + write): {copy_tbps:.3f} TB/s")
 
@@ -491,6 +740,8 @@ def main():
             uniq.setdefault(s, []).append(p)
         for (n, k), names in uniq.items():
             bench_shape(model, names, n, k, args.m, args.grad_m, l2, bnb_version is not None, rows)
+            if hum is not None and model in args.humming_models:
+                hum_notes += bench_humming_shape(hum, model, names, n, k, args.m, l2, rows)
             print(f"  {model} {'/'.join(names)} [{n}x{k}] done ({time.time() - t_start:.0f} s)")
 
     extra = {}
@@ -500,6 +751,7 @@ def main():
     result = dict(gpu=gpu, git_sha=args.git_sha or git_sha(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   env=env, copy_bandwidth_tbps=copy_tbps, nf4_not_measured=bnb_why,
+                  humming=dict(not_measured=hum_why, notes=hum_notes, **(hum.info if hum is not None else {})),
                   targets=TARGETS, summary=summary, rows=rows)
     if sweep_rows:
         result["sweep"] = sweep_rows
@@ -508,18 +760,21 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
+    columns = COLUMNS + tuple(m for m in HUMMING_METHODS if any(r["method"] == m for r in rows))
     print(f"\n{'model':13s} {'proj':18s} {'N':>6s} {'K':>6s} {'M':>5s} {'op':10s} "
-          + " ".join(f"{m + ' ms TB/s':>17s}" for m in COLUMNS))
+          + " ".join(f"{m + ' ms TB/s':>17s}" for m in columns))
     keyed = {}
     for r in rows:
         keyed.setdefault((r["model"], r["proj"], r["N"], r["K"], r["M"], r["op"]), {})[r["method"]] = r
     for (model, proj, n, k, m, op), d in keyed.items():
         cells = []
-        for meth in COLUMNS:
+        for meth in columns:
             r = d.get(meth)
             cells.append(f"{r['ms']:9.4f} {r['tbps']:6.2f}" if r else f"{'-':>16s}")
         print(f"{model:13s} {proj:18s} {n:6d} {k:6d} {m:5d} {op:10s} " + " ".join(cells))
     print(f"\nwrote {path}")
+    for note in hum_notes:
+        print("humming note:", note)
     for key, val in summary.items():
         if key not in TARGETS:
             print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}")
