@@ -14,7 +14,7 @@ endef
 
 .PHONY: help setup quickstart test test-gpu test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
 	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
-	train-ddp dist-check
+	train-ddp dist-check aqn-paired
 
 help:
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -87,6 +87,12 @@ fig7: ## Fig. 7: training reward of QeRL vs LoRA vs full fine-tuning (DAPO, BigM
 
 fig8: ## Fig. 8: AQN ablation (NVFP4 LoRA with / without AQN)
 	$(call EXP,fig8_aqn_ablation)
+
+# The pre-registered paired AQN experiment (results/aqn_paired/PLAN.md): 16 seeds x 2 arms + the exploratory
+# arm, AQN_PARALLEL runs sharing one GPU, then table.csv, the figure and NOTES.md in results/aqn_paired/small/.
+AQN_PARALLEL ?= 12
+aqn-paired: ## the paired AQN experiment (PLAN.md): 32 runs + the exploratory arm on one GPU, then the analysis
+	$(PY) -m experiments.aqn_paired --profile $(PROFILE) --parallel $(AQN_PARALLEL) $(ARGS)
 
 fig9: ## Fig. 9: AQN noise schedulers (exponential, linear, cosine, logarithmic)
 	$(call EXP,fig9_noise_schedulers)

@@ -168,10 +168,17 @@ def common_overrides(args) -> dict:
                                   wandb_mode=args.wandb_mode).items() if v is not None}
 
 
+def reads_data_dir(cfg: TrainConfig) -> bool:
+    """Whether a run of ``cfg`` reads the data folder at all (arith is generated, never read)."""
+    return any(name != "arith" for name in (cfg.dataset, *cfg.eval_datasets))
+
+
 def command(exp: Experiment, run: Run, args, run_dir: Path) -> list[str]:
     py = [sys.executable, "-m", "qerl"]
     if run.kind == "train":
         ov = {**run.overrides, **common_overrides(args)}
+        if not reads_data_dir(make_config(args.profile, **ov)):  # the command says only what the run reads
+            ov.pop("data_dir", None)
         return py + ["train", "--profile", args.profile, "--output-dir", str(run_dir), "--wandb-group",
                      f"{exp.name}-{args.profile}", "--resume-from", "auto", *_flags(ov)]
     cfg = make_config(args.profile, **{**run.overrides, **common_overrides(args)})
@@ -513,9 +520,13 @@ def assemble(exp: Experiment, args, jobs: list[Job], results: Path) -> Path:
                 if (job.work / f).exists():
                     shutil.copy(job.work / f, dest / f)
             rec = json.loads((job.work / "run.json").read_text()) if (job.work / "run.json").exists() else {}
+            if "command" not in rec and (job.work / "planned.json").exists():
+                rec["command"] = json.loads((job.work / "planned.json").read_text()).get("command")
+            # the command that ran (recorded when it was launched), not this invocation's plan of it: a
+            # root collected elsewhere (another machine, another --data-dir) would otherwise rewrite it
             (dest / "run.json").write_text(json.dumps(
                 {"experiment": exp.name, "profile": args.profile, "run": run.name, "kind": run.kind,
-                 "label": run.label, "overrides": run.overrides, "command": shlex.join(job.command),
+                 "label": run.label, "overrides": run.overrides, "command": rec.get("command") or shlex.join(job.command),
                  "exit_code": rec.get("exit_code"), "work": str(job.work)}, indent=2, default=str))
     return res_root
 

@@ -75,6 +75,7 @@ RANGES: dict[str, tuple] = {
     "sigma_start": (0, False, None, False), "sigma_end": (0, False, None, False), "num_stages": (2, True, None, False),
     "eval_limit": (0, True, None, False), "eval_samples": (1, True, None, False), "eval_temperature": (0, False, None, False),
     "eval_top_p": (0, False, 1, True), "eval_every": (0, True, None, False), "eval_max_completion_length": (0, True, None, False),
+    "eval_batch_size": (0, True, None, False),
     "seed": (0, True, None, False), "save_every": (0, True, None, False),
 }
 
@@ -160,6 +161,8 @@ class TrainConfig:
     eval_greedy: bool = False  # greedy decoding for evaluation (one sample per problem)
     eval_every: int = 0  # steps; 0 = only before and after training
     eval_max_completion_length: int = 0  # 0 = max_completion_length
+    eval_batch_size: int = 0  # completions per evaluation generate call; 0 = max(micro_batch_size, 8)
+    eval_before: bool = True  # evaluate before training too (false: only after; the paired AQN runs share it)
     # ---- bookkeeping
     seed: int = 0  # seeds prompts, sampling, noise and LoRA init
     output_dir: str = "runs/default"  # run folder: config.json, metrics.jsonl, summary.json, checkpoints/, reward.png, wandb/
@@ -281,9 +284,15 @@ PROFILES: dict[str, dict] = {
                        learning_rate=5e-4, temperature=0.7, lora_rank=16, lora_alpha=32, warmup_ratio=0.0,
                        eval_limit=0, eval_greedy=True, eval_max_completion_length=40, save_every=4),
     # One GPU, well under an hour for all Table 1 rows: the embedded model on the built-in arith task.
+    # Lean enough for 8+ runs on one GPU: without gradient checkpointing the update's activations of 64
+    # completions (~10k tokens x 30 layers x ~38 KB, the fp32 LoRA inputs most of it) held ~12 GB of
+    # the 13.3 GiB peak; with it, the layer inputs (~0.4 GB) and one layer's recompute. Evaluation
+    # batches of 256 completions: fewer, fuller decode graphs (sampling is keyed per sequence, so the
+    # samples do not depend on the batch).
     "small": dict(max_steps=30, prompts_per_step=8, num_generations=8, max_completion_length=64, arith_levels=(0,),
                   micro_batch_size=64, num_iterations=1, learning_rate=2e-4, lora_rank=32, lora_alpha=64,
-                  eval_limit=0, eval_samples=8, eval_every=0, num_stages=5),
+                  eval_limit=0, eval_samples=8, eval_every=0, num_stages=5, gradient_checkpointing=True,
+                  eval_batch_size=256),
     # The paper's Table 4, GSM8K column (Table 1: GRPO), on Qwen2.5-7B-Instruct; override model= for 3B.
     # Table 4: AdamW-8bit; batch 128 = 16 prompts x 8 samples (qerl counts completions); 4 policy
     # updates per rollout = num_iterations 4 over the whole rollout (mini_batch_size 0: one optimizer
@@ -306,15 +315,17 @@ PROFILES: dict[str, dict] = {
 # --lora-rank 16 --lora-alpha 16 --adam-beta2 0.99 --weight-decay 0.1 --warmup-ratio 0.1 cosine
 # --max-grad-norm 0.2 --mask-truncated-completions True --ln True (norms in modules_to_save, qerl.py)
 # --sigma-start 1e-2 --sigma-end 1e-4 --num-stages 10, lr 1e-5 (bf16: 5e-6), adamw_8bit, and for GSM8K
-# max prompt 256 / completion 2048; their GRPO branch (rl_mode grpo) sets beta 0.04, epsilon_high 0.2,
-# num_iterations 1 (the scripts default to loss_type bnpo, which switches to DAPO: beta 0, eps_high 0.28).
-# qerl.py's GSM8K reward is an exact match plus a 0.2 think-tag reward (reward="official_exact").
+# max prompt 256 / completion 2048. The scripts set loss_type="bnpo", and `if loss_type == bnpo` then
+# switches rl_mode to dapo with beta 0, epsilon_high 0.28, num_iterations 1: that is what they run, and
+# so what this profile runs. Their rl_mode="grpo" values (beta 0.04, epsilon_high 0.2) are overwritten
+# by that branch and never run (reachable here with --loss-type grpo --beta 0.04 --epsilon-high 0.2).
+# The GSM8K reward: reward="official_exact" (qerl.rewards.official_exact_batch names its version).
 # Not taken from the single-GPU scripts: their batch (2 prompts x 2 generations); the paper's 16 x 8 stays.
 PROFILES["official"] = {**PROFILES["paper"], **dict(
     lora_rank=16, lora_alpha=16, adam_beta2=0.99, weight_decay=0.1, warmup_ratio=0.1, lr_scheduler="cosine",
     max_grad_norm=0.2, mask_truncated_completions=True, train_norms=True, sigma_start=1e-2, sigma_end=1e-4,
     num_stages=10, learning_rate=1e-5, optim="adamw_8bit", max_prompt_length=256, max_completion_length=2048,
-    loss_type="grpo", beta=0.04, epsilon=0.2, epsilon_high=0.2, num_iterations=1, reward="official_exact")}
+    loss_type="bnpo", beta=0.0, epsilon=0.2, epsilon_high=0.28, num_iterations=1, reward="official_exact")}
 
 
 # Settings a profile gives one method (applied after the profile, before flags).
@@ -342,7 +353,7 @@ def eval_settings(cfg) -> dict:
     return dict(datasets=tuple(cfg.eval_datasets), limit=cfg.eval_limit, samples=cfg.eval_samples,
                 temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, greedy=cfg.eval_greedy,
                 max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
-                batch_size=max(cfg.micro_batch_size, 8), engine=cfg.engine, data_dir=cfg.data_dir,
+                batch_size=cfg.eval_batch_size or max(cfg.micro_batch_size, 8), engine=cfg.engine, data_dir=cfg.data_dir,
                 arith_levels=tuple(cfg.arith_levels), max_prompt_length=cfg.max_prompt_length)
 
 

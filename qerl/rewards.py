@@ -31,9 +31,10 @@ Typical use in the RL loop::
     res = score_batch(completions, golds)                 # reward="math_verify", the default
     res.rewards, res.format, res.unparsed
 
-``reward="official_exact"`` scores as the official QeRL code's GSM8K run does instead (see
-``official_exact_batch``): exact string match of the answer, and as format the presence of a
-``<think>...</think>`` block (weighted 0.2 by the trainer: TrainConfig.format_reward_weight).
+``reward="official_exact"`` scores as the official QeRL code's GSM8K reward does since its change of
+2025-11-27 instead (see ``official_exact_batch``): 2.0 for an exact string match of the answer inside
+the answer tags, and as format the think and answer tags (weighted 0.2 by the trainer:
+TrainConfig.format_reward_weight).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ DEFAULT_TIMEOUT_S = 2
 PARTIAL_FORMAT_REWARD = 0.5
 # Training rewards (TrainConfig.reward); evaluation always scores with math_verify.
 REWARDS = ("math_verify", "official_exact")
-# The official think_reward_func's weight; the trainer's default format_reward_weight for official_exact.
+# The official GSM8K reward (2025-11-27 version): 2.0 for the exact answer inside the answer tags, and
+# 0.2 for the think and answer tags (the trainer's default format_reward_weight for official_exact).
+OFFICIAL_EXACT_REWARD = 2.0
 OFFICIAL_FORMAT_REWARD = 0.2
-_THINK_RE = re.compile(r"<think>.+?</think>.*", re.DOTALL)
+_THINK_ANSWER_RE = re.compile(r"<think>.+?</think>.*?<answer>.+?</answer>", re.DOTALL)
 
 # Sources a prediction can come from, in the order they are tried.
 SOURCES = ("answer_tag", "boxed", "number", "none")
@@ -86,7 +89,8 @@ _LATEX_MATH_RE = re.compile(r"\$(?=\S)[^$]*?(?<=\S)\$")
 class RewardResult:
     """Per-completion rewards for one batch.
 
-    rewards: accuracy in {0.0, 1.0}; format: format reward in {0.0, 0.5, 1.0};
+    rewards: accuracy in {0.0, 1.0} (official_exact: {0.0, OFFICIAL_EXACT_REWARD}, the official scale);
+    format: format reward in {0.0, 0.5, 1.0};
     unparsed: how many completions gave no prediction math-verify could parse, or one refused as
     pathological outside the main thread (these score 0);
     sources: where each prediction came from (one of SOURCES).
@@ -307,19 +311,18 @@ def official_answer(completion: str) -> str:
 
 
 def official_exact_batch(completions: list[str], golds: list) -> RewardResult:
-    """The official QeRL code's GSM8K reward, on qerl's answer-tag prompt.
+    """The official QeRL code's GSM8K reward as of its change of 2025-11-27, on qerl's answer-tag prompt.
 
-    What its ``qerl.py`` runs for ``--dataset gsm8k`` (read in the official code's mirror
-    vukrosic/QeRL-learn, files ``qerl.py`` and ``utils/rewards.py``): ``gsm8k_score`` (1.0 when the
-    extracted answer equals the gold string exactly, else 0.0; no math-verify) plus
-    ``think_reward_func`` (0.2 when ``<think>.+?</think>`` occurs). In that code ``gsm8k_score``
-    extracts the answer after "####", because its GSM8K prompt asks for "#### number"; qerl keeps
-    the paper's answer-tag prompt, so the exact match reads the answer tags as the official
-    ``correctness_reward_func`` and ``eval/gsm8k.py`` (``extract_xml_answer``) do.
+    That version scores 2.0 when the answer inside the answer tags equals the gold string exactly
+    (no math-verify), plus 0.2 when the completion has the think and the answer tags. Before it,
+    the official ``qerl.py`` (read in the mirror vukrosic/QeRL-learn) scored 1.0 for an exact match
+    after "####" (its GSM8K prompt asked for "#### number") plus 0.2 for a ``<think>.+?</think>``
+    block; qerl keeps the paper's answer-tag prompt throughout, and reads the answer as the official
+    ``extract_xml_answer`` does.
 
-    rewards: exact match in {0, 1}; format: 1.0 when a think block is there (the trainer weights it
-    by format_reward_weight, 0.2 by default for this reward); unparsed: completions without
-    ``<answer>``.
+    rewards: exact match in {0, OFFICIAL_EXACT_REWARD}; format: 1.0 when a non-empty think block is
+    followed by a non-empty answer block (the trainer weights it by format_reward_weight, 0.2 by
+    default for this reward); unparsed: completions without ``<answer>``.
     """
     if len(completions) != len(golds):
         raise ValueError(f"official_exact_batch needs one gold per completion, got {len(completions)} "
@@ -328,8 +331,8 @@ def official_exact_batch(completions: list[str], golds: list) -> RewardResult:
     for completion, gold in zip(completions, golds):
         text = completion if isinstance(completion, str) else ""
         unparsed += _ANSWER_OPEN not in text
-        rewards.append(float(official_answer(text) == gold_to_str(gold)))
-        formats.append(float(_THINK_RE.search(text) is not None))
+        rewards.append(OFFICIAL_EXACT_REWARD * float(official_answer(text) == gold_to_str(gold)))
+        formats.append(float(_THINK_ANSWER_RE.search(text) is not None))
     return RewardResult(rewards=rewards, format=formats, unparsed=unparsed,
                         sources=["answer_tag" if _ANSWER_OPEN in (c or "") else "none" for c in completions])
 

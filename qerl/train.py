@@ -415,7 +415,11 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
                                           **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else
                                              {"config": cfg.bigmath_config} if cfg.dataset == "bigmath" else {}))
     train_recs, skipped = qdata.tokenize_prompts(train_recs, tokenizer, cfg.max_prompt_length)
-    engine = make_engine(model, tokenizer, kind=cfg.engine, max_seq_len=cfg.max_prompt_length + cfg.max_completion_length)
+    # The static KV cache is sized for the longest prompt this run has (not max_prompt_length): at the
+    # small profile that is a 256-slot cache instead of 512 (64 x 30 layers x 2 x 3 x 64 bf16: 0.38 GB
+    # instead of 0.75).
+    longest = max((len(r["prompt_ids"]) for r in train_recs), default=cfg.max_prompt_length)
+    engine = make_engine(model, tokenizer, kind=cfg.engine, max_seq_len=longest + cfg.max_completion_length)
     n_per_rollout = cfg.rollout_batch_size
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
@@ -439,18 +443,21 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
     if opt.qerl_master is not None:
         opt.qerl_master.copy_back()
-    logger = (RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped, "world_size": world},
+    logger = (RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped, "world_size": world,
+                              "command": _command_line(), "data_sources": data_sources(cfg)},
                         cfg.wandb_mode, cfg.wandb_project, cfg.wandb_group, resume=resume is not None)
               if main else _NullLogger())
     eval_kw = {**eval_settings(cfg), "seed": cfg.seed}
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
-    if main and start == 0 and cfg.eval_datasets:  # evaluation: rank 0 only, the others wait
+    if main and start == 0 and cfg.eval_datasets and cfg.eval_before:  # evaluation: rank 0 only, the others wait
         ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
         logger.log(qeval.summary_entries("eval", ev), step=0)
         summary.update(qeval.summary_entries("eval_before", ev))
     num_tokens = 0
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the evaluation engine's cache and graphs: give them back to the GPU
         torch.cuda.reset_peak_memory_stats()
+    peak = {"memory/peak_gib": 0.0, "memory/peak_reserved_gib": 0.0}
     gap_run = 0  # consecutive steps whose rollout-vs-training log-prob gap is above max_logprob_gap
     end = cfg.max_steps if stop_after is None else min(cfg.max_steps, stop_after)
     bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps, disable=not main)
@@ -461,6 +468,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
         m["num_tokens"] = num_tokens
         m["memory/peak_gib"] = qdist.all_reduce(
             torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else _rss_peak_gib(), "max")
+        if device.type == "cuda":  # what the caching allocator holds: what other processes on the GPU cannot use
+            m["memory/peak_reserved_gib"] = qdist.all_reduce(torch.cuda.max_memory_reserved() / 2**30, "max")
+        for k in peak:
+            peak[k] = max(peak[k], m.get(k) or 0.0)
         if main and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
             ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
             m.update(qeval.summary_entries("eval", ev))
@@ -487,6 +498,12 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     if done:
         summary["status"] = "ok"
     summary["steps"] = end
+    # the training steps' peak (GPU: allocated and reserved by this process; CPU: the process's RSS), over
+    # the steps this invocation ran; the evaluations are outside it
+    summary.update({k: v for k, v in peak.items() if v > 0})
+    if device.type == "cuda" and main:  # steps and the final evaluation (the peak since the first step)
+        summary["memory/peak_with_eval_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        summary["memory/peak_reserved_with_eval_gib"] = torch.cuda.max_memory_reserved() / 2**30
     logger.finish(summary)
     qdist.barrier()  # the others wait for rank 0's checkpoint and evaluation
     if owns_group:
@@ -502,6 +519,25 @@ class _NullLogger:
 
     def finish(self, summary: dict):
         pass
+
+
+def data_sources(cfg: TrainConfig) -> dict[str, str]:
+    """Where each dataset of the run is read from: "built-in" (arith, generated), a local folder (the
+    data_dir flag, else $QERL_DATA_DIR, resolved), or "hub". What the run read, whatever flags it got."""
+    root = qdata._resolve_data_dir(cfg.data_dir)
+    return {name: "built-in" if name == "arith" else str(root.resolve()) if root is not None else "hub"
+            for name in dict.fromkeys((cfg.dataset, *cfg.eval_datasets))}
+
+
+def _command_line() -> str:
+    """The command line of this process (python -m qerl train ...), as it ran."""
+    import shlex
+    import sys
+
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("qerl/__main__.py", "qerl\\__main__.py")):
+        argv = ["-m", "qerl"] + argv[1:]
+    return shlex.join([sys.executable, *argv])
 
 
 def _rss_peak_gib() -> float:

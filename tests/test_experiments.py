@@ -85,7 +85,9 @@ def test_every_planned_command_parses_into_a_valid_config(script, profile, tmp_p
             assert ev.data_dir == "DATA"
             continue
         cfg = _train_cfg(cmd)
-        assert cfg.profile == profile and cfg.data_dir == "DATA" and cfg.resume_from == "auto"
+        # the data folder only where the run reads one (arith is generated)
+        assert cfg.data_dir == ("DATA" if C.reads_data_dir(cfg) else None), run.name
+        assert cfg.profile == profile and cfg.resume_from == "auto"
         assert cfg.wandb_group == f"{exp.name}-{profile}"
         assert cfg.output_dir == str(tmp_path / "root" / "work" / exp.name / run.name)
         assert run.name.endswith(f"-s{cfg.seed}")
@@ -366,3 +368,24 @@ def test_experiment_figures_draw_from_synthetic_runs(name, tmp_path):
 def test_only_selects_runs_by_pattern(tmp_path):
     _, _, plan = _plan("fig10_lora_rank", "small", tmp_path, "--only", "r16-*", "r128-s1")
     assert [r.name for r, _, _ in plan] == ["r16-s0", "r16-s1", "r16-s2", "r128-s1"]
+
+
+def test_run_json_keeps_the_command_that_ran_and_data_dir_only_where_read(fake_runs, monkeypatch):
+    """run.json says what was launched, even when the root is collected by another invocation with other
+    flags; an arith run (generated data) gets no --data-dir it would never read."""
+    tmp_path = fake_runs
+    exp = importlib.import_module("experiments.fig9_noise_schedulers").EXPERIMENT
+    args = C.parse_args(exp, ["--profile", "small", "--data-dir", str(tmp_path / "data")])
+    run = C.plan_runs(exp, args)[0]
+    assert "--data-dir" not in C.command(exp, run, args, tmp_path / "w")  # arith: nothing is read
+    gsm = C.Run("g-s0", {"method": "nvfp4_lora", "seed": 0, "dataset": "gsm8k", "eval_datasets": ("gsm8k",)})
+    cmd = C.command(exp, gsm, args, tmp_path / "w")
+    assert cmd[cmd.index("--data-dir") + 1] == str(tmp_path / "data")
+    root = tmp_path / "root"
+    base = ["--profile", "small", "--seeds", "0", "--only", "linear-*", "--results", str(tmp_path / "results")]
+    assert C.main(exp, base + ["--root", str(root)]) == 0
+    ran = json.loads((root / "work" / exp.name / "linear-s0" / "run.json").read_text())["command"]
+    monkeypatch.setattr(C.sys, "executable", "/elsewhere/python")  # collected later, on another machine
+    assert C.main(exp, base + ["--resume", str(root), "--data-dir", str(tmp_path / "other")]) == 0
+    meta = json.loads((root / "results" / exp.name / "small" / "runs/linear-s0/run.json").read_text())
+    assert meta["command"] == ran and "/elsewhere" not in meta["command"]
