@@ -13,8 +13,9 @@ Each run is ``python -m qerl train`` into <out>/runs/<arm>-s<seed>/; when it end
 stay there (config.json, metrics.jsonl, summary.json, and run.json: the command as it ran, exit code,
 wall time, git sha); checkpoints go, and so does the log of a run that succeeded. A finished run is
 never run again (delete its folder to redo it); an unfinished one starts over. ``--time-budget S``:
-no run starts after S seconds (those running finish), so one call of bounded length leaves every
-finished run and the analysis of them; the next call continues.
+no run starts after S seconds (those running finish); ``--stop-at S`` stops those still running
+at S seconds (they stay unfinished). So one call of bounded length leaves every finished run and the
+analysis of them; the next call continues.
 
 Then the analysis, by the plan's rules (``analyze``): table.csv (every endpoint: n, mean paired
 difference, bootstrap 95% CI, paired t-test, sign test, and the verdict of the primary endpoint),
@@ -388,7 +389,21 @@ def run_all(args, out: Path) -> dict[str, int]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true",
            "TOKENIZERS_PARALLELISM": "false"}
     t_start, running, codes = time.time(), [], {}
+    if todo:
+        _convert_model_once(args.profile)
     while todo or running:
+        if args.stop_at and time.time() - t_start > args.stop_at and running:
+            print(f"stop-at {args.stop_at} s: stopping {len(running)} running runs "
+                  f"({' '.join(r[1].name for r in running)}); they stay unfinished", flush=True)
+            for p, *_ in running:
+                p.terminate()
+            for p, *_ in running:
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            todo = []
         while todo and len(running) < max(args.parallel, 1):
             if args.time_budget and time.time() - t_start > args.time_budget:
                 print(f"time budget {args.time_budget} s spent: not starting {len(todo)} runs "
@@ -421,6 +436,18 @@ def run_all(args, out: Path) -> dict[str, int]:
     return codes
 
 
+def _convert_model_once(profile: str) -> None:
+    """Convert the profile's GGUF model into its cache before the runs start, so that the parallel
+    runs load it instead of each converting it (what a failure means, each run then says itself)."""
+    from qerl.config import make_config
+    from qerl.models import resolve_model_path
+
+    try:
+        resolve_model_path(make_config(profile).model)
+    except Exception as exc:  # noqa: BLE001 - the runs report it with their own error
+        print(f"note: could not prepare the model ({type(exc).__name__}: {exc}); the runs will say why", flush=True)
+
+
 def archive(out: Path, dest: Path) -> Path:
     """One .tar.gz of ``out`` (runs and analysis), paths relative to out's parent."""
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -438,6 +465,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=tuple(ARMS))
     ap.add_argument("--parallel", type=int, default=12, help="runs at once on the one GPU")
     ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none)")
+    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped (left "
+                    "unfinished; the next call redoes them), so the analysis and archive still happen (0: never)")
     ap.add_argument("--data-dir", default=None, help="only for datasets other than the built-in arith")
     ap.add_argument("--max-steps", type=int, default=0, help="override max_steps (pipeline checks only)")
     ap.add_argument("--analyze-only", action="store_true", help="run nothing; rebuild the analysis")
