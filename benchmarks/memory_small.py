@@ -100,9 +100,13 @@ def run(args) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     before = args.settings == "before"
-    cfg = make_config("small", method=args.method, seed=0, loss_type="grpo", beta=0.0, epsilon=0.2, epsilon_high=0.28,
-                      eval_samples=16, gradient_checkpointing=not before, eval_batch_size=64 if before else 256,
-                      wandb_mode="disabled", **({} if cuda else {"backend": "reference"}))
+    ov = dict(seed=0, loss_type="grpo", beta=0.0, epsilon=0.2, epsilon_high=0.28, eval_samples=16,
+              gradient_checkpointing=not before, eval_batch_size=64 if before else 256, wandb_mode="disabled")
+    if not cuda:
+        ov["backend"] = "reference"
+    if args.tiny:
+        ov.update(prompts_per_step=1, num_generations=2, max_completion_length=4, eval_batch_size=2, micro_batch_size=2)
+    cfg = make_config("small", method=args.method, **ov)
     probe = Probe(cuda)
     torch.manual_seed(0)
     with probe("build"):
@@ -182,6 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/memory_small")
     ap.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"], help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the tests' pipeline check
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # 2 completions of 4 tokens (the tests)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: benchmarks.memory_small measures GPU memory: no CUDA device", file=sys.stderr)

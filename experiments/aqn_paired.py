@@ -5,7 +5,7 @@ exploratory ``aqn3e-3`` (sigma_start 3e-3), each over seeds 0-15, GRPO, evaluate
 at 16 samples per problem. Runs go in pairs (noaqn-s0, aqn-s0, noaqn-s1, ...), then the exploratory
 arm, ``--parallel`` processes sharing one GPU:
 
-    python -m experiments.aqn_paired --parallel 12 --time-budget 480 --archive OUT/aqn.tar.gz  # H100, ~9 min
+    python -m experiments.aqn_paired --parallel 12 --time-budget 330 --stop-at 540 --archive OUT/aqn.tar.gz
     python -m experiments.aqn_paired --analyze-only             # table.csv, the figure, NOTES.md again
     python -m experiments.aqn_paired --profile smoke --seeds 0 --out /tmp/aqn   # CPU check of the pipeline
 
@@ -310,8 +310,11 @@ def figure(out: Path, runs: dict, primary: dict | None) -> Path | None:
     arms = [a for a in (TREATED, *EXPLORATORY) if paired(runs, a, "pass1")[1]]
     if not arms:
         return None
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # a GPU machine without it: the figure is drawn later with --analyze-only
+        print("note: matplotlib is not installed: no paired_differences.png (rerun with --analyze-only where it is)")
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -358,7 +361,7 @@ def command(args, arm: str, seed: int, run_dir: Path) -> list[str]:
     if args.max_steps:
         ov["max_steps"] = args.max_steps
     return [sys.executable, "-m", "qerl", "train", "--profile", args.profile, "--output-dir", str(run_dir),
-            "--overwrite", *_flags(ov)]
+            "--overwrite", *_flags(ov), *shlex.split(args.train_flags)]
 
 
 def is_done(run_dir: Path) -> bool:
@@ -469,6 +472,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "unfinished; the next call redoes them), so the analysis and archive still happen (0: never)")
     ap.add_argument("--data-dir", default=None, help="only for datasets other than the built-in arith")
     ap.add_argument("--max-steps", type=int, default=0, help="override max_steps (pipeline checks only)")
+    ap.add_argument("--train-flags", default="", help="extra `qerl train` flags for every run, for settings that "
+                    "do not change the computation (e.g. '--eval-batch-size 64'); each run.json records them")
     ap.add_argument("--analyze-only", action="store_true", help="run nothing; rebuild the analysis")
     ap.add_argument("--archive", default=None, metavar="PATH.tar.gz", help="pack <out> into this tarball at the end")
     ap.add_argument("--dry-run", action="store_true", help="print the commands; run nothing")

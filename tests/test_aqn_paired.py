@@ -126,3 +126,46 @@ def test_plan_order_and_command(tmp_path):
     add_train_args(ap)
     ns = ap.parse_args(cmd[cmd.index("train") + 1:])
     assert ns.eval_before is False and ns.eval_samples == 16 and ns.loss_type == "grpo"
+
+
+FAKE_TRAIN = r"""
+import json, sys
+from pathlib import Path
+a = sys.argv[1:]
+out = Path(a[a.index("--output-dir") + 1]); out.mkdir(parents=True, exist_ok=True)
+seed = int(a[a.index("--seed") + 1]); aqn = a[a.index("--method") + 1].endswith("_aqn")
+(out / "config.json").write_text(json.dumps({"loss_type": a[a.index("--loss-type") + 1],
+                                             "provenance": {"git_sha": "b" * 40}}))
+(out / "metrics.jsonl").write_text("".join(json.dumps({"step": t, "reward": 0.5, "aqn/stage": (t - 1) // 6,
+    "sampling/entropy": 1.0, "sampling/logprob_gap": 0.1 if aqn else 0.02}) + "\n" for t in range(1, 31)))
+(out / "checkpoints" / "step-30").mkdir(parents=True); (out / "reward.png").write_bytes(b"x")
+(out / "summary.json").write_text(json.dumps({"status": "ok", "eval/arith/accuracy": 0.3 - 0.02 * aqn + 0.001 * seed,
+                                              "eval/arith/samples": int(a[a.index("--eval-samples") + 1])}))
+sys.exit(0)
+"""
+
+
+def test_run_loop_keeps_small_files_records_the_command_and_skips_finished_runs(tmp_path, monkeypatch):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    real = A.command
+    monkeypatch.setattr(A, "command", lambda args, arm, seed, d: [A.sys.executable, str(script),
+                                                                  *real(args, arm, seed, d)[4:]])
+    monkeypatch.setattr(A, "_convert_model_once", lambda profile: None)
+    out = tmp_path / "small"
+    argv = ["--out", str(out), "--seeds", "0", "1", "2", "--arms", "noaqn", "aqn", "--parallel", "3",
+            "--archive", str(tmp_path / "aqn.tar.gz")]
+    assert A.main(argv) == 0
+    d = out / "runs" / "aqn-s1"
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "metrics.jsonl", "run.json", "summary.json"]
+    rec = json.loads((d / "run.json").read_text())
+    assert rec["exit_code"] == 0 and "--method nvfp4_lora_aqn" in rec["command"] and "--seed 1" in rec["command"]
+    assert "--eval-before false" in rec["command"] and rec["wall_s"] >= 0
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    prim = next(r for r in rows if r["role"] == "primary")
+    assert prim["n"] == "3" and float(prim["mean_diff"]) == pytest.approx(-0.02)
+    assert (tmp_path / "aqn.tar.gz").exists()
+    mtime = (d / "summary.json").stat().st_mtime_ns
+    monkeypatch.setattr(A, "command", lambda *a: pytest.fail("a finished run was started again"))
+    assert A.main(argv) == 0  # everything finished: nothing runs, the analysis is rebuilt
+    assert (d / "summary.json").stat().st_mtime_ns == mtime
