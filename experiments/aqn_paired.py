@@ -284,9 +284,10 @@ def notes(out: Path, runs: dict, table: list[dict], primary: dict | None) -> Non
     peaks = [r["peak_gib"] for _, r in checks if r.get("peak_gib")]
     peaks_e = [r["peak_with_eval_gib"] for _, r in checks if r.get("peak_with_eval_gib")]
     if peaks:
-        lines.append(f"- peak GPU memory of the training steps per run (summary `memory/peak_gib`): "
-                     f"{min(peaks):.2f}-{max(peaks):.2f} GiB; with the final evaluation "
-                     f"{f(min(peaks_e) if peaks_e else None, '.2f')}-{f(max(peaks_e) if peaks_e else None, '.2f')} GiB")
+        with_eval = (f"; with the final evaluation {min(peaks_e):.2f}-{max(peaks_e):.2f} GiB "
+                     "(`memory/peak_with_eval_gib`)" if peaks_e else "")
+        lines.append(f"- peak memory of the training steps per run (summary `memory/peak_gib`: GPU memory allocated; "
+                     f"the process's RSS on a CPU): {min(peaks):.2f}-{max(peaks):.2f} GiB{with_eval}")
     walls = [r["wall_s"] for _, r in checks if r.get("wall_s")]
     if walls:
         lines.append(f"- wall time per run (sharing the GPU): {min(walls):.0f}-{max(walls):.0f} s")

@@ -90,7 +90,7 @@ def test_analysis_on_synthetic_runs(tmp_path):
     assert next(r for r in expl if r["endpoint"] == "pass@1 (final)")["n"] == "4"
     notes = (out / "NOTES.md").read_text()
     assert "**AQN hurts NVFP4 LoRA" in notes and "16 paired seeds" in notes
-    assert "`aqn3e-3` (exploratory): 4 finished runs" in notes and "2.50-2.50 GiB" in notes
+    assert "`aqn3e-3` (exploratory): 4 finished runs" in notes and "2.50-2.50 GiB; with the final evaluation 3.10-3.10" in notes
     assert (out / "paired_differences.png").stat().st_size > 1000
     tgz = A.archive(out, tmp_path / "x" / "aqn.tar.gz")
     names = tarfile.open(tgz).getnames()
