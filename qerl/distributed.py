@@ -40,6 +40,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from qerl.config import env
+
 _OWNS_GROUP = False  # True when init() started the process group (and cleanup() may end it)
 
 
@@ -61,7 +63,7 @@ def init(timeout_min: float | None = None) -> bool:
     if dist.is_initialized() or env_world_size() <= 1:
         return False
     if timeout_min is None:
-        timeout_min = float(os.environ.get("QERL_DIST_TIMEOUT_MIN", "60"))
+        timeout_min = float(env("QERL_DIST_TIMEOUT_MIN", "60"))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank())
