@@ -176,3 +176,18 @@ def test_dapo_with_every_completion_masked_trains_on_nothing(tmp_path, text_rewa
     global normaliser is clamped at 1 like the others, so the step has loss 0 instead of an error."""
     rows = run_tiny(tiny_cfg(tmp_path / "d", loss_type="dapo", mask_truncated_completions=True, max_completion_length=2))
     assert rows[0]["completions/clipped_ratio"] == 1.0 and rows[0]["loss"] == 0.0
+
+
+def test_step_refuses_what_it_cannot_run(tmp_path):
+    """step() needs prompts or a given rollout, and prompts with a tokenizer unless advantages are given."""
+    cfg = tiny_cfg(tmp_path)
+    with pytest.raises(ValueError, match="prompts or a rollout"):
+        qstep.step(cfg, None, None, None, None, [], None, 0)
+    with pytest.raises(ValueError, match="scoring needs"):
+        qstep.step(cfg, None, None, None, None, [], [{"prompt_ids": [1, 2]}], 0)
+    ro = qstep.RolloutOutput(*(torch.ones(2, 3, dtype=torch.long),) * 4, torch.zeros(2, 3), torch.zeros(2, 3),
+                             torch.zeros(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="3 advantages for 2 completions"):
+        qstep.Batch.given(ro, torch.zeros(3), [2], 0)
+    b = qstep.Batch.given(ro, torch.arange(2.0), [2], 0)
+    assert b.idx.tolist() == [0, 1] and b.n_loss_tokens.tolist() == [3.0, 3.0] and b.n_local == 2
