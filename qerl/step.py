@@ -391,6 +391,9 @@ def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict] | 
     t1 = time.perf_counter()
     if reuse is None:
         reuse = reuse_training_logprobs(cfg, batch.idx.numel())
+    elif reuse and not reuse_training_logprobs(cfg, batch.idx.numel()):
+        raise ValueError("reuse=True needs one pass and one optimizer step over the rollout (the old log-probs "
+                         "would come from a policy already updated)")
     with timer("logprob"):
         old_lp, ref_lp = logprobs(cfg, model, ro, reuse)
     with timer("update"):
