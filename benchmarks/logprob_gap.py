@@ -3,7 +3,7 @@ embedded SmolLM2-135M-Instruct, bf16 and NVFP4 (+ LoRA rank 16), for each engine
 graphs with the fused decode step, CUDA graphs unfused, eager (exact-length attention).
 
 Per (format, mode): the engine samples `--new` tokens for `--prompts` chat prompts at T=1.0; the
-training forward (qerl.rollout.sequence_logprobs, what the loss uses) scores the same tokens; the
+training forward (qerl.logprobs.sequence_logprobs, what the loss uses) scores the same tokens; the
 row holds mean and max |engine log-prob - forward log-prob| over the completion tokens. It also
 runs every mode twice with the same seed (`repeat_token_agreement`: run-to-run determinism) and
 compares each mode's tokens with the eager engine's (`agreement_vs_eager`, `first_divergence`:
@@ -53,10 +53,11 @@ def main():
     ap.add_argument("--git-sha", default=None)
     args = ap.parse_args()
 
+    from qerl.logprobs import sequence_logprobs
     from qerl.models import DEFAULT_MODEL, load_model
     from qerl.noise import keep_norms_fp32
     from qerl.quantize import QuantizeConfig, quantize_
-    from qerl.rollout import FastEngine, sequence_logprobs
+    from qerl.rollout import FastEngine
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -1,6 +1,6 @@
-"""Where the training phases' time goes, 4-bit vs bf16 LoRA (issue 18): one micro-batch of the
-trainer's old-log-prob and update phases (qerl.step, as Table 3 runs them) on a random-weight model
-cut to a few decoder layers, timed (median of --reps) and profiled (CUDA time by kernel).
+"""Where the training phases' time goes, 4-bit vs bf16 LoRA (issue 18): one micro-batch through
+the trainer's step (qerl.step.step on a given rollout: its old-log-prob and update phases, as Table 3
+runs them) on a random-weight model cut to a few decoder layers, timed (median of --reps) and profiled (CUDA time by kernel).
 
     python -m benchmarks.profile_train --out $OUT     # Qwen2.5-7B shapes, 4 layers, 256 + 2048 tokens
 
@@ -19,10 +19,19 @@ from pathlib import Path
 import torch
 
 from benchmarks import speed_common as sc
-from benchmarks.table3_speed_memory import bench_config, synthetic_rollout, train_phases
+from benchmarks.table3_speed_memory import bench_config, synthetic_rollout
+from qerl import step as qstep
 from qerl.models import model_config
 from qerl.quantize import lora_parameters
-from qerl.train import make_optimizer
+from qerl.train import make_optimizer, optimizer_params
+
+
+def train_phases(cfg, model, ro, adv, opt, sched, timer) -> None:
+    """The step's old-log-prob and update phases on the given rollout (qerl.step.step, no rollout)."""
+    qstep.step(cfg, model, None, opt, sched, optimizer_params(opt), None, 0, ro=ro, advantages=adv, reuse=False,
+               timer=timer)
+    opt.zero_grad(set_to_none=True)
+    model.eval()
 
 
 def main(argv=None) -> None:
@@ -54,18 +63,19 @@ def main(argv=None) -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ro = synthetic_rollout(args.micro_batch, args.prompt, args.completion, vocab, device, seed=1)
         adv = torch.randn(args.micro_batch)
+        run = (cfg, model, ro, adv, opt, sched)
         for _ in range(2):  # warm-up: compile, autotune, allocate
-            train_phases(cfg, model, ro, adv, opt, sched, sc.Phases(), reuse=False)
+            train_phases(*run, qstep.PhaseTimer())
         times = {"logprob": [], "update": []}
         for _ in range(args.reps):
-            ph = sc.Phases()
-            train_phases(cfg, model, ro, adv, opt, sched, ph, reuse=False)
+            ph = qstep.PhaseTimer()
+            train_phases(*run, ph)
             for k in times:
                 times[k].append(ph.seconds[k])
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            train_phases(cfg, model, ro, adv, opt, sched, sc.Phases(), reuse=False)
+            train_phases(*run, qstep.PhaseTimer())
             sc.sync()
         ka = prof.key_averages()
         sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
@@ -78,7 +88,7 @@ def main(argv=None) -> None:
               f"({args.layers} layers, {args.micro_batch} x {args.prompt + args.completion} tokens)")
         for row in top[:18]:
             print(f"   {row['ms']:9.2f} ms {row['count']:6d}  {row['name']}")
-        del model, opt, sched, ro
+        del model, opt, sched, ro, run
         sc.free()
     Path(args.out, "profile_train.json").write_text(json.dumps(res, indent=1, default=str))
     print(time.strftime("%H:%M:%S"), "wrote", Path(args.out, "profile_train.json"))

@@ -9,7 +9,6 @@ exactly what real weights would.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import inspect
@@ -26,6 +25,7 @@ from qerl.config import table_bases
 from qerl.logging import environment
 from qerl.qlinear import QuantLinear
 from qerl.quantize import QuantizeConfig, model_size_bytes
+from qerl.step import PhaseTimer
 
 MODELS = {
     **PAPER_MODELS,  # "qwen2.5-7b" -> "Qwen/Qwen2.5-7B-Instruct" (qerl.arch)
@@ -264,27 +264,9 @@ def peak_gib() -> float | None:
 # OOM-safe phases
 
 
-class Phases:
-    """Times named phases (synchronizing the GPU around each) and remembers which one was running.
-
-        ph = Phases()
-        with ph("rollout"): ...
-        ph.seconds -> {"rollout": 12.3}; ph.current -> the phase an exception escaped from
-    """
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.current: str | None = None
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        self.current = name
-        sync()
-        t0 = time.perf_counter()
-        yield
-        sync()
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-        self.current = None
+# Times named phases (the GPU synchronized around each) and remembers which one was running: the
+# step's own timer, so a benchmark's phases are the ones qerl.step.step times.
+Phases = PhaseTimer
 
 
 def is_oom(e: BaseException) -> bool:

@@ -7,12 +7,13 @@ sizes; the rollout share of the step. Also the paper's headline: the 32B model o
 larger GPU), NVFP4 at batch 2 and 8, and bf16 LoRA under the same cap (an OOM is caught, reported
 with the phase it happened in, and the run goes on).
 
-One step is the trainer's own phases (qerl.step) with the trainer's optimizer
+One step is the trainer's own step (``qerl.step.step``) with the trainer's optimizer
 (qerl.train.make_optimizer: AdamW-8bit on CUDA, the paper's Table 4), minus rewards: random weights
-give meaningless text, so the advantages are random normal; the timing is what matters. The row's
-TrainConfig (``bench_config``): GRPO, one pass, one optimizer step over the batch.
-  rollout  qerl.step.rollout(B random prompts, C tokens, T=1.0, ignore_eos=True): the fast engine
-           (static KV cache, CUDA graphs) on the training model's own weights
+give meaningless text, so the advantages are random normal (``step(advantages=...)``); the timing
+is what matters. The row's TrainConfig (``bench_config``): GRPO, one pass, one optimizer step over
+the batch. The phases, as the step's PhaseTimer times them:
+  rollout  one group: a random prompt sampled B times, C tokens, T=1.0, ignore_eos=True: the fast
+           engine (static KV cache, CUDA graphs) on the training model's own weights
   logprob  qerl.step.logprobs: old log-probs from a no-grad forward in micro-batches
            (``--old-logprobs reuse``: none, the update's forward gives them, as the trainer does
            with one optimizer step per rollout)
@@ -128,40 +129,17 @@ def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: i
                          torch.ones(batch, dtype=torch.bool, device=device))
 
 
-def train_phases(cfg, model, ro: RolloutOutput, adv, opt, sched, phases: sc.Phases, reuse: bool) -> dict:
-    """The trainer's old-log-prob and update phases on a rollout with given advantages."""
-    batch = qstep.Batch.whole(ro, adv)
-    with phases("logprob"):
-        old, ref = qstep.logprobs(cfg, model, ro, reuse)
-    with phases("update"):
-        m = qstep.update(cfg, model, ro, batch, old, ref, opt, sched, optimizer_params(opt), step=0, reuse=reuse)
-    opt.zero_grad(set_to_none=True)
-    model.eval()
-    return m
-
-
-def grpo_step(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, phases: sc.Phases, reuse: bool) -> dict:
-    """One timed GRPO step of the trainer's phases: rollout (random prompts, fixed length), old
-    log-probs, update (random normal advantages: random weights give meaningless text to score)."""
-    batch = cfg.num_generations
-    with phases("rollout"):
-        ro, _ = qstep.rollout(cfg, engine, model, sc.random_prompts(batch, prompt_len, vocab, cfg.seed), step=0,
-                              sigma=0.0, ignore_eos=True)
-        if ro.completion_ids.shape[1] != cfg.max_completion_length:
-            raise RuntimeError(f"rollout returned {ro.completion_ids.shape[1]} tokens, expected {cfg.max_completion_length}")
-    adv = torch.randn(batch, generator=torch.Generator().manual_seed(cfg.seed))
-    m = train_phases(cfg, model, ro, adv, opt, sched, phases, reuse)
-    return {"loss": m["loss"], "completion_tokens": int(ro.completion_mask.sum())}
-
-
 def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool) -> float:
-    """Engine graphs (short calls) + one full-length micro-batch of each training phase."""
+    """Engine graphs (short calls) + the step's training phases on one full-length micro-batch."""
     t0 = time.perf_counter()
     sc.warm_up_engine(engine, cfg.num_generations, prompt_len, cfg.max_completion_length, vocab)
     device = model.get_input_embeddings().weight.device
     mb = cfg.micro_batch_size
     ro = synthetic_rollout(mb, prompt_len, cfg.max_completion_length, vocab, device, seed=1)
-    train_phases(cfg, model, ro, torch.randn(mb), opt, sched, sc.Phases(), reuse)
+    qstep.step(cfg, model, engine, opt, sched, optimizer_params(opt), None, 0, ro=ro, advantages=torch.randn(mb),
+               reuse=reuse)
+    opt.zero_grad(set_to_none=True)
+    model.eval()
     sc.sync()
     return time.perf_counter() - t0
 
@@ -228,12 +206,20 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
             warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse)
         sc.reset_peak()
         steps = []  # one dict of phase seconds per timed step; the row reports the medians
+        prompts = [{"prompt_ids": sc.random_prompts(1, args.prompt, vocab, cfg.seed)[0]}]
         for _ in range(args.steps):
-            timed = sc.Phases()
-            ph = timed  # so that an OOM in a timed step reports its phase
+            ph = qstep.PhaseTimer()  # the step's phases; an OOM reports the one it happened in
+            adv = torch.randn(spec.batch, generator=torch.Generator().manual_seed(cfg.seed))
             t0 = time.perf_counter()
-            info = grpo_step(cfg, model, engine, opt, sched, args.prompt, vocab, timed, reuse)
-            steps.append(dict(timed.seconds, step=time.perf_counter() - t0))
+            m = qstep.step(cfg, model, engine, opt, sched, optimizer_params(opt), prompts, 0, advantages=adv,
+                           reuse=reuse, ignore_eos=True, timer=ph)
+            steps.append(dict(ph.seconds, step=time.perf_counter() - t0))
+            opt.zero_grad(set_to_none=True)
+            model.eval()
+            tokens = m["num_tokens_step"] - spec.batch * args.prompt
+            if tokens != spec.batch * spec.completion:
+                raise RuntimeError(f"rollout returned {tokens} completion tokens, expected {spec.batch} x {spec.completion}")
+            info = {"loss": m["loss"], "completion_tokens": tokens}
         med = {k: statistics.median(st[k] for st in steps) for k in steps[0]}
         row.update(rollout_s=med["rollout"], logprob_s=med["logprob"], update_s=med["update"],
                    train_s=statistics.median(st["logprob"] + st["update"] for st in steps), step_s=med["step"],

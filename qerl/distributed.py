@@ -9,13 +9,14 @@ and starts the default process group (NCCL on CUDA, gloo on the CPU). Without th
 ``python -m qerl train``) nothing is started and every helper here is the identity, so a single
 process runs exactly the code it ran before.
 
-How qerl.train uses it (the RL step, ``rl_step``):
+How the RL step (qerl.step) uses it:
 - each rank rolls out a contiguous share of the step's prompts (``shard``), whole groups only, so
   rewards and group advantages need no communication; the per-completion rewards and lengths are
   then gathered (``gather_shards``) so every rank sees the whole batch, as one process would.
-- the loss of every micro-batch is normalised with GLOBAL counts (sequences or tokens of the whole
-  micro/mini-batch over all ranks), so the SUM of the ranks' gradients is the single-process
-  gradient. ``all_reduce_grads`` sums the trainable gradients once per optimizer step, in flat
+- the mini/micro-batch plan is global (the same on every rank); each rank runs its members of each
+  micro-batch (``pack_micro_batches``), and the loss of every micro-batch is normalised with GLOBAL
+  counts (sequences or tokens of the whole micro/mini-batch over all ranks), so the SUM of the
+  ranks' gradients is the single-process gradient. ``all_reduce_grads`` sums the trainable gradients once per optimizer step, in flat
   buckets.
 - metrics are reduced here (sums, token-weighted means, max of times); logging, checkpoints and
   evaluation happen on rank 0.
@@ -39,6 +40,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from qerl.config import env
+
 _OWNS_GROUP = False  # True when init() started the process group (and cleanup() may end it)
 
 
@@ -60,7 +63,7 @@ def init(timeout_min: float | None = None) -> bool:
     if dist.is_initialized() or env_world_size() <= 1:
         return False
     if timeout_min is None:
-        timeout_min = float(os.environ.get("QERL_DIST_TIMEOUT_MIN", "60"))
+        timeout_min = float(env("QERL_DIST_TIMEOUT_MIN", "60"))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank())
@@ -131,6 +134,31 @@ def shard(n: int, rank: int, world_size: int) -> tuple[int, int]:
     base, extra = divmod(n, world_size)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (rank < extra)
+
+
+def pack_micro_batches(micro: list[torch.Tensor], first: int, n_local: int, capacity: int):
+    """This rank's members of each global micro-batch, packed into forwards of up to ``capacity`` rows.
+
+    ``micro`` holds the global completion indices of each micro-batch; this rank holds the
+    completions [first, first + n_local). Yields packs, each a list of (j, rows): micro-batch
+    ``micro[j]``'s members on this rank as local row indices, in order; micro-batches with no member
+    here are skipped. Under data parallelism a rank owns ~capacity / world rows of each micro-batch,
+    and packing several micro-batches into one forward keeps the forwards full (half as many on 2
+    GPUs) while each micro-batch keeps its own loss normaliser. In a single process each pack is one
+    micro-batch.
+    """
+    pack, size = [], 0
+    for j, mi in enumerate(micro):
+        own = mi[(mi >= first) & (mi < first + n_local)] - first
+        if own.numel() == 0:
+            continue
+        if pack and size + own.numel() > capacity:
+            yield pack
+            pack, size = [], 0
+        pack.append((j, own))
+        size += own.numel()
+    if pack:
+        yield pack
 
 
 # ----------------------------------------------------------------------------- reductions

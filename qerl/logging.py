@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 
+from qerl.config import env
+
 
 def git_info() -> dict:
     """The git sha and dirty flag of the qerl checkout (None outside a checkout)."""
-    if os.environ.get("QERL_GIT_SHA"):  # a copy of the tree without .git (e.g. a remote GPU box)
-        return {"git_sha": os.environ["QERL_GIT_SHA"], "git_dirty": os.environ.get("QERL_GIT_DIRTY") == "1"}
+    if env("QERL_GIT_SHA"):  # a copy of the tree without .git (e.g. a remote GPU box)
+        return {"git_sha": env("QERL_GIT_SHA"), "git_dirty": env("QERL_GIT_DIRTY") == "1"}
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()

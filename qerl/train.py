@@ -1,5 +1,5 @@
 """The RL loop, top to bottom: rollout -> rewards -> advantages -> policy updates -> AQN
-(one step's phases are in qerl.step).
+(one step, ``qerl.step.step``, runs the phases).
 
 One model object serves both paths. The rollout samples from it with no grad (AQN noise added to
 its RMSNorm weights for the duration of the rollout only, then restored bitwise); the policy
@@ -24,7 +24,6 @@ import json
 import math
 import random
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from qerl import formats
 from qerl import step as qstep
 from qerl.config import TrainConfig, eval_settings
 from qerl.logging import RunLogger
-from qerl.noise import AQNConfig, find_norms, keep_norms_fp32
+from qerl.noise import find_norms, keep_norms_fp32
 from qerl.quantize import lora_parameters, model_size_bytes, quantize_
 from qerl.rollout import make_engine
 from qerl.step import NonFiniteError, adapters_disabled  # noqa: F401 - re-exported
@@ -344,53 +343,6 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return cks[-1] if cks else None
 
 
-# ----------------------------------------------------------------------------- one step
-def rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, prompts, step, aqn: AQNConfig, device):
-    """One rollout and its policy updates (the phases of qerl.step); returns the step's metrics
-    (reduced over ranks).
-
-    ``prompts`` are the step's global prompts. Under torchrun each rank rolls out a contiguous share
-    of whole groups (qerl.distributed.shard) and trains on those completions; the loss of each
-    micro-batch is normalised by the counts of the GLOBAL micro/mini-batch, so the summed gradient is
-    the single-process one (``qerl.loss.loss_share``). In a single process the share is everything.
-    """
-    G = cfg.num_generations
-    rank, world = qdist.world()
-    shares = [qdist.shard(len(prompts), r, world) for r in range(world)]
-    counts = [(hi - lo) * G for lo, hi in shares]
-    first = shares[rank][0] * G  # global index of this rank's first completion
-    mine = prompts[shares[rank][0]:shares[rank][1]]
-    t0 = time.perf_counter()
-    stage, sigma = aqn.sigma_at(step, cfg.max_steps)
-    ro, n_noisy = qstep.rollout(cfg, engine, model, [p["prompt_ids"] for p in mine for _ in range(G)], step, sigma,
-                                first)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t_roll = time.perf_counter() - t0
-    batch, scored = qstep.score(cfg, tokenizer, engine.pad_id, ro, [p["answer"] for p in mine for _ in range(G)],
-                                counts, first, device)
-    ent_sum, ent_n, n_compl, n_prompt = qdist.all_reduce(
-        [float((ro.entropy * ro.completion_mask).sum()), float(ro.completion_mask.sum()),
-         float(ro.num_completion_tokens), float(ro.prompt_mask.sum())], "sum")
-    t_roll_max = qdist.all_reduce(t_roll, "max")
-    metrics: dict = {"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll_max,
-                     "throughput/rollout_tokens_per_s": n_compl / max(t_roll_max, 1e-9),
-                     "sampling/entropy": ent_sum / max(ent_n, 1.0)}
-    metrics.update(scored)
-    t1 = time.perf_counter()
-    reuse = qstep.reuse_training_logprobs(cfg, batch.idx.numel())
-    old_lp, ref_lp = qstep.logprobs(cfg, model, ro, reuse)
-    updated = qstep.update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, trainable, step, reuse)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    metrics.update(qstep.logprob_gap(ro, old_lp, batch, reuse))
-    metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
-    metrics.update(updated)
-    metrics["num_tokens_step"] = int(n_prompt + n_compl)
-    metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")
-    return metrics
-
-
 # ----------------------------------------------------------------------------- the loop
 def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None = None) -> dict:
     """Run RL training as configured; writes cfg.output_dir. ``stop_after`` ends early (tests of resume).
@@ -424,7 +376,6 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
     trainable = optimizer_params(opt)  # bf16_full: the fp32 masters hold the gradients
-    aqn = cfg.aqn_config()
     start = 0
     resume = None
     if cfg.resume_from:
@@ -463,7 +414,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps, disable=not main)
     for step in bar:
         idx = prompts_for_step(len(train_recs), step, cfg.prompts_per_step, cfg.seed)
-        m = rl_step(cfg, model, tokenizer, engine, opt, sched, trainable, [train_recs[i] for i in idx], step, aqn, device)
+        m = qstep.step(cfg, model, engine, opt, sched, trainable, [train_recs[i] for i in idx], step, tokenizer=tokenizer)
         num_tokens += m.pop("num_tokens_step")
         m["num_tokens"] = num_tokens
         m["memory/peak_gib"] = qdist.all_reduce(

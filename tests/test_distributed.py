@@ -200,6 +200,35 @@ def test_shard_is_a_contiguous_balanced_partition(n, world):
     assert max(sizes) - min(sizes) <= 1
 
 
+def test_micro_batch_packing():
+    """Each rank gets its members of every micro-batch, in order, packed into forwards of at most
+    ``capacity`` rows; over the ranks every completion is run exactly once."""
+    from qerl.distributed import pack_micro_batches, shard
+
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    micro = [order[i:i + 4] for i in range(0, 12, 4)]
+    seen = []
+    for rank in range(2):
+        lo, hi = shard(3, rank, 2)
+        first, n_local = lo * 4, (hi - lo) * 4  # 3 prompts x 4 samples on 2 ranks: 8 and 4 completions
+        packs = list(pack_micro_batches(micro, first, n_local, capacity=4))
+        assert all(sum(own.numel() for _, own in p) <= 4 for p in packs)
+        members = [(j, own) for p in packs for j, own in p]
+        assert [j for j, _ in members] == sorted(j for j, _ in members)  # micro-batch order kept
+        for j, own in members:
+            assert own.min() >= 0 and own.max() < n_local
+            assert torch.equal(own + first, micro[j][(micro[j] >= first) & (micro[j] < first + n_local)])
+        seen += [int(i) for _, own in members for i in own + first]
+    assert sorted(seen) == list(range(12))
+    # one process: each pack is one micro-batch, as it was cut
+    packs = list(pack_micro_batches(micro, 0, 12, capacity=4))
+    assert [[(j, own.tolist()) for j, own in p] for p in packs] == [[(j, m.tolist())] for j, m in enumerate(micro)]
+    # a rank with a few rows of each micro-batch fills its forwards with several micro-batches
+    packs = list(pack_micro_batches(micro, 0, 6, capacity=4))
+    assert len(packs) < sum(1 for m in micro if ((m >= 0) & (m < 6)).any())
+    assert list(pack_micro_batches(micro, 12, 0, capacity=4)) == []
+
+
 def test_too_few_prompts_for_the_world(tmp_path, monkeypatch):
     from qerl import distributed as qdist
     from qerl.train import train

@@ -14,7 +14,8 @@ _conftest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_conftest)
 make_tiny_model, make_tiny_tokenizer = _conftest.make_tiny_model, _conftest.make_tiny_tokenizer
 assert_greedy_close, hf_greedy = _conftest.assert_greedy_close, _conftest.hf_greedy
-from qerl.rollout import FastEngine, GenerateEngine, make_engine, sequence_keys, sequence_logprobs, uniform_noise  # noqa: E402
+from qerl.logprobs import sequence_logprobs  # noqa: E402
+from qerl.rollout import FastEngine, GenerateEngine, make_engine, sequence_keys, uniform_noise  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20]]
 
@@ -306,8 +307,6 @@ def test_cuda_graphs_match_eager_and_see_noise(smollm2_gpu, fmt, fused):
 
 def _logprob_gap(model, out) -> float:
     """Mean |engine log-prob - training-forward log-prob| over the completion tokens."""
-    from qerl.rollout import sequence_logprobs
-
     with torch.no_grad():
         ref, _ = sequence_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids,
                                    out.completion_mask, 1.0)

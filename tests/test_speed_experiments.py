@@ -185,17 +185,19 @@ def _spec(batch=2, mb=1, gc=True):
 
 
 @pytest.mark.parametrize("reuse", [False, True])
-def test_grpo_step_runs_the_trainers_phases(cfg, monkeypatch, reuse):
-    """The benchmark's step is qerl.step's phases with the trainer's optimizer: it calls each phase,
-    moves the LoRA weights, and skips the old-log-prob forward exactly when told to reuse."""
+def test_table3_times_the_trainers_step(cfg, monkeypatch, reuse):
+    """The benchmark's step is qerl.step.step with the trainer's optimizer: the warm-up runs it on a
+    given rollout, the timed step runs every phase, the LoRA weights move, and the old-log-prob
+    forward is skipped exactly when told to reuse."""
     from qerl import step as qstep
 
     m = tiny(cfg)
     opt, sched = _t3_opt(m)
     assert type(opt).__name__ == "AdamW"  # CPU: the trainer's torch AdamW
     trainable = lora_parameters(m)
-    engine = sc.make_fast_engine(m, 2, P + C)
-    called, forwards = [], []
+    steps, called, forwards = [], [], []
+    real_step = qstep.step
+    monkeypatch.setattr(qstep, "step", lambda *a, **k: steps.append(k.get("ro") is None) or real_step(*a, **k))
     for name in ("rollout", "logprobs", "update"):
         real = getattr(qstep, name)
         monkeypatch.setattr(qstep, name, lambda *a, _r=real, _n=name, **k: called.append(_n) or _r(*a, **k))
@@ -203,13 +205,17 @@ def test_grpo_step_runs_the_trainers_phases(cfg, monkeypatch, reuse):
     monkeypatch.setattr(qstep, "sequence_logprobs",
                         lambda *a, **k: forwards.append(torch.is_grad_enabled()) or real_lp(*a, **k))
     before = [p.detach().clone() for p in trainable]
-    ph = sc.Phases()
-    info = t3.grpo_step(t3.bench_config("nvfp4", _Args, 2, 1, C, "cpu"), m, engine, opt, sched, P, cfg.vocab_size,
-                        ph, reuse)
-    assert called == ["rollout", "logprobs", "update"]
-    assert forwards.count(False) == (0 if reuse else 2) and forwards.count(True) == 2  # 2 micro-batches of 1
-    assert set(ph.seconds) == {"rollout", "logprob", "update"} and ph.current is None
-    assert info["completion_tokens"] == 2 * C and torch.isfinite(torch.tensor(info["loss"]))
+
+    class A(_Args):
+        old_logprobs = "reuse" if reuse else "forward"
+
+    row = t3.measure(m, _spec(), "nvfp4", A, cfg.vocab_size, opt, sched, {})
+    assert not row["oom"] and "error" not in row
+    assert steps == [False, True]  # the warm-up's step on a given rollout, then the timed step
+    assert called == ["logprobs", "update", "rollout", "logprobs", "update"]
+    # warm-up: one micro-batch of 1; the timed step: 2 micro-batches of 1
+    assert forwards.count(False) == (0 if reuse else 3) and forwards.count(True) == 3
+    assert row["completion_tokens"] == 2 * C and torch.isfinite(torch.tensor(row["loss"]))
     changed = [not torch.equal(a, b) for a, b in zip(before, trainable)]
     assert any(changed)  # lora_B moves (A gets no gradient while B == 0, as in PEFT's first step)
 

@@ -1,5 +1,5 @@
-"""The trainer core: chunked training log-probs, fp32 master weights for bf16_full, the
-rollout-gap guard, and reusing the training forward's log-probs as old log-probs.
+"""The trainer core: fp32 master weights for bf16_full, the rollout-gap guard, and reusing the
+training forward's log-probs as old log-probs (the chunked log-probs: test_logprobs.py).
 
 Run: OMP_NUM_THREADS=1 python -m pytest tests/test_step.py -q
 """
@@ -10,91 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl.rollout.hf import token_logprobs
-
 _spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
 _conftest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_conftest)
 make_tiny_model, make_tiny_tokenizer = _conftest.make_tiny_model, _conftest.make_tiny_tokenizer
-
-
-# ----------------------------------------------------------------------------- chunked log-probs
-def _unchunked(h, w, ids, T):
-    logp_all = torch.log_softmax((h.float() @ w.float().t()) / T, dim=-1)
-    return logp_all.gather(-1, ids[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-
-
-@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
-def test_chunked_logprobs_equal_unchunked_values_and_grads(chunk):
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(3, 7, 16, generator=g, dtype=torch.float64).float().requires_grad_(True)
-    w = torch.randn(50, 16, generator=g).requires_grad_(True)
-    ids = torch.randint(0, 50, (3, 7), generator=g)
-    up = torch.randn(3, 7, generator=g)
-    ref_lp, ref_ent = _unchunked(h, w, ids, 0.7)
-    (ref_lp * up).sum().backward()
-    ref_gh, ref_gw = h.grad.clone(), w.grad.clone()
-    h.grad = w.grad = None
-    lp, ent = token_logprobs(h, w, ids, 0.7, with_entropy=True, chunk_rows=chunk)
-    assert lp.shape == ids.shape and ent.shape == ids.shape and not ent.requires_grad
-    (lp * up).sum().backward()
-    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(h.grad, ref_gh, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(w.grad, ref_gw, atol=1e-5, rtol=1e-5)
-    with torch.no_grad():
-        lp2, none = token_logprobs(h, w, ids, 0.7, chunk_rows=chunk)
-    assert none is None and torch.equal(lp2, lp.detach())
-
-
-def test_chunked_logprobs_keep_no_full_logits(monkeypatch):
-    """Under autograd no tensor of [rows, vocabulary] is saved for the backward: at most one chunk's
-    logits exist at a time (the checkpointed chunk keeps only its inputs)."""
-    h = torch.randn(64, 8, requires_grad=True)
-    w = torch.randn(1000, 8)
-    ids = torch.randint(0, 1000, (64,))
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp, _ = token_logprobs(h, w, ids, 1.0, with_entropy=True, chunk_rows=16)
-    assert max(saved) <= max(16 * 1000, w.numel())  # never 64 x 1000 at once
-    lp.sum().backward()
-    assert h.grad is not None and torch.isfinite(h.grad).all()
-    with pytest.raises(ValueError, match="chunk_rows"):
-        token_logprobs(h, w, ids, chunk_rows=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_chunked_logprobs_peak_memory_on_gpu():
-    """8 x 2048 rows of a 7B-sized head (152k vocabulary): one fp32 copy of the unchunked logits alone
-    is 9.3 GiB; the chunked forward + backward stays within a few chunks (0.58 GiB each) of its inputs,
-    and gives the unchunked values (bf16 operands, fp32 logits as on the GPU path)."""
-    from qerl.rollout.common import lm_logits
-    from qerl.rollout.hf import LOGPROB_CHUNK_ROWS
-
-    torch.manual_seed(0)
-    H, V = 3584, 152064
-    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.02
-    h = torch.randn(8, 2048, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ids = torch.randint(0, V, (8, 2048), device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    lp, ent = token_logprobs(h, w, ids, 1.0, with_entropy=True)
-    lp.sum().backward()
-    torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - base) / 2**30
-    chunk = LOGPROB_CHUNK_ROWS * V * 4 / 2**30
-    assert extra < 8 * chunk + 3 * h.numel() * 2 / 2**30, f"{extra:.2f} GiB above the inputs"
-    with torch.no_grad():
-        ref = torch.log_softmax(lm_logits(h[:1], w), -1).gather(-1, ids[:1, :, None]).squeeze(-1)
-    torch.testing.assert_close(lp[:1].detach(), ref, atol=1e-3, rtol=1e-3)
-    assert torch.isfinite(h.grad).all() and torch.isfinite(ent).all()
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -257,3 +176,18 @@ def test_dapo_with_every_completion_masked_trains_on_nothing(tmp_path, text_rewa
     global normaliser is clamped at 1 like the others, so the step has loss 0 instead of an error."""
     rows = run_tiny(tiny_cfg(tmp_path / "d", loss_type="dapo", mask_truncated_completions=True, max_completion_length=2))
     assert rows[0]["completions/clipped_ratio"] == 1.0 and rows[0]["loss"] == 0.0
+
+
+def test_step_refuses_what_it_cannot_run(tmp_path):
+    """step() needs prompts or a given rollout, and prompts with a tokenizer unless advantages are given."""
+    cfg = tiny_cfg(tmp_path)
+    with pytest.raises(ValueError, match="prompts or a rollout"):
+        qstep.step(cfg, None, None, None, None, [], None, 0)
+    with pytest.raises(ValueError, match="scoring needs"):
+        qstep.step(cfg, None, None, None, None, [], [{"prompt_ids": [1, 2]}], 0)
+    ro = qstep.RolloutOutput(*(torch.ones(2, 3, dtype=torch.long),) * 4, torch.zeros(2, 3), torch.zeros(2, 3),
+                             torch.zeros(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="3 advantages for 2 completions"):
+        qstep.Batch.given(ro, torch.zeros(3), [2], 0)
+    b = qstep.Batch.given(ro, torch.arange(2.0), [2], 0)
+    assert b.idx.tolist() == [0, 1] and b.n_loss_tokens.tolist() == [3.0, 3.0] and b.n_local == 2

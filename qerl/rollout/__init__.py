@@ -8,8 +8,8 @@ greedy, seed, seq_ids, ignore_eos, stop_strings) -> RolloutOutput``:
 - ``GenerateEngine`` (hf.py): the reference loop over the HF model with its dynamic cache; any
   causal LM; what the fast engine is tested against.
 
-``sequence_logprobs`` (hf.py) is the training forward over given completions. Sampling, fp32
-logits and the output record live in common.py.
+Sampling, fp32 logits and the output record live in common.py. The training forward over given
+completions is ``qerl.logprobs.sequence_logprobs``.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from qerl.rollout.common import (
     uniform_noise,
 )
 from qerl.rollout.fast import SUPPORTED, FastEngine
-from qerl.rollout.hf import GenerateEngine, decoder_and_head, sequence_logprobs
+from qerl.rollout.hf import GenerateEngine, decoder_and_head
 
 ENGINES = ("auto", "fast", "hf")
 
 __all__ = ["ENGINES", "FastEngine", "GenerateEngine", "RolloutOutput", "SUPPORTED", "decoder_and_head",
            "filter_logits", "left_pad", "lm_logits", "make_engine", "positions_from_mask", "sample_tokens",
-           "sequence_keys", "sequence_logprobs", "uniform_noise"]
+           "sequence_keys", "uniform_noise"]
 
 
 def make_engine(model, tokenizer=None, kind: str = "auto", **kw):

@@ -5,15 +5,12 @@ KV cache, left-padded prompts with explicit position ids (so a sequence's positi
 on its padding, the same convention as the training forward), per-token log-probs and entropies
 computed on the fly (no [batch, length, vocab] logits are kept), one host sync per token. It is
 the definition the fast engine (qerl.rollout.fast) is tested against, and it runs any causal LM.
-
-``sequence_logprobs`` is the training forward: log-probs (and entropies) of given completions,
-with fp32 logits from ``lm_logits`` as in both engines.
+The training forward over given completions is ``qerl.logprobs.sequence_logprobs``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 
 from qerl.rollout.common import (
     RolloutOutput,
@@ -100,63 +97,3 @@ class GenerateEngine:
         cmask = (ar < lengths[:, None]).long()
         return RolloutOutput(ids, mask, out_ids[:, :C] * cmask + self.pad_id * (1 - cmask), cmask,
                              out_lp[:, :C] * cmask, out_ent[:, :C] * cmask, ~done)
-
-
-# rows of [tokens, vocabulary] fp32 logits computed at a time by the training forward: 1024 rows of a
-# 152k vocabulary are 0.6 GB per buffer, whatever the micro-batch and completion length
-LOGPROB_CHUNK_ROWS = 1024
-
-
-def _chunk_logprobs(h: torch.Tensor, head_w: torch.Tensor, ids: torch.Tensor, temperature: float,
-                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """log-probs of ``ids`` [n] and entropies [n] (detached; empty when not asked) of rows ``h`` [n, H]."""
-    logp_all = torch.log_softmax(lm_logits(h, head_w) / temperature, dim=-1)
-    logp = logp_all.gather(-1, ids[:, None]).squeeze(-1)
-    with torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else logp.new_empty(0)
-    return logp, ent
-
-
-def token_logprobs(hidden: torch.Tensor, head_w: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False, chunk_rows: int = LOGPROB_CHUNK_ROWS):
-    """Log-probs of ``ids`` [..., ] under softmax(lm_head(hidden) / temperature), and entropies.
-
-    lm_head, log_softmax, gather and entropy run on ``chunk_rows`` rows at a time, so at most one
-    chunk's fp32 logits exist at once. Under autograd each chunk is checkpointed: its logits are
-    recomputed in the backward instead of kept, so the peak does not grow with rows x vocabulary
-    either; values and gradients are the unchunked computation's. Entropies carry no gradient.
-    """
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    shape = ids.shape
-    h = hidden.reshape(-1, hidden.size(-1))
-    flat = ids.reshape(-1)
-    grad = torch.is_grad_enabled() and (h.requires_grad or head_w.requires_grad)
-    lps, ents = [], []
-    for s in range(0, h.size(0), chunk_rows):
-        args = (h[s:s + chunk_rows], head_w, flat[s:s + chunk_rows], temperature, with_entropy)
-        if grad:
-            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(*args)
-        lps.append(lp)
-        ents.append(ent)
-    logp = torch.cat(lps).view(shape) if lps else h.new_zeros(shape, dtype=torch.float32)
-    ent = (torch.cat(ents).view(shape) if ents else torch.zeros_like(logp)) if with_entropy else None
-    return logp, ent
-
-
-def sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                      with_entropy: bool = False, chunk_rows: int = LOGPROB_CHUNK_ROWS):
-    """Per-token log-probs (and entropies) of the completion under the model: the training forward.
-
-    Only the completion positions' logits are computed, in fp32 (``lm_logits``) as in both engines,
-    ``chunk_rows`` token rows at a time (``token_logprobs``). Entropies are detached.
-    """
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    C = completion_ids.size(1)
-    dec, head_w = decoder_and_head(model)
-    h = dec(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
-            use_cache=False).last_hidden_state[:, -(C + 1):-1]
-    return token_logprobs(h, head_w, completion_ids, temperature, with_entropy, chunk_rows)
