@@ -77,6 +77,7 @@ RANGES: dict[str, tuple] = {
     "eval_top_p": (0, False, 1, True), "eval_every": (0, True, None, False), "eval_max_completion_length": (0, True, None, False),
     "eval_batch_size": (0, True, None, False),
     "seed": (0, True, None, False), "save_every": (0, True, None, False),
+    "save_total_limit": (0, True, None, False),
 }
 
 
@@ -167,6 +168,7 @@ class TrainConfig:
     seed: int = 0  # seeds prompts, sampling, noise and LoRA init
     output_dir: str = "runs/default"  # run folder: config.json, metrics.jsonl, summary.json, checkpoints/, reward.png, wandb/
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
+    save_total_limit: int = 0  # keep at most N checkpoints, the newest (0 = all); the last complete one is never deleted
     resume_from: str | None = None  # a checkpoint folder, or "auto" = the latest in output_dir
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "qerl"  # W&B project
