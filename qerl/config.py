@@ -240,7 +240,7 @@ class TrainConfig:
         if self.num_stages < 2:
             raise ValueError("num_stages (K) must be >= 2: stage 0 is noise-free")
         self.arith_levels = tuple(self.arith_levels)
-        self.eval_datasets = tuple(self.eval_datasets)
+        self.eval_datasets = tuple(d for d in self.eval_datasets if d != "none")  # --eval-datasets none
 
     @property
     def method(self) -> str:

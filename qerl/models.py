@@ -155,10 +155,17 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
+    # A missing reader is not a corrupt file: say which package, before any reader error can blur the two.
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(f"reading the GGUF file {gguf} needs the Python package 'gguf', which is not "
+                                  f"installed: pip install 'gguf>=0.10'", name="gguf")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=torch.float32)
+    except ImportError as exc:  # transformers' own check of the gguf version
+        raise ImportError(f"reading the GGUF file {gguf}: {_first_line(exc)}; pip install -U 'gguf>=0.10'",
+                          name="gguf") from exc
     except Exception as exc:  # noqa: BLE001 - any reader error here means an unreadable file
         raise ValueError(f"cannot read the GGUF file {gguf} ({_first_line(exc)}): it is truncated or corrupt. "
                          f"{_GGUF_HINT}") from exc
