@@ -84,6 +84,9 @@ def _normalise(row: dict, name: str, split: str, index: int) -> dict:
     if question is None:
         raise ValueError(f"{name}/{split} row {index} has no question/problem/prompt field: {sorted(row)}")
     if name == "gsm8k":
+        if not isinstance(row.get("answer"), str):
+            raise ValueError(f"{name}/{split} row {index} has no answer field (a string ending in '#### <answer>'): "
+                             f"{sorted(row)}")
         answer = gsm8k_gold(row["answer"])
     elif row.get("answer") not in (None, ""):
         answer = gold_to_str(row["answer"])  # amc23 stores 27.0, aime25 ints
