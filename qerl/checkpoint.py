@@ -150,9 +150,9 @@ def write(path: Path, writers: dict[str, Callable[[Path], None]], estimate_bytes
     free = shutil.disk_usage(parent).free
     if free < needed:
         raise _space_error(path, needed, free, previous)
+    for stale in partial_saves(parent):  # saves cut off by a crash: never read, only in the way
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = parent / f".{path.name}.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     try:
         for name, writer in writers.items():

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from qerl import formats
 from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, PROJECTIONS, check_supported
-from qerl.models import TOKENIZER_FILES, resolve_model_path
+from qerl.models import TOKENIZER_FILES, read_config_file, resolve_model_path
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep the streaming writer's memory low
 
@@ -346,19 +346,6 @@ def _source_folder(name_or_path, cache_dir=None) -> Path:
         ) from exc
 
 
-def _read_config(f: Path) -> dict:
-    """A model folder's config.json as a dict; a missing, unreadable or non-object file is an error naming it."""
-    if not f.is_file():
-        raise FileNotFoundError(f"{f}: no such file; a Hugging Face model folder holds config.json")
-    try:
-        cfg = json.loads(f.read_text())
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"cannot read {f} ({type(exc).__name__}: {exc}): the file is truncated or corrupt") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
-
-
 def _safe_open(f: Path):
     """safe_open(f); a file it cannot read is a ValueError naming it (not the reader's SafetensorError)."""
     try:
@@ -401,7 +388,7 @@ def quantize_checkpoint(src, out_dir, fmt: str, progress: bool = True, cache_dir
     spec = formats.get(fmt)
     t0 = time.perf_counter()
     src = _source_folder(src, cache_dir)
-    cfg = _read_config(src / "config.json")
+    cfg = read_config_file(src / "config.json")
     check_supported(cfg.get("model_type"), "qerl quantizes", f" (architectures={cfg.get('architectures')})")
     where = _tensor_index(src)
 

@@ -139,6 +139,19 @@ def _gguf_cache_dir(gguf: Path, root: Path) -> Path:
     return root / f"{gguf.stem}-{gguf_sha256(gguf, root)[:16]}"
 
 
+def read_config_file(f: Path) -> dict:
+    """A model folder's config.json as a dict; a missing, unreadable or non-object file is an error naming it."""
+    if not f.is_file():
+        raise FileNotFoundError(f"{f.parent} is a folder but has no config.json, so it is not a Hugging Face model folder")
+    try:
+        cfg = json.loads(f.read_text())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"cannot read {f} ({type(exc).__name__}: {exc}): the file is truncated or corrupt") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
 def resolve_model_path(name_or_path: str | os.PathLike = DEFAULT_MODEL,
                        cache_dir: str | os.PathLike | None = None) -> str:
     """Turn a model name into something `from_pretrained` can open without conversion.
@@ -159,9 +172,7 @@ def resolve_model_path(name_or_path: str | os.PathLike = DEFAULT_MODEL,
                              f"model folder, a hub id, or {DEFAULT_MODEL!r}")
         return str(convert_gguf(path, _gguf_cache_dir(path, root)))
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is a folder but has no config.json, so it is not a "
-                                    f"Hugging Face model folder")
+        read_config_file(path / "config.json")  # before transformers, whose errors name neither file nor cause
         return str(path)
     if _looks_like_path(name):
         raise FileNotFoundError(f"no such model folder or GGUF file: {path}")
