@@ -111,7 +111,7 @@ def checkpoint_bytes(path: Path) -> int:
         return 0
 
 
-def _disk_full(exc: BaseException) -> bool:
+def disk_full(exc: BaseException) -> bool:
     """Did this write fail for lack of space? torch.save and safetensors wrap the OS error in their own."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -171,7 +171,7 @@ def write(path: Path, writers: dict[str, Callable[[Path], None]], estimate_bytes
             _fsync_path(d)
     except BaseException as exc:  # a KeyboardInterrupt mid-save too: no partial folder stays behind
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, Exception) and _disk_full(exc):
+        if isinstance(exc, Exception) and disk_full(exc):
             raise _space_error(path, needed, None, previous) from exc
         raise
     old = parent / f".{path.name}.old"

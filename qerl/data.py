@@ -115,7 +115,8 @@ def _checked_jsonl(path: Path, name: str, split: str) -> list[dict]:
         text = path.read_text()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); expected JSON lines") from None
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # JSON lines end in "\n" only (str.splitlines would also split at \x1c-\x1e, \x85, \u2028, ...)
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -129,6 +130,8 @@ def _checked_jsonl(path: Path, name: str, split: str) -> list[dict]:
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: {exc}") from None
         rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows (an empty file); expected one JSON object per line")
     return rows
 
 
@@ -154,6 +157,11 @@ def _local_rows(name: str, split: str, data_dir: Path, config: str | None) -> li
     datasets.utils.disable_progress_bars()
     try:
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - e.g. a field that is a string in one row and a number in another
+        # the rows the json module read above are the file's content as it is: use those
+        logger.warning("datasets cannot read %s (%s: %s); using the rows as the json module read them", path,
+                       type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        return rows
     finally:
         if not bars_were_off:
             datasets.utils.enable_progress_bars()

@@ -149,6 +149,8 @@ def read_config_file(f: Path) -> dict:
         raise ValueError(f"cannot read {f} ({type(exc).__name__}: {exc}): the file is truncated or corrupt") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    if "model_type" in cfg and not isinstance(cfg["model_type"], str):
+        raise ValueError(f"{f}: model_type must be a string, got {cfg['model_type']!r}")
     return cfg
 
 
@@ -294,6 +296,11 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dty
     hub_kw = {"cache_dir": str(cache_root(cache_dir) / "hub")} if is_hub else {}
     try:
         config = AutoConfig.from_pretrained(path, **hub_kw)
+    except (TypeError, KeyError, AttributeError) as exc:  # a config.json transformers cannot use
+        if is_hub:
+            raise
+        raise ValueError(f"cannot read {Path(path) / 'config.json'} ({_first_line(exc)}): a field has the wrong "
+                         f"type or is missing") from exc
     except OSError as exc:
         if not is_hub:
             raise

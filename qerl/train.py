@@ -212,7 +212,7 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
         try:
             export_peft_adapter(model, dst, base_model_name_or_path=cfg.model)
         except Exception as e:  # the adapter is a convenience copy; trainable.safetensors is the checkpoint
-            if qckpt._disk_full(e):
+            if qckpt.disk_full(e):
                 raise
             shutil.rmtree(dst, ignore_errors=True)
             print(f"[qerl] PEFT adapter export skipped: {e}")
