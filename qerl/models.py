@@ -296,11 +296,6 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dty
     hub_kw = {"cache_dir": str(cache_root(cache_dir) / "hub")} if is_hub else {}
     try:
         config = AutoConfig.from_pretrained(path, **hub_kw)
-    except (TypeError, KeyError, AttributeError) as exc:  # a config.json transformers cannot use
-        if is_hub:
-            raise
-        raise ValueError(f"cannot read {Path(path) / 'config.json'} ({_first_line(exc)}): a field has the wrong "
-                         f"type or is missing") from exc
     except OSError as exc:
         if not is_hub:
             raise
@@ -309,6 +304,11 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dty
             f"as a Hugging Face hub id and that failed (hub unreachable or no such repo: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Pass a "
             f"local folder, a .gguf file, or the embedded default {DEFAULT_MODEL!r}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers' checks of the fields raise many types
+        if is_hub:
+            raise
+        raise ValueError(f"cannot use {Path(path) / 'config.json'} ({_first_line(exc)}): a field is missing or has "
+                         f"the wrong type") from exc
     _check_supported(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub_kw)
