@@ -14,7 +14,7 @@ does not fit, or that hits ENOSPC mid-write anyway, raises ``CheckpointSpaceErro
 ``error:`` line, exit 2 at the CLI) naming the path and the bytes needed, and removes its partial
 folder, so the previous checkpoint stays the newest complete one.
 
-Each checkpoint also carries ``run.json``: what the run had recorded when it was saved (the
+Each checkpoint also carries ``resume.json``: what the run had recorded when it was saved (the
 metrics.jsonl row count, the cumulative token count, the summary so far with its ``eval_before/*``),
 so that a resumed run cuts metrics.jsonl back to that row and ends with the same files as a run that
 was never interrupted.
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 MANIFEST = "manifest.json"
-RUN_STATE = "run.json"
+RUN_STATE = "resume.json"
 _STEP = re.compile(r"^step-(\d+)$")
 _SLACK = 1 << 20  # bytes added to the estimate: JSON files, pickle framing, file-system blocks
 
@@ -268,7 +268,7 @@ def verify(path: Path, names: tuple[str, ...] | None = None) -> None:
 
 
 def read_run_state(path: Path) -> dict:
-    """The run's record at the checkpoint (run.json), {} for checkpoints that predate it."""
+    """The run's record at the checkpoint (resume.json), {} for checkpoints that predate it."""
     try:
         return json.loads((Path(path) / RUN_STATE).read_text())
     except FileNotFoundError:

@@ -190,7 +190,7 @@ def prompts_for_step(n: int, step: int, per_step: int, seed: int) -> list[int]:
 def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, cfg: TrainConfig,
                     run_state: dict | None = None) -> Path:
     """Write checkpoint ``path`` (checkpoints/step-N) atomically (qerl.checkpoint): the trainable weights,
-    optimizer / scheduler / RNG states, the config, the run's record ``run_state`` (run.json) and a
+    optimizer / scheduler / RNG states, the config, the run's record ``run_state`` (resume.json) and a
     PEFT copy of the adapter, then the manifest."""
     from safetensors.torch import save_file
 
@@ -362,7 +362,7 @@ def _finished_summary(out: Path) -> dict | None:
 
 
 def _cut_metrics(metrics: Path, record: dict, step: int) -> int:
-    """Cut metrics.jsonl back to the rows logged when the checkpoint of ``step`` was saved (its run.json);
+    """Cut metrics.jsonl back to the rows logged when the checkpoint of ``step`` was saved (its resume.json);
     a checkpoint without that record: to the rows of steps <= ``step``."""
     if "metrics_rows" in record:
         return qckpt.cut_rows(metrics, int(record["metrics_rows"]))

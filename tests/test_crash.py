@@ -101,7 +101,8 @@ def run_forked(args, patch) -> int:
 def final_state(out: Path, done_line: str | None = None) -> dict:
     rows = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in read_metrics(out)]
     manifest = json.loads((out / "checkpoints" / f"step-{STEPS}" / qckpt.MANIFEST).read_text())
-    return {"rows": rows, "summary": json.loads((out / "summary.json").read_text()),
+    summary = {k: v for k, v in json.loads((out / "summary.json").read_text()).items() if not k.startswith(VOLATILE)}
+    return {"rows": rows, "summary": summary,
             "weights": manifest["files"]["trainable.safetensors"]["sha256"],
             "optimizer": manifest["files"]["state.pt"]["bytes"],
             "checkpoints": sorted(p.name for p in (out / "checkpoints").iterdir()),
@@ -267,7 +268,7 @@ def test_resume_auto_skips_incomplete_checkpoints(tmp_path, tiny_dir, fake_rewar
     assert rc == 0, err[-3000:]
     cks = out / "checkpoints"
     m = json.loads((cks / "step-2" / qckpt.MANIFEST).read_text())
-    assert set(m["files"]) >= {"trainable.safetensors", "state.pt", "config.json", "run.json",
+    assert set(m["files"]) >= {"trainable.safetensors", "state.pt", "config.json", "resume.json",
                                "adapter/adapter_model.safetensors"}
     assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in m["files"].values())
     # what an older writer or a foreign copy leaves: step-3 without a manifest (state.pt empty), a partial save
