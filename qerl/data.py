@@ -83,6 +83,9 @@ def _normalise(row: dict, name: str, split: str, index: int) -> dict:
     if question is None:
         raise ValueError(f"{name}/{split} row {index} has no question/problem/prompt field: {sorted(row)}")
     if name == "gsm8k":
+        if not isinstance(row.get("answer"), str):
+            raise ValueError(f"{name}/{split} row {index} has no answer field (a string ending in '#### <answer>'): "
+                             f"{sorted(row)}")
         answer = gsm8k_gold(row["answer"])
     elif row.get("answer") not in (None, ""):
         answer = gold_to_str(row["answer"])  # amc23 stores 27.0, aime25 ints
@@ -111,7 +114,8 @@ def _checked_jsonl(path: Path, name: str, split: str) -> list[dict]:
         text = path.read_text()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); expected JSON lines") from None
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # JSON lines end in "\n" only (str.splitlines would also split at \x1c-\x1e, \x85, \u2028, ...)
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -125,6 +129,8 @@ def _checked_jsonl(path: Path, name: str, split: str) -> list[dict]:
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: {exc}") from None
         rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows (an empty file); expected one JSON object per line")
     return rows
 
 
@@ -150,6 +156,11 @@ def _local_rows(name: str, split: str, data_dir: Path, config: str | None) -> li
     datasets.utils.disable_progress_bars()
     try:
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - e.g. a field that is a string in one row and a number in another
+        # the rows the json module read above are the file's content as it is: use those
+        logger.warning("datasets cannot read %s (%s: %s); using the rows as the json module read them", path,
+                       type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        return rows
     finally:
         if not bars_were_off:
             datasets.utils.enable_progress_bars()

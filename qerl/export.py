@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from qerl import formats
 from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, PROJECTIONS, check_supported
-from qerl.models import TOKENIZER_FILES, resolve_model_path
+from qerl.models import TOKENIZER_FILES, read_config_file, resolve_model_path
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep the streaming writer's memory low
 
@@ -346,6 +346,15 @@ def _source_folder(name_or_path, cache_dir=None) -> Path:
         ) from exc
 
 
+def _safe_open(f: Path):
+    """safe_open(f); a file it cannot read is a ValueError naming it (not the reader's SafetensorError)."""
+    try:
+        return safe_open(str(f), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors' errors of a truncated or corrupt file
+        raise ValueError(f"cannot read {f} ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}): "
+                         "the file is truncated or corrupt") from exc
+
+
 def _tensor_index(src: Path) -> dict[str, Path]:
     """Map every tensor name of a safetensors checkpoint to the shard file holding it."""
     index_file = src / "model.safetensors.index.json"
@@ -361,7 +370,7 @@ def _tensor_index(src: Path) -> dict[str, Path]:
             f"default)")
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
+        with _safe_open(f) as h:
             out.update({k: f for k in h.keys()})
     return out
 
@@ -379,7 +388,7 @@ def quantize_checkpoint(src, out_dir, fmt: str, progress: bool = True, cache_dir
     spec = formats.get(fmt)
     t0 = time.perf_counter()
     src = _source_folder(src, cache_dir)
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = read_config_file(src / "config.json")
     check_supported(cfg.get("model_type"), "qerl quantizes", f" (architectures={cfg.get('architectures')})")
     where = _tensor_index(src)
 
@@ -399,7 +408,7 @@ def quantize_checkpoint(src, out_dir, fmt: str, progress: bool = True, cache_dir
     bad = []
     for mods in layers.values():
         for module, name in mods.items():
-            with safe_open(str(where[name]), framework="pt") as h:
+            with _safe_open(where[name]) as h:
                 shape = tuple(h.get_slice(name).get_shape())
             try:
                 formats.check_shape(shape, fmt)
@@ -417,7 +426,7 @@ def quantize_checkpoint(src, out_dir, fmt: str, progress: bool = True, cache_dir
     def read(name: str) -> torch.Tensor:
         f = where[name]
         if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt")
+            handles[f] = _safe_open(f)
         return handles[f].get_tensor(name)
 
     def copy(name: str) -> None:

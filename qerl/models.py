@@ -12,7 +12,8 @@ The embedded default `smollm2-135m-instruct` is the GGUF file shipped inside the
 llama-cpp-python and llm, are not needed because we never import it). transformers dequantizes the
 GGUF (Q4_1) to float on load, which takes ~15 s, so the first load converts it once and caches an
 ordinary HF folder (float32 safetensors, config, tokenizer with its chat template) under
-$QERL_CACHE (default ~/.cache/qerl); later loads read that folder. float32 because the Q4_1 values
+$QERL_CACHE (default ~/.cache/qerl), in a folder keyed on the GGUF's sha256, so every clone and
+virtual environment with the same file shares one copy; later loads read that folder. float32 because the Q4_1 values
 (d * q + m with fp16 d, m) are not exactly representable in bf16/fp16: the cache stays lossless
 with respect to the GGUF, and `dtype` is applied at load time.
 """
@@ -103,11 +104,55 @@ def _looks_like_path(name: str) -> bool:
             or name.count("/") > 1 or "\\" in name)
 
 
-def _gguf_cache_dir(gguf: Path, root: Path, name: str | None = None) -> Path:
-    """Cache folder for a converted GGUF: named after the model, keyed by the file's identity."""
+_HASHES = "gguf_sha256.json"  # in the cache root: {"<path>|<size>|<mtime_ns>": sha256} of the GGUF files seen
+
+
+def gguf_sha256(gguf: Path, root: Path) -> str:
+    """sha256 of a GGUF file's content, computed once per (path, size, mtime) and remembered in
+    <root>/gguf_sha256.json, so later loads do not read the file again."""
     stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode())
-    return root / f"{name or gguf.stem}-{key.hexdigest()[:10]}"
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    index_file = root / _HASHES
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if isinstance(index, dict) and isinstance(index.get(key), str):
+        return index[key]
+    h = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    index = {**(index if isinstance(index, dict) else {}), key: h.hexdigest()}
+    try:  # a cache that cannot be written only costs the hash again next time
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = index_file.with_name(f"{_HASHES}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index, indent=1))
+        tmp.replace(index_file)
+    except OSError:
+        pass
+    return index[key]
+
+
+def _gguf_cache_dir(gguf: Path, root: Path) -> Path:
+    """Cache folder for a converted GGUF: named after the file, keyed by its content (sha256), so every
+    clone, virtual environment or copy of the same file shares one converted folder."""
+    return root / f"{gguf.stem}-{gguf_sha256(gguf, root)[:16]}"
+
+
+def read_config_file(f: Path) -> dict:
+    """A model folder's config.json as a dict; a missing, unreadable or non-object file is an error naming it."""
+    if not f.is_file():
+        raise FileNotFoundError(f"{f.parent} is a folder but has no config.json, so it is not a Hugging Face model folder")
+    try:
+        cfg = json.loads(f.read_text())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"cannot read {f} ({type(exc).__name__}: {exc}): the file is truncated or corrupt") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    if "model_type" in cfg and not isinstance(cfg["model_type"], str):
+        raise ValueError(f"{f}: model_type must be a string, got {cfg['model_type']!r}")
+    return cfg
 
 
 def resolve_model_path(name_or_path: str | os.PathLike = DEFAULT_MODEL,
@@ -122,7 +167,7 @@ def resolve_model_path(name_or_path: str | os.PathLike = DEFAULT_MODEL,
     root = cache_root(cache_dir)
     if name.lower() == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
-        return str(convert_gguf(gguf, _gguf_cache_dir(gguf, root, DEFAULT_MODEL)))
+        return str(convert_gguf(gguf, _gguf_cache_dir(gguf, root)))
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -130,9 +175,7 @@ def resolve_model_path(name_or_path: str | os.PathLike = DEFAULT_MODEL,
                              f"model folder, a hub id, or {DEFAULT_MODEL!r}")
         return str(convert_gguf(path, _gguf_cache_dir(path, root)))
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is a folder but has no config.json, so it is not a "
-                                    f"Hugging Face model folder")
+        read_config_file(path / "config.json")  # before transformers, whose errors name neither file nor cause
         return str(path)
     if _looks_like_path(name):
         raise FileNotFoundError(f"no such model folder or GGUF file: {path}")
@@ -156,10 +199,17 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
+    # A missing reader is not a corrupt file: say which package, before any reader error can blur the two.
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(f"reading the GGUF file {gguf} needs the Python package 'gguf', which is not "
+                                  f"installed: pip install 'gguf>=0.10'", name="gguf")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=torch.float32)
+    except ImportError as exc:  # transformers' own check of the gguf version
+        raise ImportError(f"reading the GGUF file {gguf}: {_first_line(exc)}; pip install -U 'gguf>=0.10'",
+                          name="gguf") from exc
     except Exception as exc:  # noqa: BLE001 - any reader error here means an unreadable file
         raise ValueError(f"cannot read the GGUF file {gguf} ({_first_line(exc)}): it is truncated or corrupt. "
                          f"{_GGUF_HINT}") from exc
@@ -179,7 +229,7 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _SOURCE_MARKER).write_text(json.dumps(
-            {"gguf": str(gguf.resolve()), "bytes": gguf.stat().st_size,
+            {"gguf": str(gguf.resolve()), "bytes": gguf.stat().st_size, "sha256": gguf_sha256(gguf, out_dir.parent),
              "convert_seconds": round(time.perf_counter() - t0, 2)}, indent=2))
         try:
             tmp.rename(out_dir)
@@ -255,6 +305,11 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dty
             f"as a Hugging Face hub id and that failed (hub unreachable or no such repo: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Pass a "
             f"local folder, a .gguf file, or the embedded default {DEFAULT_MODEL!r}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers' checks of the fields raise many types
+        if is_hub:
+            raise
+        raise ValueError(f"cannot use {Path(path) / 'config.json'} ({_first_line(exc)}): a field is missing or has "
+                         f"the wrong type") from exc
     _check_supported(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hub_kw)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from qerl import checkpoint as qckpt
 from qerl import data as qdata
 from qerl import distributed as qdist
 from qerl import evaluate as qeval
@@ -185,25 +186,45 @@ def prompts_for_step(n: int, step: int, per_step: int, seed: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, cfg: TrainConfig):
+def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, cfg: TrainConfig,
+                    run_state: dict | None = None) -> Path:
+    """Write checkpoint ``path`` (checkpoints/step-N) atomically (qerl.checkpoint): the trainable weights,
+    optimizer / scheduler / RNG states, the config, the run's record ``run_state`` (resume.json) and a
+    PEFT copy of the adapter, then the manifest."""
     from safetensors.torch import save_file
 
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))  # read by `eval`
     params = dict(model.named_parameters())
     master = getattr(opt, "qerl_master", None)  # bf16_full: the fp32 masters are the trained weights
     tensors = {n: master.master_of(params[n]) if master is not None else params[n] for n in trainable_names}
-    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(path / "trainable.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
-                "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                        "python": random.getstate()}}, path / "state.pt")
-    if cfg.lora:
-        try:
-            from qerl.export import export_peft_adapter
+    tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+             "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                     "python": random.getstate()}}
+    opt_bytes = sum(v.numel() * v.element_size() for s in state["optimizer"]["state"].values() for v in s.values()
+                    if isinstance(v, torch.Tensor))
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    estimate = tensor_bytes * (2 if cfg.lora else 1) + opt_bytes  # LoRA: the PEFT copy holds the adapter again
 
-            export_peft_adapter(model, path / "adapter", base_model_name_or_path=cfg.model)
+    def adapter(dst: Path):
+        from qerl.export import export_peft_adapter
+
+        try:
+            export_peft_adapter(model, dst, base_model_name_or_path=cfg.model)
         except Exception as e:  # the adapter is a convenience copy; trainable.safetensors is the checkpoint
+            if qckpt.disk_full(e):
+                raise
+            shutil.rmtree(dst, ignore_errors=True)
             print(f"[qerl] PEFT adapter export skipped: {e}")
+
+    writers = {
+        "trainable.safetensors": lambda f: save_file(tensors, str(f)),
+        "state.pt": lambda f: qckpt.torch_save(state, f),
+        "config.json": lambda f: f.write_text(json.dumps(cfg.to_dict(), indent=2, default=str)),  # read by `eval`
+        qckpt.RUN_STATE: lambda f: f.write_text(json.dumps({"step": step, **(run_state or {})}, indent=1, default=str)),
+    }
+    if cfg.lora:
+        writers["adapter"] = adapter
+    return qckpt.write(path, writers, estimate_bytes=estimate, meta={"step": step, "method": cfg.method})
 
 
 def read_checkpoint_config(path) -> dict:
@@ -287,6 +308,7 @@ def load_trainable(path, model) -> dict:
 
 
 def load_checkpoint(path: Path, model, opt, sched) -> int:
+    qckpt.verify(path, names=("trainable.safetensors", "state.pt", qckpt.RUN_STATE))
     state = load_trainable(path, model)
     master = getattr(opt, "qerl_master", None)
     if master is not None:  # bf16_full: the fp32 masters resume from the stored fp32 values
@@ -338,9 +360,27 @@ def _finished_summary(out: Path) -> dict | None:
     return summary if summary.get("status") == "ok" else None
 
 
+def _cut_metrics(metrics: Path, record: dict, step: int) -> int:
+    """Cut metrics.jsonl back to the rows logged when the checkpoint of ``step`` was saved (its resume.json);
+    a checkpoint without that record: to the rows of steps <= ``step``."""
+    if "metrics_rows" in record:
+        return qckpt.cut_rows(metrics, int(record["metrics_rows"]))
+    if not metrics.is_file():
+        return 0
+    keep = 0
+    for ln in (ln for ln in metrics.read_text().splitlines() if ln.strip()):
+        try:
+            if json.loads(ln).get("step", 0) > step:
+                break
+        except ValueError:  # a row cut off by the crash
+            break
+        keep += 1
+    return qckpt.cut_rows(metrics, keep)
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    cks = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    return cks[-1] if cks else None
+    """The newest complete checkpoint of a run folder (qerl.checkpoint: one with its manifest)."""
+    return qckpt.latest_complete(Path(output_dir) / "checkpoints")[0]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -376,13 +416,22 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)
     trainable = optimizer_params(opt)  # bf16_full: the fp32 masters hold the gradients
-    start = 0
-    resume = None
+    start, resume, record = 0, None, {}
     if cfg.resume_from:
-        resume = latest_checkpoint(out) if cfg.resume_from == "auto" else Path(cfg.resume_from)
-        if cfg.resume_from != "auto" and (resume is None or not resume.exists()):
-            raise FileNotFoundError(f"resume_from={cfg.resume_from}: no such checkpoint")
+        if cfg.resume_from == "auto":
+            resume, incomplete = qckpt.latest_complete(out / "checkpoints")
+            if incomplete:
+                qdist.print0(f"[qerl] skipped incomplete checkpoints (saves cut off before their manifest): "
+                             f"{', '.join(str(p) for p in incomplete)}")
+        else:
+            resume = Path(cfg.resume_from)
+            if not resume.is_dir():
+                raise FileNotFoundError(f"resume_from={cfg.resume_from}: no such checkpoint")
+            if not qckpt.is_complete(resume):
+                qdist.print0(f"[qerl] warning: {resume} has no {qckpt.MANIFEST} (saved by an older qerl, or cut off "
+                             "mid-save); its files are read unchecked")
         if resume is not None:
+            record = qckpt.read_run_state(resume)
             start = load_checkpoint(resume, model, opt, sched)
             qdist.print0(f"[qerl] resumed from {resume} at step {start}")
             finished = _finished_summary(out) if start >= cfg.max_steps else None
@@ -391,6 +440,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
                 if owns_group:
                     qdist.cleanup()
                 return finished
+            if main:  # metrics.jsonl back to what the run had logged at that checkpoint: no step twice
+                dropped = _cut_metrics(out / "metrics.jsonl", record, start)
+                if dropped:
+                    qdist.print0(f"[qerl] {out / 'metrics.jsonl'}: dropped {dropped} rows logged after step {start}")
     qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
     if opt.qerl_master is not None:
         opt.qerl_master.copy_back()
@@ -400,17 +453,29 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
               if main else _NullLogger())
     eval_kw = {**eval_settings(cfg), "seed": cfg.seed}
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
+    summary.update({k: v for k, v in record.get("summary", {}).items() if k != "status"})  # eval_before/*, ...
     if main and start == 0 and cfg.eval_datasets and cfg.eval_before:  # evaluation: rank 0 only, the others wait
         ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
         logger.log(qeval.summary_entries("eval", ev), step=0)
         summary.update(qeval.summary_entries("eval_before", ev))
-    num_tokens = 0
+    num_tokens = int(record.get("num_tokens", 0))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the evaluation engine's cache and graphs: give them back to the GPU
         torch.cuda.reset_peak_memory_stats()
     peak = {"memory/peak_gib": 0.0, "memory/peak_reserved_gib": 0.0}
-    gap_run = 0  # consecutive steps whose rollout-vs-training log-prob gap is above max_logprob_gap
+    gap_run = int(record.get("gap_run", 0))  # consecutive steps whose rollout-vs-training log-prob gap is above max_logprob_gap
     end = cfg.max_steps if stop_after is None else min(cfg.max_steps, stop_after)
+    last_saved = start if resume is not None else None
+
+    def save(at: int):
+        nonlocal last_saved
+        run_state = {"metrics_rows": qckpt.count_rows(out / "metrics.jsonl"), "num_tokens": num_tokens,
+                     "gap_run": gap_run, "summary": summary}
+        save_checkpoint(out / "checkpoints" / f"step-{at}", at, model, trainable_names, opt, sched, cfg, run_state)
+        last_saved = at
+        if cfg.save_total_limit:
+            qckpt.prune(out / "checkpoints", cfg.save_total_limit)
+
     bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps, disable=not main)
     for step in bar:
         idx = prompts_for_step(len(train_recs), step, cfg.prompts_per_step, cfg.seed)
@@ -438,10 +503,11 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
             raise RolloutGapError(msg)
         bar.set_postfix(reward=f"{m['reward']:.3f}", ent=f"{m['entropy']:.3f}" if m.get("entropy") else "-")
         if main and cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(out / "checkpoints" / f"step-{step + 1}", step + 1, model, trainable_names, opt, sched, cfg)
+            save(step + 1)
     done = end == cfg.max_steps
     if done and main:
-        save_checkpoint(out / "checkpoints" / f"step-{end}", end, model, trainable_names, opt, sched, cfg)
+        if last_saved != end:
+            save(end)
         if cfg.eval_datasets:
             ev = qeval.evaluate_datasets(model, tokenizer, **eval_kw)
             logger.log(qeval.summary_entries("eval", ev), step=end)

@@ -145,6 +145,26 @@ def assert_greedy_close(a, b, tol: float):
     return torch.tensor(prefixes)
 
 
+def greedy_drift(a, b) -> float:
+    """How far two greedy decodes of the same prompts drift apart: the smallest ``tol`` that
+    assert_greedy_close(a, b, tol) accepts (the largest chosen-token log-prob difference on a row's
+    common prefix, or between the two chosen tokens where a row parts). Tests measure it between two
+    known-valid paths in the same run and bound a third path by it, instead of a fixed number for bf16
+    rounding that any valid reordering of a reduction can cross."""
+    la, lb = a.completion_mask.sum(1), b.completion_mask.sum(1)
+    worst = 0.0
+    for r in range(a.completion_ids.shape[0]):
+        n = int(min(la[r], lb[r]))
+        ia, ib = a.completion_ids[r, :n].cpu(), b.completion_ids[r, :n].cpu()
+        p = int((ia == ib).long().cumprod(0).sum())
+        pa, pb = a.logprobs[r].float().cpu(), b.logprobs[r].float().cpu()
+        if p:
+            worst = max(worst, float((pa[:p] - pb[:p]).abs().max()))
+        if p < n:
+            worst = max(worst, abs(float(pa[p] - pb[p])))
+    return worst
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None):
     """HF generate's greedy decode of one prompt as (completion_ids, completion_mask, logprobs) [1, T],
     the log-probs of its chosen tokens from its own logits (for assert_greedy_close)."""

@@ -118,6 +118,7 @@ def test_corrupt_gguf(capsys, tmp_path, monkeypatch):
     ('{"question": "What is 1 + 1?", "answer": "#### 2"', "not valid JSON"),
     ('["a list"]', "expected a JSON object"),
     ('{"answer": "#### 2"}', "no question"),
+    ('{"question": "What is 1 + 1?"}', "no answer field"),
     ('{"question": "What is 1 + 1?", "answer": "2, no marker"}', "####"),
 ])
 def test_malformed_data_row_names_file_and_line(capsys, tmp_path, tiny_llama_dir, line, needle):
@@ -158,10 +159,13 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path, tiny_
            "--fmt", "bf16", "--max-steps", "100000", "--save-every", "1", "--wandb-mode",
            "disabled", "--max-prompt-length", "512", "--max-completion-length", "4", "--output-dir", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The child's SIGINT disposition is set here, not inherited: a test run started as a background job
+    # (`make test &`, nohup, CI scripts) ignores SIGINT, and Python keeps an ignored SIGINT ignored.
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 240
-        while not (out / "checkpoints" / "step-2" / "state.pt").exists():
+        while not (out / "checkpoints" / "step-2" / "manifest.json").exists():
             assert p.poll() is None, p.communicate()[1][-2000:]
             assert time.time() < deadline, "no checkpoint within 240 s"
             time.sleep(0.2)
@@ -193,3 +197,44 @@ def test_truncated_checkpoint_on_resume(capsys, tmp_path, tiny_llama_dir, name):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
     rc, _, err = run_cli(capsys, *argv, "--resume-from", "auto")
     assert_one_line_error(rc, err, str(f), "truncated or corrupt")
+
+
+def test_unknown_choice_is_one_line_naming_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--method", "int8_lora"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err  # not the 60 flags of the usage
+    assert_one_line_error(2, err, "--method", "'int8_lora'", "nvfp4_lora_aqn", "bf16_full")
+
+
+def test_quantize_a_truncated_model_names_the_file(capsys, tmp_path, tiny_llama_dir):
+    bad = _corrupt_copy(tiny_llama_dir, tmp_path / "bad")
+    rc, _, err = run_cli(capsys, "quantize", "--model", bad, "--format", "nvfp4", "--out", tmp_path / "q", "--no-progress")
+    assert rc == 2
+    assert_one_line_error(rc, err, str(bad / "model.safetensors"), "truncated or corrupt")
+
+
+def test_missing_gguf_package_is_not_a_corrupt_file(capsys, tmp_path, monkeypatch):
+    """Without the gguf package a good GGUF file must not be called truncated: name the package and its install."""
+    import importlib.util
+
+    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF" + bytes(200))
+    rc, _, err = run_cli(capsys, "train", "--model", f, "--output-dir", tmp_path / "r")
+    line = assert_one_line_error(rc, err, str(f), "'gguf'", "pip install 'gguf>=0.10'")
+    assert rc == 2 and "corrupt" not in line and "truncated" not in line
+
+
+def test_a_missing_package_names_its_install_command(capsys, monkeypatch, tmp_path):
+    import qerl.train
+
+    def needs_yaml(cfg):
+        raise ModuleNotFoundError("No module named 'yaml'", name="yaml")
+
+    monkeypatch.setattr(qerl.train, "train", needs_yaml)
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--output-dir", tmp_path / "r")
+    assert rc == 2
+    assert_one_line_error(rc, err, "'pyyaml'", "pip install pyyaml")

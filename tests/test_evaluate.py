@@ -107,7 +107,15 @@ def test_eval_cli_reads_the_rank_of_a_rank8_checkpoint(tmp_path, text_rewards, t
     out = tmp_path / "eval.json"
     rc = cli.main(["eval", "--profile", "small", "--adapter", str(ck), "--datasets", "arith", "--limit", "2",
                    "--samples", "2", "--max-new-tokens", "3", "--engine", "hf", "--out", str(out)])
-    assert rc == 0, capsys.readouterr().err
+    out_err = capsys.readouterr()
+    assert rc == 0, out_err.err
+    assert f"method nvfp4_lora: the checkpoint's ({ck})" in out_err.out  # it says which method it used
+    # a method that contradicts the checkpoint (another base format, or no adapter) is refused, naming both
+    for wrong in ("bf16_lora", "nf4_lora_aqn"):
+        rc = cli.main(["eval", "--adapter", str(ck), "--method", wrong, "--datasets", "arith", "--limit", "1"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("error:") == 1, err
+        assert f"--method {wrong} contradicts the checkpoint {ck}, trained as nvfp4_lora" in err
     res = json.loads(out.read_text())
     assert res["results"]["arith"]["num_problems"] == 2 and res["results"]["arith"]["samples"] == 2
     assert res["policy"]["method"] == "nvfp4_lora"

@@ -4,7 +4,9 @@ Run: .venv/bin/python -m pytest tests/test_models.py -q
 (the first run ever converts the embedded GGUF into $QERL_CACHE, ~20-40 s; later runs ~15 s)
 """
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -49,7 +51,9 @@ def test_smollm2_loads_as_llama_with_chat_template_and_answers(smollm2):
 def test_default_model_is_converted_once_then_read_from_the_cache(smollm2, monkeypatch):
     folder = Path(resolve_model_path(DEFAULT_MODEL))
     assert (folder / "qerl_source.json").is_file() and (folder / "model.safetensors").is_file()
-    assert json.loads((folder / "qerl_source.json").read_text())["gguf"] == str(embedded_gguf_path())
+    source = json.loads((folder / "qerl_source.json").read_text())
+    assert source["sha256"] == hashlib.sha256(embedded_gguf_path().read_bytes()).hexdigest()
+    assert folder.name.endswith(source["sha256"][:16])  # keyed on the content, not on where the file lies
     import transformers
 
     def boom(*a, **k):
@@ -57,6 +61,29 @@ def test_default_model_is_converted_once_then_read_from_the_cache(smollm2, monke
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
     assert Path(resolve_model_path(DEFAULT_MODEL)) == folder
+
+
+def test_gguf_cache_is_keyed_on_the_content(tmp_path, monkeypatch):
+    """Two copies of one GGUF (two clones, two virtual environments) share a cache folder; the hash of
+    each file is computed once and then remembered by (path, size, mtime)."""
+    data = b"GGUF" + bytes(range(256)) * 64
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for f, content in ((a, data), (b, data), (c, data[:-1] + b"x")):
+        f.parent.mkdir()
+        f.write_bytes(content)
+    root = tmp_path / "cache"
+    assert models._gguf_cache_dir(a, root) == models._gguf_cache_dir(b, root) != models._gguf_cache_dir(c, root)
+    assert models._gguf_cache_dir(a, root).name == f"m-{hashlib.sha256(data).hexdigest()[:16]}"
+    assert len(json.loads((root / "gguf_sha256.json").read_text())) == 3
+
+    def boom(*a, **k):
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(models.hashlib, "sha256", boom)
+    assert models._gguf_cache_dir(b, root) == models._gguf_cache_dir(a, root)  # remembered
+    os.utime(b, ns=(b.stat().st_atime_ns, b.stat().st_mtime_ns + 10**9))  # a changed file: hashed again
+    with pytest.raises(AssertionError, match="hashed again"):
+        models._gguf_cache_dir(b, root)
 
 
 def test_local_folder_round_trip(tiny_llama, tiny_tokenizer, tmp_path):
