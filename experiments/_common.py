@@ -18,7 +18,8 @@ A script lists its runs for a profile as `Run`s (a folder name + TrainConfig ove
   config differs from the plan stops the invocation with the differences listed (--allow-drift
   reuses it anyway, and says so);
 - runs that several experiments plan identically (same config: e.g. Table 1's nvfp4_lora-s0 and
-  Fig. 5's) run once and are copied into each experiment's results;
+  Fig. 5's) run once and are copied into each experiment's results in the root; in results/ (after
+  --publish) each such file is stored once, under Table 1, and the others are relative links to it;
 - results: config.json, metrics.jsonl, summary.json / eval.json and run.json (the command, the row
   label, the exit code) go to <root>/results/<experiment>/<profile>/runs/<run>/; then table.csv
   (long form: model, method, dataset, metric, value, seed, run, git_sha), summary.csv / summary.md
@@ -42,6 +43,7 @@ import argparse
 import csv
 import datetime
 import fnmatch
+import hashlib
 import importlib
 import json
 import os
@@ -549,21 +551,73 @@ def collect_experiment(exp: Experiment, args, results: Path) -> None:
         plots.experiment_figure(exp.name, args.profile, results=results)
 
 
+def _result_files(reference: Path):
+    """Every run result file (config.json, metrics.jsonl, ...) under reference/<exp>/<profile>/runs/."""
+    for name in RESULT_FILES:
+        yield from sorted(reference.glob(f"*/*/runs/*/{name}"))
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def unlink_into(reference: Path, dest: Path) -> None:
+    """Turn every link under `reference` that points into `dest` back into a file, so that replacing
+    `dest` cannot change what another experiment's published runs hold."""
+    dest = dest.resolve()
+    for f in _result_files(reference):
+        if f.is_symlink() and f.resolve().is_relative_to(dest):
+            data = f.read_bytes()
+            f.unlink()
+            f.write_bytes(data)
+
+
+def link_duplicates(reference: Path) -> int:
+    """Store each run result file under `reference` once: of byte-identical files under
+    <exp>/<profile>/runs/, the one of the first experiment in ALIASES' order (Table 1 first) stays a
+    file and the others become relative links to it (Table 1's nvfp4_lora-s0 is also Fig. 4's, 5's and
+    8's). -> the number of files that are links now."""
+    order = [load_experiment(a).name for a in ALIASES]
+    groups: dict[str, list[Path]] = {}
+    for f in _result_files(reference):
+        groups.setdefault(_digest(f), []).append(f)
+    n = 0
+    for files in groups.values():
+        owners = [f for f in files if not f.is_symlink()]
+        if not owners:
+            continue
+        rank = lambda f: (order.index(f.parts[-5]) if f.parts[-5] in order else len(order), str(f))  # noqa: E731
+        owner = min(owners, key=rank)
+        for f in files:
+            if f == owner:
+                continue
+            target = os.path.relpath(owner, f.parent)
+            if not (f.is_symlink() and os.readlink(f) == target):
+                f.unlink()
+                f.symlink_to(target)
+            n += 1
+    return n
+
+
 def publish(exp: Experiment, args, root: Path, reference: Path) -> None:
-    """Replace reference/<exp>/<profile>/ and the experiment's figures with the root's."""
+    """Replace reference/<exp>/<profile>/ and the experiment's figures with the root's; a run file
+    that several published experiments hold is stored once (link_duplicates)."""
     src, dest = root / "results" / exp.name / args.profile, reference / exp.name / args.profile
     if dest.exists():
+        unlink_into(reference, dest)
         shutil.rmtree(dest)
     shutil.copytree(src, dest)
+    linked = link_duplicates(reference)
     plan = json.loads((root / "plan.json").read_text())
     (dest / "published.json").write_text(json.dumps(
-        {"root": str(root), "git_sha": plan.get("git_sha"), "git_dirty": plan.get("git_dirty"),
+        {"experiment": exp.name, "root": str(root), "git_sha": plan.get("git_sha"), "git_dirty": plan.get("git_dirty"),
          "argv": plan.get("argv"), "resumes": plan.get("resumes", []),
          "published": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}, indent=2))
     for png in sorted((root / "results" / "figures").glob(f"{exp.name}*.png")):
         (reference / "figures").mkdir(parents=True, exist_ok=True)
         shutil.copy(png, reference / "figures" / png.name)
-    print(f"published {src} -> {dest}")
+    print(f"published {src} -> {dest}" + (f" ({linked} run files under {reference} are links to a copy)"
+                                          if linked else ""))
 
 
 def estimate(jobs: list[Job], profile: str, parallel: int) -> str:

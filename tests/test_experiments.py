@@ -389,3 +389,39 @@ def test_run_json_keeps_the_command_that_ran_and_data_dir_only_where_read(fake_r
     assert C.main(exp, base + ["--resume", str(root), "--data-dir", str(tmp_path / "other")]) == 0
     meta = json.loads((root / "results" / exp.name / "small" / "runs/linear-s0/run.json").read_text())
     assert meta["command"] == ran and "/elsewhere" not in meta["command"]
+
+def test_committed_results_hold_each_file_once():
+    """No two byte-identical files under results/; a run several experiments share is a link to
+    its one copy (link_duplicates), and every link resolves to a file inside results/."""
+    import hashlib
+
+    res = (ROOT / "results").resolve()
+    seen = {}
+    for f in sorted(res.rglob("*")):
+        if f.is_symlink():
+            assert f.resolve().is_file() and f.resolve().is_relative_to(res), f
+        elif f.is_file():
+            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            assert digest not in seen, f"{f} is a copy of {seen[digest]}"
+            seen[digest] = f
+
+
+def test_link_duplicates_keeps_table1_as_owner_and_publish_keeps_linked_data(tmp_path):
+    ref = tmp_path / "results"
+    for exp in ("fig5_entropy", "table1"):
+        _fake_train_run(ref / exp / "small" / "runs" / "nvfp4_lora-s0")
+    # another run: its own config and metrics, the same summary.json
+    _fake_train_run(ref / "fig8_aqn_ablation" / "small" / "runs" / "nvfp4_lora-s0", seed=1, rewards=(0.5,))
+    assert C.link_duplicates(ref) == 4
+    t1, f5 = ref / "table1/small/runs/nvfp4_lora-s0", ref / "fig5_entropy/small/runs/nvfp4_lora-s0"
+    assert not (t1 / "metrics.jsonl").is_symlink() and (f5 / "metrics.jsonl").is_symlink()
+    assert (f5 / "metrics.jsonl").resolve() == (t1 / "metrics.jsonl").resolve()
+    f8 = ref / "fig8_aqn_ablation/small/runs/nvfp4_lora-s0"
+    assert not (f8 / "config.json").is_symlink() and not (f8 / "metrics.jsonl").is_symlink()
+    assert (f8 / "summary.json").is_symlink()
+    assert C.link_duplicates(ref) == 4  # idempotent
+    before = (f5 / "summary.json").read_text()
+    # publishing a new Table 1 first turns the links into it back into files
+    C.unlink_into(ref, ref / "table1" / "small")
+    shutil.rmtree(ref / "table1")
+    assert not (f5 / "summary.json").is_symlink() and (f5 / "summary.json").read_text() == before
