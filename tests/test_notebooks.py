@@ -116,6 +116,7 @@ def test_notebook_executes(results, tmp_path, monkeypatch):
     nb = run_notebooks.run(path, timeout=120)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
+    assert not (results / "figures").exists()  # figures go to a scratch folder unless QERL_WRITE_FIGURES=1
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert any("entropy_early" in o.get("data", {}).get("text/plain", "") for o in outputs)
 
@@ -145,3 +146,23 @@ def test_decode_profile_plot_stacks_the_categories(tmp_path):
     (tmp_path / "decode_profile").mkdir()
     (tmp_path / "decode_profile" / "a.json").write_text(json.dumps(d2))
     assert plots.load_decode_profile(tmp_path)["rows"] == rows
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_committed_notebook_was_executed_and_holds_no_error(path):
+    """A committed notebook is benchmarks/make_notebooks.py's cells executed against the committed
+    results/ (python -m benchmarks.run_notebooks): every code cell ran, and no output is an error."""
+    import nbformat
+
+    from benchmarks import make_notebooks
+
+    nb = nbformat.read(path, as_version=4)
+    assert [c.source for c in nb.cells] == [c.source for c in make_notebooks.build(path.stem).cells], \
+        f"{path.name} differs from make_notebooks.py: rebuild and re-execute it"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count for c in code), f"{path.name} has cells that did not run"
+    for c in code:
+        for o in c.outputs:
+            assert o.output_type != "error", f"{path.name}: {o.get('ename')}: {o.get('evalue')}"
+            text = o.get("text", "") + o.get("data", {}).get("text/plain", "")
+            assert "Traceback" not in text and "Error:" not in text, f"{path.name}: {text[:200]}"
