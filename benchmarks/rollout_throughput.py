@@ -63,7 +63,7 @@ for _m in SUMMARY_MODELS:
                     f"{_m}/bs1/nvfp4_over_hf_generate_bf16": 10.0})
 SUMMARY_KEYS = tuple(TARGETS)
 # The paper's rollout throughput (vLLM, one H100 80GB, prompt 256, completion 2048), tokens/s, as
-# transcribed in ../shared/DESIGN.md. A labelled reference column: a different engine and GPU.
+# listed in docs/design.md. A labelled reference column: a different engine and GPU.
 PAPER_TOKENS_PER_S = {
     ("qwen2.5-7b", "bf16", 2): 115.4, ("qwen2.5-7b", "nvfp4", 2): 151.6,
     ("qwen2.5-14b", "bf16", 2): 65.4, ("qwen2.5-14b", "nvfp4", 2): 95.3,
@@ -232,7 +232,7 @@ def assemble(rows: list[dict], prov: dict, copy_tbps: float | None, settings: di
               "paper_reference": {"tokens_per_s": {f"{m}/{meth}/bs{b}": v for (m, meth, b), v in PAPER_TOKENS_PER_S.items()},
                                   "nvfp4_over_bf16": PAPER_RATIOS,
                                   "source": "QeRL paper (vLLM, one H100 80GB, prompt 256, completion 2048), "
-                                            "as transcribed in ../shared/DESIGN.md; reference only"},
+                                            "as listed in docs/design.md; reference only"},
               "summary": summary, "summary_notes": notes, "rows": rows}
     if prov.get("gpu") == "h200":
         result["gpu_note"] = ("Measured on an H200 (141 GB HBM3e, ~4.8 TB/s), not the paper's H100 80GB: absolute "

@@ -93,14 +93,14 @@ TARGETS = {
     "qwen2.5-14b/bs8/train_nvfp4_over_bf16": ">= 0.9 (issue #18: old log-probs + update)",
     "qwen2.5-7b/bs64/e2e_nvfp4_over_bf16": "measured (an RL batch: 64 x 512 tokens, micro-batch 8)",
 }
-# The paper's values (one H100 80GB, vLLM rollouts, its own training stack), as transcribed in
-# ../shared/DESIGN.md: a labelled reference only.
+# The paper's values (one H100 80GB, vLLM rollouts, its own training stack), as listed in
+# docs/design.md: a labelled reference only.
 PAPER = {
     "model_size_gb": {"qwen2.5-7b/bf16": 15.2, "qwen2.5-7b/nvfp4": 5.9, "qwen2.5-14b/bf16": 29.6,
                       "qwen2.5-14b/nvfp4": 10.6, "qwen2.5-32b/bf16": 62.3, "qwen2.5-32b/nvfp4": 20.7},
     "s_per_step": {"qwen2.5-32b/nvfp4/bs2": 10.6, "qwen2.5-32b/nvfp4/bs8": 12.2},
     "e2e_speedup_over_bf16": {QERL_FORMAT: "x1.2 to x1.5", QLORA_FORMAT: "x0.7 to x0.8"},
-    "source": "QeRL paper Table 3 (H100 80GB, gradient checkpointing), via ../shared/DESIGN.md; reference only",
+    "source": "QeRL paper Table 3 (H100 80GB, gradient checkpointing), as listed in docs/design.md; reference only",
 }
 
 

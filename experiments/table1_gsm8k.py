@@ -29,7 +29,7 @@ from qerl.config import METHODS, table_bases
 NAME = "table1"
 BASE_ROWS = table_bases()  # untrained rows: bf16 and every registered format
 PAPER_MODELS = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-3B-Instruct")
-# Reference only (../shared/DESIGN.md): GSM8K accuracy (%), paper Table 1.
+# Reference only (docs/design.md): GSM8K accuracy (%), paper Table 1.
 PAPER_TABLE1 = {"bf16": 76.3, "bf16_full": 91.2, "bf16_lora": 88.1, "nf4_lora": 85.0, "nvfp4_lora": 88.5,
                 "nvfp4_lora_aqn": 90.8}  # Qwen2.5-7B-Instruct
 PAPER_TABLE1_3B = {"bf16": 61.2, "bf16_lora": 76.1, "nvfp4_lora_aqn": 83.7}  # Qwen2.5-3B-Instruct

@@ -4,8 +4,8 @@ Rows per model, as in the paper: the untrained base in bf16 and nvfp4 (evaluatio
 full fine-tuning; BF16 LoRA; NVFP4 LoRA; NVFP4 LoRA + AQN (QeRL). Training uses DAPO as the paper
 ran it (TRL 0.18 loss_type "bnpo", beta 0, eps_high 0.28).
 
-    python -m experiments.table2_bigmath --profile small --parallel 6 --data-dir ../shared/data  # 1 H200, ~10 min
-    python -m experiments.table2_bigmath --profile smoke --data-dir ../shared/data   # CPU, ~6 x 3 min
+    python -m experiments.table2_bigmath --profile small --parallel 6 --data-dir /path/to/data  # 1 H200, ~10 min
+    python -m experiments.table2_bigmath --profile smoke --data-dir /path/to/data   # CPU, ~6 x 3 min
     python -m experiments.table2_bigmath --profile paper --gpus 0 1 2 3 4 5 6 7 --data-dir DATA  # the user's GPUs
 
 paper = Qwen2.5-7B and 14B-Instruct trained on BigMath levels 3-5 with Table 4's BigMath column
@@ -17,7 +17,7 @@ qerl does not implement (data parallel replicates the weights, see the README).
 small / smoke = the embedded SmolLM2-135M-Instruct: BigMath is beyond a 135M model and has no local
 copy, so it trains with DAPO on the profile's arith task and is evaluated on arith plus the four
 Table 2 benchmarks (expect ~0 there: the rows check the pipeline, not the paper's claim).
-The benchmarks load from --data-dir (a copy of ../shared/data) or the Hugging Face hub.
+The benchmarks load from --data-dir (a folder of the benchmarks' JSONL files) or the Hugging Face hub.
 Seeds: smoke 0; small 0; paper 0. Writes <run root>/results/table2_bigmath/<profile>/ and
 <run root>/results/figures/table2_bigmath.png.
 """

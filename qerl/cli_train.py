@@ -3,7 +3,7 @@
     python -m qerl train --profile smoke --output-dir runs/smoke
     python -m qerl train --profile small --method nvfp4_lora_aqn --seed 1 --output-dir runs/aqn-s1
     python -m qerl eval --model smollm2-135m-instruct --method nvfp4_lora --adapter runs/x/checkpoints/step-60 \
-        --datasets gsm8k arith --data-dir ../shared/data
+        --datasets gsm8k arith --data-dir /path/to/data
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ On disk, per quantized Linear `<p>` (the module names of the source checkpoint):
            qerl-specific config (quant_method "qerl") that vLLM and transformers do NOT read.
 Everything else (embeddings, norms, lm_head, biases) is bf16. Fused projections (q,k,v) and
 (gate,up) share one NVFP4 global scale, because vLLM fuses them into one GEMM and reads a single
-scale (../shared/FORMATS.md).
+scale (docs/formats.md).
 
 quantize_checkpoint streams: it reads the source safetensors tensor by tensor (safe_open is
 memory-mapped) and quantizes one decoder layer at a time, so peak memory is about one layer plus

@@ -1,4 +1,4 @@
-"""4-bit weight formats in pure torch: NVFP4, MXFP4 and NF4 (../shared/FORMATS.md).
+"""4-bit weight formats in pure torch: NVFP4, MXFP4 and NF4 (docs/formats.md).
 
 Dispatch by format name through the registry (qerl.formats.registry): each format module
 declares a FormatSpec (block size, bits per weight, packed tensor names, shapes and dtypes,

@@ -1,4 +1,4 @@
-"""E2M1, the 4-bit float element shared by NVFP4 and MXFP4 (../shared/FORMATS.md, "E2M1").
+"""E2M1, the 4-bit float element shared by NVFP4 and MXFP4 (docs/formats.md, "E2M1").
 
 1 sign bit, 2 exponent bits (bias 1), 1 mantissa bit, no Inf/NaN. Codes 0..7 are
 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are their negatives (0x8 is -0).

@@ -1,6 +1,6 @@
 """MXFP4 (OCP Microscaling v1.0) in pure torch, FLOOR scale rule.
 
-Layout (../shared/FORMATS.md, "MXFP4"), as compressed-tensors' "mxfp4-pack-quantized":
+Layout (docs/formats.md, "MXFP4"), as compressed-tensors' "mxfp4-pack-quantized":
 E2M1 elements in blocks of 32 along the last dim of a Linear weight [out, in], packed two per
 byte (element 2j in the LOW nibble); one E8M0 scale per block stored as uint8, value
 2^(byte - 127) (0xFF is NaN and never produced here). No global scale.
@@ -106,7 +106,7 @@ def packed_shapes(out_features: int, in_features: int) -> dict:
 
 
 def export_config(targets, ignore) -> dict:
-    """compressed-tensors "mxfp4-pack-quantized" (../shared/FORMATS.md)."""
+    """compressed-tensors "mxfp4-pack-quantized" (docs/formats.md)."""
     weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": BLOCK_SIZE,
                "symmetric": True, "dynamic": False, "scale_dtype": "uint8"}
     return compressed_tensors_config("mxfp4", weights, ignore)

@@ -1,7 +1,7 @@
 """NF4 (QLoRA's 4-bit NormalFloat) in pure torch, code-for-code with bitsandbytes.
 
 Follows bitsandbytes' `quantize_4bit(quant_type="nf4", blocksize=64)` (its default torch
-backend, ../shared/FORMATS.md "NF4"):
+backend, docs/formats.md "NF4"):
   - blocks of 64 over the FLATTENED row-major tensor, fp32 absmax per block;
   - scaled = clamp(x * (1 / max(absmax, 1e-38)), -1, 1)   (a reciprocal multiply, in fp32);
   - code = nearest of the 16 NF4 values; a value exactly on a midpoint goes to the LOWER code

@@ -1,6 +1,6 @@
 """NVFP4 in pure torch, bit-exact with compressed-tensors' "nvfp4-pack-quantized" (0.20).
 
-Layout (../shared/FORMATS.md, "NVFP4"): E2M1 elements in blocks of 16 along the last dim of a
+Layout (docs/formats.md, "NVFP4"): E2M1 elements in blocks of 16 along the last dim of a
 Linear weight [out, in]; one float8_e4m3fn scale per block; one fp32 per-tensor global scale
 stored as a DIVISOR, gs = 448 * 6 / amax. Element j of a row is in the LOW nibble of byte j//2
 when j is even.
@@ -136,7 +136,7 @@ def packed_shapes(out_features: int, in_features: int) -> dict:
 
 
 def export_config(targets, ignore) -> dict:
-    """compressed-tensors "nvfp4-pack-quantized" (../shared/FORMATS.md)."""
+    """compressed-tensors "nvfp4-pack-quantized" (docs/formats.md)."""
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": BLOCK_SIZE,
                "symmetric": True, "dynamic": False}
     return compressed_tensors_config("nvfp4", weights, ignore)
