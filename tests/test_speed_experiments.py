@@ -421,6 +421,9 @@ def test_rollout_notebook(tmp_path, monkeypatch):
     shutil.copytree(committed, tmp_path / "res" / "rollout")
     outputs = _run_rollout_notebook(tmp_path, monkeypatch, tmp_path / "res")
     assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert not (tmp_path / "res" / "figures").exists()  # a scratch folder unless asked
+    monkeypatch.setenv("QERL_WRITE_FIGURES", "1")
+    _run_rollout_notebook(tmp_path, monkeypatch, tmp_path / "res")
     assert (tmp_path / "res" / "figures" / "rollout_throughput.png").stat().st_size > 10_000
     empty = _run_rollout_notebook(tmp_path, monkeypatch, tmp_path / "nothing")
     assert any("no results in" in o.get("text", "") for o in empty)
