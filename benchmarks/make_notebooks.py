@@ -54,6 +54,21 @@ CELLS = {
         "for name in ['fig4_reward_curves', 'fig8_aqn_ablation']:\n"
         "    if plots.experiment_figure(name, out_dir=FIG_DIR) is not None:\n"
         "        show(name)",
+        "## Does AQN help? The pre-registered paired experiment (`results/aqn_paired/`)\n"
+        "Fig. 8's three seeds cannot decide it, so `experiments/aqn_paired.py` ran the plan committed first "
+        "(`results/aqn_paired/PLAN.md`): NVFP4 LoRA with and without AQN, 16 paired seeds that share prompts, "
+        "rollout seeds and the noise-free first stage, GRPO at the Table 1 small settings, evaluation at 16 "
+        "samples a problem. Primary endpoint: the paired difference in final pass@1 (bootstrap 95% CI, paired "
+        "t-test, sign test). What it decides: only this 135M model on arithmetic, on a base quantized twice "
+        "(the Q4_1 GGUF, then NVFP4); not the paper's 3B-14B models.",
+        "paired = plots.RESULTS / 'aqn_paired' / 'small'\n"
+        "if (paired / 'table.csv').is_file():\n"
+        "    tab = pd.read_csv(paired / 'table.csv')\n"
+        "    display(tab[['endpoint', 'role', 'comparison', 'n', 'mean_diff', 'ci_low', 'ci_high', 'p_t', 'n_pos',\n"
+        "                 'n_neg', 'p_sign', 'verdict']])\n"
+        "    display(Image(str(paired / 'paired_differences.png')))\n"
+        "else:\n"
+        "    print('no results/aqn_paired/small/table.csv here: run `make aqn-paired` on a GPU')",
     ],
     "entropy": [
         "# Token entropy during RL (Fig. 5)\n`entropy` is measured in the training forward pass, "
