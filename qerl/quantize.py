@@ -64,7 +64,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def shared_scale_fn(config: QuantizeConfig):
     """The function giving a fused group its shared global scale, or None (bf16, formats
     without a global scale, fuse_global_scales=False)."""
-    if config.fmt == "bf16" or not config.fuse_global_scales:
+    if formats.is_dense(config.fmt) or not config.fuse_global_scales:
         return None
     return formats.get(config.fmt).fused_global_scale
 

@@ -16,7 +16,7 @@ import torch
 
 from qerl.formats import mxfp4, nf4, nvfp4
 from qerl.formats.nvfp4 import fused_global_scale, nvfp4_global_scale
-from qerl.formats.registry import FormatSpec, get, lookup, names, register, unregister, with_kernel
+from qerl.formats.registry import DENSE, FormatSpec, get, is_dense, lookup, names, register, unregister, with_kernel
 
 # The built-in formats, in the order qerl lists them.
 for _module in (nvfp4, mxfp4, nf4):
@@ -25,6 +25,8 @@ del _module
 
 __all__ = [
     "FormatSpec",
+    "DENSE",
+    "is_dense",
     "register",
     "unregister",
     "get",
