@@ -7,7 +7,7 @@ before spending GPU time. Needs the Triton version of the GPU machine on sys.pat
       '{"BLOCK_M":128,"BLOCK_K":64,"BLOCK_R":64,"num_warps":4,"num_stages":4}' '*fp32'
 Arguments: kind (dot | bwd | mma), the launch config as JSON, the activation pointer type (*bf16 or *fp32).
 Prints OK with the shared memory in bytes, or the compiler's error. ``mma`` compiles the Gluon kernel of
-qerl.kernels.fp4_mma (config keys BM, KB, REPS, NM, PREFETCH, IS_NV, num_warps) and also prints its
+qerl.kernels.mma (config keys BM, KB, REPS, NM, PREFETCH, IS_NV, num_warps) and also prints its
 registers a thread, its global loads (128-bit ones), mma instructions and shared-memory accesses,
 which show whether a layout conversion went through shared memory:
   PYTHONPATH=/tmp/t36 python -m benchmarks.compile_check_sm90 mma '{"BM":8,"KB":4,"REPS":1}'
@@ -20,7 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from qerl.kernels import fp4  # noqa: E402
+from qerl.kernels import dot  # noqa: E402
 
 
 def main() -> None:
@@ -28,12 +28,12 @@ def main() -> None:
     act = sys.argv[3] if len(sys.argv) > 3 else "*bf16"
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
     if kind == "bwd":
-        fn = fp4._bwd_dot_kernel
+        fn = dot._bwd_dot_kernel
         sig = dict(dy_ptr=act, w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", dx_ptr=act, M="i32", N="i32", K="i32",
                    stride_dym="i32", stride_dxm="i32")
         consts = dict(IS_NV=True, GROUP_M=8, F32_DOT=False, **cfg)
     elif kind == "dot":
-        fn = fp4._fwd_dot_kernel
+        fn = dot._fwd_dot_kernel
         sig = dict(x_ptr=act, w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", out_ptr=act, ws_ptr="*fp32", cnt_ptr="*i32",
                    M="i32", N="i32", K="i32", stride_xm="i32", stride_om="i32", tiles_per_split="i32")
         consts = dict(IS_NV=True, EVEN_K=True, F32_DOT=False, **cfg)
@@ -55,7 +55,7 @@ def check_mma(cfg: dict, warps: int) -> None:
 
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from qerl.kernels import fp4_mma
+    from qerl.kernels import mma
 
     sig = dict(x_ptr="*bf16")
     for i in range(3):
@@ -64,13 +64,13 @@ def check_mma(cfg: dict, warps: int) -> None:
                NB_K="i32", stride_xm="i32", iters_per_split="i32", MT="i32")
     nv = cfg.pop("IS_NV", True)
     consts = dict(IS_NV=nv, NM=cfg.pop("NM", 1), BM=cfg.pop("BM", 8), REPS=cfg.pop("REPS", 1), KB=cfg.pop("KB", 4),
-                  ASM=fp4_mma._ASM_NV if nv else fp4_mma._ASM_MX, PREFETCH=cfg.pop("PREFETCH", False),
+                  ASM=mma._ASM_NV if nv else mma._ASM_MX, PREFETCH=cfg.pop("PREFETCH", False),
                   STAGES=cfg.pop("STAGES", 2), WGMMA=cfg.pop("WGMMA", False), W_RING=cfg.pop("W_RING", False),
                   num_warps=warps)
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty.startswith("*") or name in ("stride_xm", "K")}
-    c = triton.compile(GluonASTSource(fp4_mma._mma_kernel, sig, constexprs=consts, attrs=attrs),
+    c = triton.compile(GluonASTSource(mma._mma_kernel, sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     ptx = c.asm["ptx"]
     regs = "?"

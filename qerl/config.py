@@ -27,7 +27,7 @@ def table_bases() -> tuple[str, ...]:
     qerl registers its own format first (qerl.formats.names(): nvfp4, mxfp4, nf4), so the
     4-bit rows are the registry's order reversed (nf4 = QLoRA, mxfp4, nvfp4).
     """
-    return ("bf16",) + tuple(reversed(formats.names()))
+    return (formats.DENSE,) + tuple(reversed(formats.names()))
 
 
 def method_name(fmt: str, lora: bool = True, aqn: bool = False) -> str:
@@ -178,7 +178,7 @@ class TrainConfig:
         check_ranges(self)
         if self.fmt not in table_bases():
             raise ValueError(f"fmt must be one of {table_bases()}, got {self.fmt!r}")
-        if not self.lora and self.fmt != "bf16":
+        if not self.lora and not formats.is_dense(self.fmt):
             raise ValueError(f"full fine-tuning (lora=False) needs the bf16 base, got fmt={self.fmt!r}")
         if self.aqn and not self.lora:
             raise ValueError("AQN (aqn=True) is for the LoRA methods; full fine-tuning has no frozen base")

@@ -8,6 +8,7 @@ Public API (see CONTRACTS.md):
     grouped_linear(x, weights)       -> [x W_i^T] of 1-3 Weights sharing x in one launch, or None
     make_plan(weight, device)        -> Plan (per-weight launch state) or None off the Triton backend
     decode(fmt, tensors, dtype, rows=None, cols=None, out=None) -> W (or a block of it), dense
+    linear_tuned, grad_input_tuned, kernel_name   heuristics overridden / named (benchmarks)
     scratch_bytes(device=None), release_scratch(), resolve_backend(backend, fmt, device)
     rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
     lora_silu_mul                    the fused decode step's ops (qerl.kernels.fused)
@@ -300,6 +301,32 @@ def decode(fmt: str, tensors: dict, dtype: torch.dtype = torch.bfloat16, rows: t
                           common.scale_mode(fmt), dtype, rows, cols, out)
 
 
+def linear_tuned(x: torch.Tensor, fmt: str, tensors: dict, kind: str | None = None, config: dict | None = None,
+                 split_k: int | None = None) -> torch.Tensor:
+    """The Triton forward with its heuristics overridden (benchmark sweeps, tests): ``kind`` "gemv",
+    "dot" or "scratch", a launch ``config`` and ``split_k`` instead of the choice by M."""
+    from qerl.kernels import common, ops
+
+    return ops.launch_linear(x, tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_global_scale"),
+                             common.scale_mode(fmt), kind=kind, config=config, split_k=split_k)
+
+
+def grad_input_tuned(dy: torch.Tensor, fmt: str, tensors: dict, kind: str | None = None,
+                     config: dict | None = None) -> torch.Tensor:
+    """The Triton grad-input with its heuristics overridden: ``kind`` "fused" or "scratch", a ``config``."""
+    from qerl.kernels import common, ops
+
+    return ops.launch_grad_input(dy, tensors["weight_packed"], tensors["weight_scale"],
+                                 tensors.get("weight_global_scale"), common.scale_mode(fmt), config=config, kind=kind)
+
+
+def kernel_name(op: str, x: torch.Tensor, in_features: int, cached: bool = True) -> str:
+    """The Triton kernel family ``op`` ("linear" / "grad_input") runs on x by default (benchmark rows)."""
+    from qerl.kernels import ops
+
+    return ops.kernel_name(op, x, in_features, cached)
+
+
 # Names the door serves from the Triton modules, imported on first use.
 _LAZY = {
     "Plan": "plan",
@@ -317,5 +344,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["linear", "grad_input", "grouped_linear", "make_plan", "decode", "Weight", "resolve_backend",
+           "linear_tuned", "grad_input_tuned", "kernel_name",
            "scratch_bytes", "release_scratch", "linear_reference", "grad_input_reference", "dequantize_fp32",
            "triton_available", "BACKENDS", "M32", "fmix32", "uniform_noise", "gumbel_argmax_torch", *_LAZY]

@@ -290,3 +290,20 @@ def linear(x: torch.Tensor, fmt: str, *tensors: torch.Tensor) -> torch.Tensor:
 def grad_input(dy: torch.Tensor, fmt: str, *tensors: torch.Tensor) -> torch.Tensor:
     """dx = dy W through the custom op of fmt's scale mode."""
     return _OPS[scale_mode(fmt)][1](dy, *tensors)
+
+
+def kernel_name(op: str, x: torch.Tensor, in_features: int, cached: bool = True) -> str:
+    """Which family a Triton ``op`` ("linear" / "grad_input") on x runs by default: "mma" / "wgmma"
+    (the compute-layout kernel, when the caller passes a kernel cache), "gemv", "dot-splitk",
+    "dot", "scratch" (decode + cuBLAS) or "bwd-dot" (benchmark rows)."""
+    M = x.numel() // max(x.shape[-1], 1)
+    if op == "grad_input":
+        return "scratch" if scratch.use_scratch("grad_input", M) else "bwd-dot"
+    from qerl.kernels import mma
+
+    if cached and mma.applies(x, in_features):
+        return "mma" if M <= mma.MMA_MAX_M else "wgmma"
+    if scratch.use_scratch("linear", M):
+        return "scratch"
+    return "gemv" if M <= GEMV_MAX_M else ("dot-splitk" if M <= SKINNY_MAX_M else "dot")
+
