@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from qerl import formats
 
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
-# The formats of the paper's two 4-bit roles: QeRL is LoRA on an NVFP4 base with AQN; its baseline
-# QLoRA is LoRA on an NF4 base (bitsandbytes).
-QERL_FORMAT = "nvfp4"
-QLORA_FORMAT = "nf4"
+# The formats of the paper's two 4-bit roles (the registry's): QeRL's NVFP4, QLoRA's NF4.
+QERL_FORMAT = formats.QERL_FORMAT
+QLORA_FORMAT = formats.QLORA_FORMAT
 
 
 def table_bases() -> tuple[str, ...]:
@@ -98,7 +97,7 @@ class TrainConfig:
     # ---- model
     model: str = "smollm2-135m-instruct"  # hub id, local HF folder, .gguf file, or the embedded default
     # The method (shorthand `method`, e.g. nvfp4_lora_aqn; see METHODS and parse_method):
-    fmt: str = "nvfp4"  # base weight format: bf16 or a registered 4-bit format (qerl.formats.names())
+    fmt: str = QERL_FORMAT  # base weight format: bf16 or a registered 4-bit format (qerl.formats.names())
     lora: bool = True  # LoRA adapters on a frozen base; False = full fine-tuning (bf16 base only)
     aqn: bool = True  # adaptive quantization noise on the norms (paper section 3.3; LoRA only)
     lora_rank: int = 32  # LoRA rank r (paper Table 4: 32; official scripts: 16)

@@ -66,7 +66,7 @@ class QuantLinear(nn.Module):
         backend: kernel dispatch for the 4-bit matmul ("auto", "triton", "reference").
     """
 
-    def __init__(self, in_features: int, out_features: int, fmt: str = "nvfp4", bias: bool = False,
+    def __init__(self, in_features: int, out_features: int, fmt: str = formats.QERL_FORMAT, bias: bool = False,
                  lora_rank: int = 0, lora_alpha: float | None = None, lora_dropout: float = 0.0,
                  dtype: torch.dtype = torch.bfloat16, lora_dtype: torch.dtype = torch.float32,
                  device=None, backend: str = "auto"):
