@@ -9,7 +9,7 @@ Public API (see CONTRACTS.md):
     make_plan(weight, device)        -> Plan (per-weight launch state) or None off the Triton backend
     decode(fmt, tensors, dtype, rows=None, cols=None, out=None) -> W (or a block of it), dense
     linear_tuned, grad_input_tuned, kernel_name   heuristics overridden / named (benchmarks)
-    scratch_bytes(device=None), release_scratch(), resolve_backend(backend, fmt, device)
+    scratch_bytes(device=None), buffer_bytes(), release_scratch(), resolve_backend(backend, fmt, device)
     rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
     lora_silu_mul                    the fused decode step's ops (qerl.kernels.fused)
     gumbel_argmax(x, keys, t)        the rollout's Gumbel-max draw in one kernel; uniform_noise,
@@ -150,6 +150,18 @@ def scratch_bytes(device: torch.device | str | None = None) -> int:
     grad-input call). For the memory columns of Table 3."""
     scratch = sys.modules.get("qerl.kernels.scratch")
     return 0 if scratch is None else scratch.scratch_bytes(device)
+
+
+def buffer_bytes() -> dict[str, int]:
+    """Bytes of the kernels' module-level buffers: the decode scratch, the live split-K workspaces and
+    the retired ones that captured CUDA graphs may still use (0 each before any Triton call)."""
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    scratch, common = sys.modules.get("qerl.kernels.scratch"), sys.modules.get("qerl.kernels.common")
+    return {"scratch": 0 if scratch is None else scratch.scratch_bytes(),
+            "workspace": 0 if common is None else sum(nbytes(pair) for pair in common._WORKSPACE.values()),
+            "retired": 0 if common is None else nbytes(common.RETIRED)}
 
 
 def release_scratch() -> None:
@@ -345,5 +357,5 @@ def __getattr__(name: str):
 
 __all__ = ["linear", "grad_input", "grouped_linear", "make_plan", "decode", "Weight", "resolve_backend",
            "linear_tuned", "grad_input_tuned", "kernel_name",
-           "scratch_bytes", "release_scratch", "linear_reference", "grad_input_reference", "dequantize_fp32",
+           "scratch_bytes", "buffer_bytes", "release_scratch", "linear_reference", "grad_input_reference", "dequantize_fp32",
            "triton_available", "BACKENDS", "M32", "fmix32", "uniform_noise", "gumbel_argmax_torch", *_LAZY]
