@@ -34,8 +34,8 @@ test: ## the CPU test suite, then every notebook executed headless against resul
 GGUF_LOCAL := $(wildcard .cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf)
 GPU_ENV = QERL_GPU_TESTS_STRICT=1 $(if $(GGUF_LOCAL),QERL_SMOLLM2_GGUF=$${QERL_SMOLLM2_GGUF:-$(abspath $(GGUF_LOCAL))})
 GPU_TESTS_formats = tests/formats tests/kernels/test_bnb.py
-GPU_TESTS_kernels = tests/kernels/test_kernels_gpu.py tests/kernels/test_scratch.py tests/kernels/test_workspace.py tests/kernels/test_fp4_mma.py
-GPU_TESTS_engine = tests/test_fused.py tests/test_rollout.py tests/test_logprobs.py
+GPU_TESTS_kernels = tests/kernels/test_kernels_gpu.py tests/kernels/test_scratch.py tests/kernels/test_workspace.py tests/kernels/test_mma.py tests/kernels/test_door.py tests/kernels/test_warpspec.py
+GPU_TESTS_engine = tests/test_fused.py tests/test_rollout.py tests/test_logprobs.py tests/test_step.py
 GPU_LOG ?= results/gpu_tests/gpu_tests.log
 # pytest-xdist workers sharing the one GPU: most of a cold run is Triton compiling kernels on the CPU
 GPU_WORKERS ?= 4

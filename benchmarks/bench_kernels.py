@@ -1,4 +1,4 @@
-"""Benchmark the W4A16 kernels (issue 4): nvfp4 and mxfp4 (qerl Triton) against bf16 cuBLAS
+"""Benchmark the W4A16 kernels: nvfp4 and mxfp4 (qerl Triton) against bf16 cuBLAS
 (torch.nn.functional.linear) and bitsandbytes NF4, side by side in one run.
 
 Per model linear shape and M: milliseconds, achieved TB/s (bytes of weights + activations in +
@@ -10,12 +10,12 @@ linears, bf16 time / nvfp4 time): `qwen2.5-7b/layer/M<m>/nvfp4_over_bf16` for ev
 `qwen2.5-7b/decode_tbps/<fmt>` (the decode kernel of the decode + cuBLAS path, bytes read + written);
 `eager_call_us/nvfp4`, `eager_call_us/bf16`, `eager_call/nvfp4_over_bf16` (host time of one eager
 QuantLinear / F.linear call at M = 1 on a [1024, 4096] layer: mean over 1000 back-to-back calls,
-no synchronisation, median of 5 alternating rounds); split-K deterministic vs atomic layer time at
-M = 1 / 8 / 16. Where humming-kernels is installed (optional: pip install "qerl[bench]"), it is an
-anchor column on the qwen2.5-7b shapes, in its default (stream-K) and batch-invariant modes, each
-(M, mode) checked against the fp32 reference first: `qwen2.5-7b/layer/M<m>/nvfp4_over_humming` and
-`.../nvfp4_over_humming_batch_invariant` (humming time / qerl time). Without it the column is
-skipped and the JSON's `humming.not_measured` says why.
+no synchronisation, median of 5 alternating rounds); `qwen2.5-7b/layer_grouped/M<m>/nvfp4_over_bf16`
+(the layer as the fused decode step groups it). Where humming-kernels is installed (optional: pip
+install "qerl[bench]"), it is an anchor column on the qwen2.5-7b shapes, in its default (stream-K)
+and batch-invariant modes, each (M, mode) checked against the fp32 reference first:
+`qwen2.5-7b/layer/M<m>/nvfp4_over_humming` and `.../nvfp4_over_humming_batch_invariant` (humming
+time / qerl time). Without it the column is skipped and the JSON's `humming.not_measured` says why.
 
 Timing: each measurement captures a CUDA graph of R calls rotating over C copies of the weights
 (C * bytes > 3 x L2, so the weights come from HBM, not L2), replays it after warm-up, and takes
@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from benchmarks.speed_common import copy_bandwidth_tbps  # noqa: E402
 from qerl import formats, kernels  # noqa: E402
 from qerl.arch import LAYER_CONFIGS, LINEAR_NAMES, linear_shapes  # noqa: E402
-from qerl.kernels import fp4, fp4_mma  # noqa: E402
 
 M_VALUES = (1, 2, 3, 4, 8, 16, 64, 256, 1024, 2048)
 GRAD_M_VALUES = (256, 1024, 2048)
@@ -53,7 +52,7 @@ GRAD_M_VALUES = (256, 1024, 2048)
 BYTES_PER_WEIGHT = {**{f: formats.bits_per_weight(f) / 8 for f in formats.names()}, "bf16": 2.0}
 TRITON = formats.with_kernel("triton")  # the formats the Triton kernels run (nvfp4, mxfp4)
 COLUMNS = TRITON + ("bf16",) + tuple(f for f in formats.names() if f not in TRITON)  # printed table order
-# (direction, value): issue 14 (M <= 256, nf4) and issue 18 (M >= 1024, grad-input, eager host time)
+# (direction, value): small and mid M, nf4, large M, grad-input, eager host time
 TARGETS = {
     "qwen2.5-7b/layer/M1/nvfp4_over_bf16": (">=", 2.6),
     "qwen2.5-7b/layer/M1/hbm_fraction": (">=", 0.6),
@@ -163,11 +162,7 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
         if nf4 is not None:
             f, packs = nf4
             res["nf4"] = time_graph([lambda p=p, f=f, x=x: f(x, p) for p in packs])
-        kind = "gemv" if m <= fp4.GEMV_MAX_M else ("dot-splitk" if m <= fp4.SKINNY_MAX_M else "dot")
-        if fp4_mma.applies(x, k):  # the compute-layout kernel (qerl.kernels.fp4_mma)
-            kind = "mma" if m <= fp4_mma.MMA_MAX_M else "wgmma"
-        if fp4._use_scratch("linear", True, m):
-            kind = "scratch"  # decode into the bf16 scratch + cuBLAS
+        kind = kernels.kernel_name("linear", x, k)  # with a cache, as timed above
         for meth, (sec, mode) in res.items():
             moved = n * k * BYTES_PER_WEIGHT[meth] + 2 * m * (n + k)
             rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="linear",
@@ -185,8 +180,7 @@ def bench_shape(model, proj_names, n, k, ms, grad_ms, l2, bnb_ok, rows):
             rows.append(dict(model=model, proj="/".join(proj_names), N=n, K=k, M=m, op="grad_input",
                              method=meth, ms=sec * 1e3, tbps=moved / sec / 1e12,
                              tflops=2 * m * n * k / sec / 1e12, timing=mode,
-                             kernel=("scratch" if fp4._use_scratch("grad_input", True, m) else "bwd-dot")
-                             if meth in TRITON else None))
+                             kernel=kernels.kernel_name("grad_input", dy, k) if meth in TRITON else None))
     del qc, wc, nf4, caches
     torch.cuda.empty_cache()
 
@@ -237,7 +231,6 @@ def sweep(l2, out_rows, ms=(1, 8, 16, 64, 2048)):
         wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
         copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
         wc = [w.bfloat16() for _ in range(n_copies(n * k * 2, l2))]
-        args = lambda tt: (tt["weight_packed"], tt["weight_scale"], tt["weight_global_scale"], True)  # noqa: E731
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -251,11 +244,11 @@ def sweep(l2, out_rows, ms=(1, 8, 16, 64, 2048)):
                     elif kind == "bf16-grad":
                         fns = [lambda wi=wi, dy=dy: torch.matmul(dy, wi) for wi in wc]
                     elif kind == "bwd":
-                        fns = [lambda tt=tt, dy=dy, args=args, cfg=cfg: fp4.launch_grad_input(dy, *args(tt), config=cfg) for tt in copies]
+                        fns = [lambda tt=tt, dy=dy, cfg=cfg: kernels.grad_input_tuned(dy, "nvfp4", tt, config=cfg) for tt in copies]
                         out = fns[0]()
                         err = float((out.float() - ref_g).norm() / ref_g.norm())
                     else:
-                        fns = [lambda tt=tt, x=x, args=args, kind=kind, cfg=cfg: fp4.launch_linear(x, *args(tt), kind=kind, config=cfg) for tt in copies]
+                        fns = [lambda tt=tt, x=x, kind=kind, cfg=cfg: kernels.linear_tuned(x, "nvfp4", tt, kind=kind, config=cfg) for tt in copies]
                         out = fns[0]()
                         err = float((out.float() - ref).norm() / ref.norm())
                     sec, _ = time_graph(fns)
@@ -549,8 +542,7 @@ def decode_speed(l2, model="qwen2.5-7b"):
             t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
             copies = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * BYTES_PER_WEIGHT[fmt], l2))]
             buf = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
-            args = lambda tt, nv=(fmt == "nvfp4"): (tt["weight_packed"], tt["weight_scale"], tt.get("weight_global_scale"), nv)  # noqa: E731
-            fns = [lambda tt=tt, buf=buf, args=args: fp4.decode(*args(tt), out=buf) for tt in copies]
+            fns = [lambda tt=tt, buf=buf, fmt=fmt: kernels.decode(fmt, tt, out=buf) for tt in copies]
             sec += time_graph(fns)[0]
             moved += n * k * (BYTES_PER_WEIGHT[fmt] + 2)
         out[fmt] = moved / sec / 1e12
@@ -586,36 +578,11 @@ def eager_calls(rounds=5):
     return res
 
 
-def splitk_cost(l2, ms=(1, 8, 16), model="qwen2.5-7b"):
-    """Layer time (us) at small M with the deterministic split-K reduction (default) and with the
-    opt-in atomic one (QERL_SPLITK_ATOMIC=1), nvfp4."""
-    res = {}
-    shapes = linear_shapes(model)
-    for m in ms:
-        tot = {False: 0.0, True: 0.0}
-        for p in LINEAR_NAMES:
-            n, k = shapes[p]
-            t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
-            qc = [{kk: v.clone() for kk, v in t.items()} for _ in range(n_copies(n * k * 0.5625, l2))]
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            for atomic in (False, True):
-                prev, fp4.SPLITK_ATOMIC = fp4.SPLITK_ATOMIC, atomic
-                try:
-                    fns = [lambda tt=tt, x=x, n=n, k=k: kernels.linear(x, "nvfp4", tt, n, k, backend="triton") for tt in qc]
-                    tot[atomic] += time_graph(fns, target_s=0.05)[0]
-                finally:
-                    fp4.SPLITK_ATOMIC = prev
-        res[m] = (tot[False] * 1e6, tot[True] * 1e6)
-        print(f"split-K M = {m}: deterministic {res[m][0]:.1f} us, atomic {res[m][1]:.1f} us ({model} layer)", flush=True)
-    return res
-
-
 def grouped_layer(l2, ms=(1, 2, 4, 8, 16, 32), model="qwen2.5-7b"):
     """{M: (bf16 us, grouped nvfp4 us)}: the 7B layer as the fused decode step runs it on 4-bit
-    weights (q/k/v one fp4_mma launch, o, gate/up one launch, down) against the seven cuBLAS calls
-    the bf16 step makes (HF's separate Linears). Empty if fp4_mma does not apply."""
-    if not (fp4_mma.ENABLED and fp4_mma.available()):
-        return {}
+    weights (q/k/v one kernels.grouped_linear launch, o, gate/up one launch, down) against the seven
+    cuBLAS calls the bf16 step makes (HF's separate Linears). Empty where the grouped kernel does not
+    apply."""
     shapes = linear_shapes(model)
     groups = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
     res = {}
@@ -631,12 +598,13 @@ def grouped_layer(l2, ms=(1, 2, 4, 8, 16, 32), model="qwen2.5-7b"):
                 ws.append((t, n, w.bfloat16()))
             per = sum(n * k * 0.5625 for _, n, _ in ws)
             copies = []
-            for _ in range(n_copies(per, l2)):
-                copies.append([(*fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True),
-                                t["weight_global_scale"], n) for t, n, _ in ws])
+            for _ in range(n_copies(per, l2)):  # each copy with its own kernel cache (its compute layout)
+                copies.append([kernels.Weight("nvfp4", {kk: v.clone() for kk, v in t.items()}, n, k, "triton", {})
+                               for t, n, _ in ws])
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            tq += time_graph([lambda c=c, x=x, k=k: fp4_mma.grouped_linear(x, c, k, True) for c in copies],
-                             target_s=0.03)[0]
+            if kernels.grouped_linear(x, copies[0]) is None:
+                return {}
+            tq += time_graph([lambda c=c, x=x: kernels.grouped_linear(x, c) for c in copies], target_s=0.03)[0]
             wcs = [[wb.clone() for _, _, wb in ws] for _ in range(n_copies(per / 0.5625 * 2, l2))]
             tb += time_graph([lambda c=c, x=x: [F.linear(x, wi) for wi in c] for c in wcs], target_s=0.03)[0]
             del copies, wcs
@@ -689,10 +657,6 @@ def summarize(rows, copy_tbps, extra=None):
         s["eager_call/nvfp4_over_bf16"] = eager["nvfp4"] / eager["bf16"]
     for m, (b, q) in extra.get("grouped", {}).items():
         s[f"qwen2.5-7b/layer_grouped/M{m}/nvfp4_over_bf16"] = b / q
-    for m, (det, atomic) in extra.get("splitk", {}).items():
-        s[f"qwen2.5-7b/layer/M{m}/splitk_deterministic_us"] = det
-        s[f"qwen2.5-7b/layer/M{m}/splitk_atomic_us"] = atomic
-        s[f"qwen2.5-7b/layer/M{m}/splitk_deterministic_over_atomic"] = det / atomic
     return s
 
 
@@ -779,7 +743,7 @@ def main():
 
     extra = {}
     if "qwen2.5-7b" in args.models:
-        extra = dict(decode=decode_speed(l2), eager=eager_calls(), splitk=splitk_cost(l2), grouped=grouped_layer(l2))
+        extra = dict(decode=decode_speed(l2), eager=eager_calls(), grouped=grouped_layer(l2))
     summary = summarize(rows, copy_tbps, extra)
     result = dict(gpu=gpu, git_sha=args.git_sha or git_sha(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

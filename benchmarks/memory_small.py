@@ -54,12 +54,9 @@ def _bytes(tensors) -> int:
 
 def kernel_buffers() -> dict:
     """Bytes of the 4-bit kernels' module-level buffers: decode scratch, split-K workspaces (live and retired)."""
-    fp4 = sys.modules.get("qerl.kernels.fp4")
-    if fp4 is None:
-        return {"scratch": 0, "workspace": 0, "retired": 0}
-    return {"scratch": _bytes(fp4._SCRATCH.values()),
-            "workspace": sum(_bytes(pair) for pair in fp4._WORKSPACE.values()),
-            "retired": _bytes(fp4._RETIRED)}
+    from qerl import kernels
+
+    return kernels.buffer_bytes()
 
 
 class Probe:

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from qerl import formats
 
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
-# The formats of the paper's two 4-bit roles: QeRL is LoRA on an NVFP4 base with AQN; its baseline
-# QLoRA is LoRA on an NF4 base (bitsandbytes).
-QERL_FORMAT = "nvfp4"
-QLORA_FORMAT = "nf4"
+# The formats of the paper's two 4-bit roles (the registry's): QeRL's NVFP4, QLoRA's NF4.
+QERL_FORMAT = formats.QERL_FORMAT
+QLORA_FORMAT = formats.QLORA_FORMAT
 # BigMath subsets (qerl.data loads them): the paper trains 7B/14B on levels 3-5 and 32B on levels 4-5
 BIGMATH_CONFIGS = ("level_3_4_5", "level_4_5")
 
@@ -50,7 +49,7 @@ def table_bases() -> tuple[str, ...]:
     qerl registers its own format first (qerl.formats.names(): nvfp4, mxfp4, nf4), so the
     4-bit rows are the registry's order reversed (nf4 = QLoRA, mxfp4, nvfp4).
     """
-    return ("bf16",) + tuple(reversed(formats.names()))
+    return (formats.DENSE,) + tuple(reversed(formats.names()))
 
 
 def method_name(fmt: str, lora: bool = True, aqn: bool = False) -> str:
@@ -122,7 +121,7 @@ class TrainConfig:
     # ---- model
     model: str = "smollm2-135m-instruct"  # hub id, local HF folder, .gguf file, or the embedded default
     # The method (shorthand `method`, e.g. nvfp4_lora_aqn; see METHODS and parse_method):
-    fmt: str = "nvfp4"  # base weight format: bf16 or a registered 4-bit format (qerl.formats.names())
+    fmt: str = QERL_FORMAT  # base weight format: bf16 or a registered 4-bit format (qerl.formats.names())
     lora: bool = True  # LoRA adapters on a frozen base; False = full fine-tuning (bf16 base only)
     aqn: bool = True  # adaptive quantization noise on the norms (paper section 3.3; LoRA only)
     lora_rank: int = 32  # LoRA rank r (paper Table 4: 32; official scripts: 16)
@@ -203,7 +202,7 @@ class TrainConfig:
         check_ranges(self)
         if self.fmt not in table_bases():
             raise ValueError(f"fmt must be one of {table_bases()}, got {self.fmt!r}")
-        if not self.lora and self.fmt != "bf16":
+        if not self.lora and not formats.is_dense(self.fmt):
             raise ValueError(f"full fine-tuning (lora=False) needs the bf16 base, got fmt={self.fmt!r}")
         if self.aqn and not self.lora:
             raise ValueError("AQN (aqn=True) is for the LoRA methods; full fine-tuning has no frozen base")

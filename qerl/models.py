@@ -531,7 +531,7 @@ def build_quantized_model(config_or_name, quantize_config=None, device: str | to
             gs = fuse(list(dense.values())) if len(group) > 1 else None
             for n in group:
                 q = qlin[n]
-                if qc.fmt == "bf16":
+                if formats.is_dense(qc.fmt):
                     _set_tensor(q, "weight", dense[n])
                 else:
                     for key, t in formats.quantize(dense[n], qc.fmt, global_scale=gs).items():

@@ -367,8 +367,8 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
     df["layer_ms"] = df["ms"] * df["proj"].str.count("/").add(1)
     tab = df.pivot_table(index=["model", "op", "M"], columns="method", values="layer_ms", aggfunc="sum")
     for fmt in formats.names():
-        if fmt in tab and "bf16" in tab:
-            tab[f"bf16/{fmt}"] = tab["bf16"] / tab[fmt]
+        if fmt in tab and formats.DENSE in tab:
+            tab[f"{formats.DENSE}/{fmt}"] = tab[formats.DENSE] / tab[fmt]
     if "bf16/nvfp4" in tab:
         lin = tab.xs("linear", level="op")["bf16/nvfp4"].unstack("model")
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -505,7 +505,7 @@ def plot_decode_profile(results=RESULTS, out_dir=None, name="decode_profile", pr
     d = profile if profile is not None else load_decode_profile(results)
     if d is None or not d.get("rows"):
         return None
-    rows = sorted(d["rows"], key=lambda r: (r["batch"], r["method"] != "bf16"))
+    rows = sorted(d["rows"], key=lambda r: (r["batch"], not formats.is_dense(r["method"])))
     labels = [f"{r['method']} bs{r['batch']}" for r in rows]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     left = [0.0] * len(rows)

@@ -26,7 +26,7 @@ from qerl import formats, kernels
 
 def base_formats() -> tuple[str, ...]:
     """The base-weight formats a QuantLinear can hold: "bf16" (dense) and every registered format."""
-    return ("bf16",) + formats.names()
+    return (formats.DENSE,) + formats.names()
 
 
 def packed_shapes(fmt: str, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -66,7 +66,7 @@ class QuantLinear(nn.Module):
         backend: kernel dispatch for the 4-bit matmul ("auto", "triton", "reference").
     """
 
-    def __init__(self, in_features: int, out_features: int, fmt: str = "nvfp4", bias: bool = False,
+    def __init__(self, in_features: int, out_features: int, fmt: str = formats.QERL_FORMAT, bias: bool = False,
                  lora_rank: int = 0, lora_alpha: float | None = None, lora_dropout: float = 0.0,
                  dtype: torch.dtype = torch.bfloat16, lora_dtype: torch.dtype = torch.float32,
                  device=None, backend: str = "auto"):
@@ -77,7 +77,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
         self.in_features, self.out_features, self.fmt, self.backend = in_features, out_features, fmt, backend
         self.dtype = dtype
-        if fmt == "bf16":
+        if formats.is_dense(fmt):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                        requires_grad=False)
         else:
@@ -105,7 +105,7 @@ class QuantLinear(nn.Module):
         q.to_empty(device=w.device)
         if q.r:
             q.reset_lora_parameters()
-        if fmt == "bf16":
+        if formats.is_dense(fmt):
             q.weight.data.copy_(w)
         elif w.device.type != "meta":
             for name, t in formats.quantize(w, fmt, global_scale=global_scale).items():
@@ -122,45 +122,52 @@ class QuantLinear(nn.Module):
     # ------------------------------------------------------------------ accessors
     @property
     def kernel_cache(self) -> dict:
-        """Objects a kernel backend builds once per weight (the bitsandbytes QuantState for nf4)."""
+        """Objects a kernel backend builds once per weight (the bitsandbytes QuantState, the compute layout)."""
         cache = self.__dict__.get("_kernel_cache")
         if cache is None:
             cache = self.__dict__["_kernel_cache"] = {}
         return cache
 
     def _plan(self, x: torch.Tensor):
-        """The Triton launch plan of this weight on x's device (qerl.kernels.fp4.Plan), built once
-        and kept while the buffers are the same tensors; None when the backend is not Triton."""
+        """The Triton launch plan of this weight on x's device (kernels.make_plan), built once and
+        kept while the buffers are the same tensors; None when the backend is not Triton."""
         packed = self._buffers["weight_packed"]
         st = self.__dict__.get("_plan_state")
         if st is not None and st[0] is packed and st[1] == x.device:
             return st[2]
-        plan = None
-        if kernels.resolve_backend(self.backend, self.fmt, x.device) == "triton":
-            from qerl.kernels import fp4
-
-            t = self.packed_tensors()
-            plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), self.fmt == "nvfp4",
-                            cache=self.kernel_cache)
+        plan = kernels.make_plan(self.kernel_weight(), x.device)
         self.__dict__["_plan_state"] = (packed, x.device, plan)
         return plan
 
+    def kernel_weight(self) -> kernels.Weight | None:
+        """The packed base as the kernels take it (format, tensors, shape, backend, kernel cache);
+        None for the dense bf16 base."""
+        if formats.is_dense(self.fmt):
+            return None
+        return kernels.Weight(self.fmt, self.packed_tensors(), self.out_features, self.in_features, self.backend,
+                              self.kernel_cache)
+
+    @property
+    def adapters_active(self) -> bool:
+        """Whether forward adds the LoRA adapter (it has one and it is not disabled)."""
+        return bool(self.r and self._adapters_enabled)
+
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """The packed base tensors by their on-disk names (empty for the bf16 base)."""
-        if self.fmt == "bf16":
+        if formats.is_dense(self.fmt):
             return {}
         return {name: getattr(self, name) for name in formats.get(self.fmt).tensor_names}
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A dense copy of the base weight, for tests and export only (never used in forward)."""
         dtype = dtype or self.dtype
-        if self.fmt == "bf16":
+        if formats.is_dense(self.fmt):
             return self.weight.detach().to(dtype)
         return formats.dequantize(self.packed_tensors(), self.fmt, dtype=dtype)
 
     def base_nbytes(self) -> int:
         """Bytes of the frozen base (packed buffers or the dense weight, plus bias)."""
-        ts = [self.weight] if self.fmt == "bf16" else list(self.packed_tensors().values())
+        ts = [self.weight] if formats.is_dense(self.fmt) else list(self.packed_tensors().values())
         if self.bias is not None:
             ts.append(self.bias)
         return sum(t.numel() * t.element_size() for t in ts)
@@ -175,7 +182,7 @@ class QuantLinear(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "bf16":  # bias inside F.linear: bit-exact with nn.Linear (one rounding)
+        if formats.is_dense(self.fmt):  # bias inside F.linear: bit-exact with nn.Linear (one rounding)
             y = F.linear(x, self.weight, self.bias)
         else:
             plan = None if torch.compiler.is_compiling() else self._plan(x)

@@ -27,7 +27,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class QuantizeConfig:
     """How to turn a dense model into qerl's model (paper Table 4 for the defaults)."""
 
-    fmt: str = "nvfp4"  # base weight format: bf16 (BF16-LoRA rows) or a registered format (qerl.formats.names())
+    fmt: str = formats.QERL_FORMAT  # base weight format: bf16 (BF16-LoRA rows) or a registered format (qerl.formats.names())
     lora_rank: int = 32  # r; paper Table 4 (the official scripts use 16); 0 = no adapter
     lora_alpha: float = 64.0  # scaling = lora_alpha / lora_rank
     lora_dropout: float = 0.0
@@ -64,7 +64,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def shared_scale_fn(config: QuantizeConfig):
     """The function giving a fused group its shared global scale, or None (bf16, formats
     without a global scale, fuse_global_scales=False)."""
-    if config.fmt == "bf16" or not config.fuse_global_scales:
+    if formats.is_dense(config.fmt) or not config.fuse_global_scales:
         return None
     return formats.get(config.fmt).fused_global_scale
 

@@ -287,7 +287,7 @@ def test_fused_decode_step_launches_fewer_ops(model_type):
     n_unfused, _ = _ops_per_layer(model_type, False, 8)
     assert n_fused <= 17, ops
     assert n_unfused >= 5 * n_fused, (n_unfused, n_fused)
-    assert ops["qerl.nvfp4_linear.default"] == 7 and ops["qerl.add_rmsnorm_lora_a.default"] == 2
+    assert ops["qerl.fp4_e4m3_linear.default"] == 7 and ops["qerl.add_rmsnorm_lora_a.default"] == 2
 
 
 def test_fused_needs_a_kernel_backend(monkeypatch):

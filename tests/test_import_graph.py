@@ -24,11 +24,7 @@ FLOORS = {
 
 # Known edges that break the rules today and are being removed; each entry is (importer, imported).
 # This list must only shrink: empty it as the edges go.
-KNOWN_BAD_EDGES_TO_REMOVE = {
-    ("qerl.kernels.sampling", "qerl.rollout.common"),  # the sampler's torch reference lives upstairs
-    ("qerl.kernels.sampling", "qerl.rollout"),  # (the same import: qerl.rollout.common's package)
-    ("qerl.kernels.fp4_mma", "qerl.kernels.fp4"),  # fp4 <-> fp4_mma share private helpers
-}
+KNOWN_BAD_EDGES_TO_REMOVE: set = set()
 
 
 def modules() -> dict[str, tuple[Path, bool]]:

@@ -348,7 +348,7 @@ def test_fused_cuda_graph_agrees_with_unfused(smollm2_gpu):
     a = FastEngine(model, tok, max_seq_len=512, fused=False).generate(prompts, 64, greedy=True)
     b = FastEngine(model, tok, max_seq_len=512, fused=True).generate(prompts, 64, greedy=True)
     # log-probs, not where a near tie falls. Tolerance: any two valid bf16 paths of this model drift apart
-    # over 64 greedy tokens by 0.08-0.11 in the chosen tokens' log-probs (fp4_mma vs Triton kernels,
+    # over 64 greedy tokens by 0.08-0.11 in the chosen tokens' log-probs (the mma kernel vs the Triton kernels,
     # fused vs unfused, measured pairwise at 84dbf0d, results/gpu_tests/NOTES.md); a wrong fused graph
     # is off by far more, and the fp32 test above checks the same graphs for equality.
     assert_greedy_close(a, b, 0.15)

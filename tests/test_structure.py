@@ -20,9 +20,10 @@ from qerl import formats
 ROOT = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("qerl", "experiments", "benchmarks")
 REGISTRY = ROOT / "qerl" / "formats"
-# Kernel implementations of particular formats (the Triton FP4 kernels, the bitsandbytes NF4 bridge):
-# their per-format tuning is the kernel's own; which formats have a kernel is the registry's (spec.kernels).
-KERNEL_IMPLEMENTATIONS = (ROOT / "qerl" / "kernels" / "fp4.py", ROOT / "qerl" / "kernels" / "bnb.py")
+# Kernel implementations of particular formats (the bitsandbytes NF4 bridge, which passes bitsandbytes
+# its own quant_type name); which formats have a kernel is the registry's (spec.kernels). The FP4
+# kernels branch on the spec's scale kind, not on names.
+KERNEL_IMPLEMENTATIONS = (ROOT / "qerl" / "kernels" / "bnb.py",)
 
 
 def _repo_files() -> list[Path]:

@@ -16,15 +16,24 @@ import torch
 
 from qerl.formats import mxfp4, nf4, nvfp4
 from qerl.formats.nvfp4 import fused_global_scale, nvfp4_global_scale
-from qerl.formats.registry import FormatSpec, get, lookup, names, register, unregister, with_kernel
+from qerl.formats.registry import DENSE, FormatSpec, get, is_dense, lookup, names, register, unregister, with_kernel
 
 # The built-in formats, in the order qerl lists them.
 for _module in (nvfp4, mxfp4, nf4):
     register(_module.SPEC)
 del _module
 
+# The formats of the paper's two 4-bit roles: QeRL is LoRA on an NVFP4 base with AQN (the default
+# base everywhere); its baseline QLoRA is LoRA on an NF4 base (bitsandbytes).
+QERL_FORMAT = nvfp4.SPEC.name
+QLORA_FORMAT = nf4.SPEC.name
+
 __all__ = [
     "FormatSpec",
+    "DENSE",
+    "QERL_FORMAT",
+    "QLORA_FORMAT",
+    "is_dense",
     "register",
     "unregister",
     "get",

@@ -117,4 +117,5 @@ SPEC = FormatSpec(
     tensor_names=("weight_packed", "weight_scale"),
     packed_shapes=packed_shapes, quantize=quantize, dequantize=dequantize, export_config=export_config,
     kernels=("triton",), check_shape=check_shape,
+    code="e2m1", scale_kind="e8m0",
 )

@@ -130,4 +130,5 @@ SPEC = FormatSpec(
     tensor_names=("weight_packed", "weight_absmax"),
     packed_shapes=packed_shapes, quantize=quantize, dequantize=dequantize, export_config=export_config,
     kernels=("bitsandbytes",), check_shape=check_shape,
+    code="nf4", scale_kind="absmax",
 )

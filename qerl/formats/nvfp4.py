@@ -148,4 +148,5 @@ SPEC = FormatSpec(
     tensor_names=("weight_packed", "weight_scale", "weight_global_scale"),
     packed_shapes=packed_shapes, quantize=quantize, dequantize=dequantize, export_config=export_config,
     kernels=("triton",), fused_global_scale=fused_global_scale, check_shape=check_shape,
+    code="e2m1", scale_kind="e4m3",
 )

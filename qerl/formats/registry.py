@@ -10,9 +10,10 @@ to :func:`register`); nothing else changes:
        SPEC = FormatSpec(...); add the module to the tuple qerl/formats/__init__.py registers.
     2. It then runs everywhere on the reference path (CPU and GPU): quantize_, QuantLinear
        forward/backward, export, `python -m qerl quantize --format <fmt>`, `--method <fmt>_lora`.
-    3. A fast path is a kernel in qerl/kernels (fp4.py dispatches on the format's name) plus
-       that kernel's name in SPEC.kernels; declaring one without implementing it is an error at
-       the first matmul, never a silent fallback.
+    3. A fast path is a kernel in qerl/kernels plus that kernel's name in SPEC.kernels. The
+       kernels branch on the spec's properties (``code``, ``scale_kind``, ``has_global_scale``),
+       never on its name; declaring a kernel the properties cannot run is an error at the first
+       matmul, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ import torch
 
 # Kernel backends a format may declare (qerl.kernels implements them).
 KERNELS = ("triton", "bitsandbytes")
+# What a 4-bit code means (``code``): "e2m1" the FP4 values 0, 0.5, 1, 1.5, 2, 3, 4, 6 with a sign bit;
+# "nf4" the 16 NormalFloat levels (a lookup table); "int4" a symmetric integer.
+CODES = ("e2m1", "nf4", "int4")
+# How a block's scale is stored (``scale_kind``): "e4m3" an FP8 E4M3 byte (NVFP4, with a per-tensor
+# global divisor), "e8m0" a power-of-two exponent byte (MXFP4), "absmax" an fp32 block maximum (NF4),
+# "step" an fp32 step.
+SCALE_KINDS = ("e4m3", "e8m0", "absmax", "step")
+# The dense base of QuantLinear and the configs: not a packed format (no spec), never registrable.
+DENSE = "bf16"
 
 ShapeTable = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -60,6 +70,9 @@ class FormatSpec:
     fused_global_scale(weights) -> one shared global scale for a fused group ((q,k,v), (gate,up)),
         for formats with a per-tensor scale that vLLM reads once per fused GEMM; None otherwise.
     check_shape(shape): ValueError unless `shape` can be stored; default: 2-D, in % block_size == 0.
+    code: what a 4-bit code means (one of CODES), or None where no kernel needs to know.
+    scale_kind: how a block scale is stored (one of SCALE_KINDS), or None likewise.
+    has_global_scale (property): the weight carries a per-tensor ``weight_global_scale``.
     """
 
     name: str
@@ -73,10 +86,20 @@ class FormatSpec:
     kernels: tuple[str, ...] = ()
     fused_global_scale: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
     check_shape: Callable | None = field(default=None)
+    code: str | None = None
+    scale_kind: str | None = None
+
+    @property
+    def has_global_scale(self) -> bool:
+        return "weight_global_scale" in self.tensor_names
 
     def __post_init__(self):
-        if not self.name or not self.name.isidentifier() or self.name == "bf16":
-            raise ValueError(f"a format name must be an identifier other than 'bf16', got {self.name!r}")
+        if not self.name or not self.name.isidentifier() or self.name == DENSE:
+            raise ValueError(f"a format name must be an identifier other than {DENSE!r}, got {self.name!r}")
+        if self.code is not None and self.code not in CODES:
+            raise ValueError(f"format {self.name!r}: unknown code {self.code!r}; known: {CODES}")
+        if self.scale_kind is not None and self.scale_kind not in SCALE_KINDS:
+            raise ValueError(f"format {self.name!r}: unknown scale_kind {self.scale_kind!r}; known: {SCALE_KINDS}")
         if not self.tensor_names or self.tensor_names[0] != "weight_packed":
             raise ValueError(f"format {self.name!r}: tensor_names must start with 'weight_packed', "
                              f"got {self.tensor_names}")
@@ -127,6 +150,11 @@ def get(name: str) -> FormatSpec:
     if spec is None:
         raise ValueError(f"unknown format {name!r}; expected one of {names()}")
     return spec
+
+
+def is_dense(fmt: str) -> bool:
+    """Whether `fmt` names the dense base ("bf16": a plain weight, no packed format)."""
+    return fmt == DENSE
 
 
 def with_kernel(kernel: str) -> tuple[str, ...]:

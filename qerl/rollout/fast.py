@@ -25,7 +25,7 @@ Without CUDA (CPU tests) the same step function runs eagerly; ``cuda_graphs=Fals
 on a GPU (for debugging and for measuring what the graphs buy).
 
 Fused decode (``fused=True``, the default on CUDA): the decode step's layers run through the
-Triton kernels of qerl.kernels.fused instead of the HF-order torch ops: residual add + RMSNorm
+fused Triton kernels of qerl.kernels instead of the HF-order torch ops: residual add + RMSNorm
 (+ the stacked LoRA-A product of the Linears it feeds) in one kernel, q/k norm + rotary + KV-cache
 write in one, one bias/LoRA-B launch per group of Linears that share an input (q/k/v; gate/up,
 which also applies SiLU(gate) * up), and LoRA-A + B launches for o_proj and down_proj
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qerl.arch import SUPPORTED_MODEL_TYPES
-from qerl.kernels import fused
+from qerl.arch import FUSED_GROUPS, SUPPORTED_MODEL_TYPES
+from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, rmsnorm, rope_cache_write
 from qerl.rollout.common import (
     RolloutOutput,
     apply_stop_strings,
@@ -70,6 +70,13 @@ WINDOW = 256  # cache length granularity and the smallest attention window
 # a program per row and two A rows, each recomputing its row's norm); larger batches run the plain
 # norm and then one lora_a launch tiled over rows.
 NORM_LORA_A_MAX_M = 16
+
+
+def _fused_groups(layer) -> tuple[list, list]:
+    """The attention and MLP projections of a decoder layer that share an input ([q, k, v], [gate, up]),
+    as qerl.arch.FUSED_GROUPS lists them."""
+    groups = {parent: [getattr(getattr(layer, parent), name) for name in names] for parent, names in FUSED_GROUPS}
+    return groups["self_attn"], groups["mlp"]
 
 
 def _rotate_half(x):
@@ -221,7 +228,7 @@ class FastEngine:
         return h
 
     def _fused_layers(self, h, window, mask):
-        """The decode step's layers through qerl.kernels.fused (see the module docstring) on h [B, 1, H];
+        """The decode step's layers through the fused kernels (see the module docstring) on h [B, 1, H];
         returns the final-normed hidden state [B, H] (the final norm fused with the last residual add)."""
         b, B = self.buf, h.shape[0]
         cos, sin = self.inner.rotary_emb(h, b.pos[:, None])
@@ -230,12 +237,12 @@ class FastEngine:
         mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         res, delta = h.reshape(B, -1), None
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            attn = layer.self_attn
+            qkv, gate_up = _fused_groups(layer)
             res, x, ha = self._fused_norm(res, delta, layer.input_layernorm, qkv)
             q, k, v = grouped_linears(x, qkv, ha)
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            q = fused.rope_cache_write(q, k, v, cos, sin, b.k[i], b.v[i], b.cpos,
+            q = rope_cache_write(q, k, v, cos, sin, b.k[i], b.v[i], b.cpos,
                                        None if qn is None else qn.weight, None if kn is None else kn.weight,
                                        1e-6 if qn is None else qn.variance_epsilon)
             # one query token: the G = n_heads / n_kv query heads of a KV head are G query rows of it
@@ -243,9 +250,8 @@ class FastEngine:
             o = F.scaled_dot_product_attention(q.view(B, self.n_kv, -1, self.head_dim), b.k[i][:, :, :window],
                                                b.v[i][:, :, :window], attn_mask=mask, scale=self.scaling)
             (delta,) = grouped_linears(o.reshape(B, -1), [attn.o_proj])
-            gate_up = [mlp.gate_proj, mlp.up_proj]
             res, x, hm = self._fused_norm(res, delta, layer.post_attention_layernorm, gate_up)
-            (delta,) = grouped_linears(silu_mlp_input(x, *gate_up, hm), [mlp.down_proj])
+            (delta,) = grouped_linears(silu_mlp_input(x, *gate_up, hm), [layer.mlp.down_proj])
         return self._fused_norm(res, delta, self.inner.norm, [])[1]
 
     @staticmethod
@@ -256,10 +262,10 @@ class FastEngine:
         # NORM_LORA_A_MAX_M rows, the plain norm and one tiled lora_a launch (grouped_linears) are faster
         As = stacked_A(feeds) if feeds and res.shape[0] <= NORM_LORA_A_MAX_M else None
         if As is not None:
-            return fused.add_rmsnorm_lora_a(res, delta, w, eps, As)
+            return add_rmsnorm_lora_a(res, delta, w, eps, As)
         if delta is None:
-            return res, fused.rmsnorm(res, w, eps), None
-        return (*fused.add_rmsnorm(res, delta, w, eps), None)
+            return res, rmsnorm(res, w, eps), None
+        return (*add_rmsnorm(res, delta, w, eps), None)
 
     def _logits(self, h, normed=False):
         if not normed:

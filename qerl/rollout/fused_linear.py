@@ -1,10 +1,10 @@
 """Linears that share an input (q/k/v, gate/up) in few launches, for the fused decode step.
 
 ``grouped_linears(x, modules)`` returns [m(x) for m in modules] computed as: the modules' base
-matmuls (4-bit weights of one format at decode batches on the GPU: ONE launch of qerl.kernels.fp4_mma
-for the group; else each module's 4-bit kernel or F.linear), then ONE ``lora_a`` launch for the
-adapters of the group (stacked A, read live from the parameters) and ONE ``lora_out`` launch that
-adds bias and ``scaling * h B^T`` to every base output in place (qerl.kernels.fused). A QuantLinear
+matmuls (4-bit weights of one format at decode batches on the GPU: ONE launch of
+qerl.kernels.grouped_linear for the group; else each module's 4-bit kernel or F.linear), then ONE
+``lora_a`` launch for the adapters of the group (stacked A, read live from the parameters) and ONE
+``lora_out`` launch that adds bias and ``scaling * h B^T`` to every base output in place. A QuantLinear
 with LoRA thus costs its base GEMV plus 2/n kernels instead of base + 5 (bias add, two casts, the
 A GEMM, the B addmm). Modules the group cannot take (another Linear type, LoRA dropout in training
 mode) run their own forward.
@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl import formats, kernels
-from qerl.kernels import fused
+from qerl.kernels import lora_a, lora_out, lora_silu_mul, silu_mul
 from qerl.qlinear import QuantLinear
 
 
@@ -39,11 +39,11 @@ class _Parts:
 
 def _parts(m: nn.Module) -> _Parts | None:
     if isinstance(m, QuantLinear):
-        lora = m.r and m._adapters_enabled
+        lora = m.adapters_active
         if lora and m.training and not isinstance(m.lora_dropout, nn.Identity):
             return None  # dropout is live in training mode: the module's own forward
         A, B = (m.lora_A.weight, m.lora_B.weight) if lora else (None, None)
-        if m.fmt == "bf16":
+        if formats.is_dense(m.fmt):
             return _Parts(lambda x: F.linear(x, m.weight, m.bias), None, A, B, m.scaling)
         return _Parts(lambda x: kernels.linear(x, m.fmt, m.packed_tensors(), m.out_features, m.in_features,
                                                backend=m.backend, cache=m.kernel_cache), m.bias, A, B, m.scaling)
@@ -53,22 +53,14 @@ def _parts(m: nn.Module) -> _Parts | None:
 
 
 def _mma_group(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor] | None:
-    """The base outputs of 2-3 4-bit QuantLinears of one format on the same input in ONE launch of
-    qerl.kernels.fp4_mma (decode batches on the GPU), or None where that kernel does not apply."""
-    from qerl.kernels import fp4_mma
-
+    """The base outputs of 2-3 4-bit QuantLinears of one format on the same input in ONE launch
+    (kernels.grouped_linear: decode batches on the GPU), or None where that kernel does not apply."""
     if not 2 <= len(modules) <= 3 or not all(isinstance(m, QuantLinear) for m in modules):
         return None
-    fmt = modules[0].fmt
-    if fmt not in formats.with_kernel("triton") or any(m.fmt != fmt for m in modules):
+    weights = [m.kernel_weight() for m in modules]
+    if any(w is None for w in weights):
         return None
-    K = modules[0].in_features
-    if not fp4_mma.applies(x, K) or any(kernels.resolve_backend(m.backend, fmt, x.device) != "triton" for m in modules):
-        return None
-    ws = [fp4_mma.weight_args(m.kernel_cache, m.packed_tensors(), fmt, m.out_features) for m in modules]
-    if any(w is None for w in ws):
-        return None
-    return fp4_mma.grouped_linear(x, ws, K, fmt == "nvfp4")
+    return kernels.grouped_linear(x, weights)
 
 
 def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
@@ -104,8 +96,8 @@ def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor |
 def _epilogue(x, ys, parts, idx, has_lora, has_bias, scaling, h=None):
     """One lora_a (if LoRA and no h given) and one lora_out launch for the outputs ``idx`` (<= 3)."""
     if has_lora and h is None:
-        h = fused.lora_a(x, [parts[i].A for i in idx])
-    fused.lora_out([ys[i] for i in idx], h, [parts[i].B for i in idx] if has_lora else [],
+        h = lora_a(x, [parts[i].A for i in idx])
+    lora_out([ys[i] for i in idx], h, [parts[i].B for i in idx] if has_lora else [],
                    [parts[i].bias for i in idx] if has_bias else [], float(scaling))
 
 
@@ -115,10 +107,10 @@ def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Ten
     x = x.contiguous()
     pg, pu = _parts(gate), _parts(up)
     if pg is None or pu is None or pg.key() != pu.key() or (pg.A is None and pg.bias is None):
-        return fused.silu_mul(*grouped_linears(x, [gate, up], h))
+        return silu_mul(*grouped_linears(x, [gate, up], h))
     gu = _mma_group(x, [gate, up])
     g, u = gu if gu is not None else (pg.base(x).contiguous(), pu.base(x).contiguous())
     if pg.A is not None and h is None:
-        h = fused.lora_a(x, [pg.A, pu.A])
-    return fused.lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
+        h = lora_a(x, [pg.A, pu.A])
+    return lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
                                [pg.bias, pu.bias] if pg.bias is not None else [], float(pg.scaling))

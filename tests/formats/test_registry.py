@@ -43,7 +43,7 @@ def _dequantize(t, dtype=torch.bfloat16):
 
 
 TOY = FormatSpec(
-    name="toy4", block_size=BLOCK, bits_per_weight=4 + 32 / BLOCK,
+    name="toy4", block_size=BLOCK, bits_per_weight=4 + 32 / BLOCK, code="int4", scale_kind="step",
     tensor_names=("weight_packed", "weight_step"), packed_shapes=_shapes,
     quantize=_quantize, dequantize=_dequantize,
     export_config=lambda targets, ignore: {"quant_method": "toy", "format": "toy4",

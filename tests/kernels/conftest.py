@@ -1,7 +1,7 @@
 """Kernel tests: on a machine without CUDA, run the Triton kernels in the interpreter.
 
-TRITON_INTERPRET is read when triton.jit decorates a kernel, i.e. when qerl.kernels.fp4 is first
-imported, so it must be set here, before any test module imports it.
+TRITON_INTERPRET is read when triton.jit decorates a kernel, i.e. when a kernel module of qerl.kernels
+is first imported, so it must be set here, before any test module imports it.
 """
 
 import os

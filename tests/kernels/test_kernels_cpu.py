@@ -15,7 +15,7 @@ from qerl import formats, kernels
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRET:
     # Import (and jit) the kernels now, while TRITON_INTERPRET=1: a test below unsets it.
-    import qerl.kernels.fp4  # noqa: F401
+    import qerl.kernels.ops  # noqa: F401
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (CPU run)")
 
 
@@ -91,12 +91,12 @@ def test_triton_backend_never_falls_back(monkeypatch):
 
 
 def test_auto_uses_reference_on_cpu(monkeypatch):
-    import qerl.kernels.fp4 as fp4
+    from qerl.kernels import ops
 
     def boom(*a, **k):
         raise AssertionError("auto must not pick triton for CPU tensors")
 
-    monkeypatch.setattr(fp4, "linear", boom)
+    monkeypatch.setattr(ops, "linear", boom)
     t, w = quantized("mxfp4", 32, 64)
     x = torch.randn(2, 64)
     assert rel_err(kernels.linear(x, "mxfp4", t, 32, 64), x.double() @ w.T) < 1e-6
@@ -129,13 +129,9 @@ def test_triton_matches_reference(fmt, n, k):
 @needs_interpreter
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("kind", ["gemv", "gemv-bf16", "dot", "dot-bf16", "dot-noswap"])
-@pytest.mark.parametrize("atomic", [False, True])
-def test_split_k_reduces_and_leaves_workspace_clean(fmt, kind, atomic, monkeypatch):
-    """Deterministic split-K (default: partials summed in split order) and the opt-in atomic mode:
-    both reduce correctly and leave the counters (atomic: also the workspace) zeroed."""
-    from qerl.kernels import fp4
-
-    monkeypatch.setattr(fp4, "SPLITK_ATOMIC", atomic)
+def test_split_k_reduces_and_leaves_workspace_clean(fmt, kind):
+    """Split-K (partials summed in split order) reduces correctly and leaves the counters zeroed."""
+    from qerl.kernels import common, ops
 
     n, k = 40, 384
     t, w = quantized(fmt, n, k)
@@ -153,13 +149,11 @@ def test_split_k_reduces_and_leaves_workspace_clean(fmt, kind, atomic, monkeypat
     for m in (1, 3):  # BLOCK_M = 1 (prefetched x words) and BLOCK_M = 4
         for _ in range(2):  # the second call sees the workspace the first one left behind
             bm = cfg["BLOCK_M"] if kind == "dot" else (1 if m == 1 else 4)
-            y = fp4.launch_linear(x[:m], *args, kind=kind, config=dict(cfg, BLOCK_M=bm),
+            y = ops.launch_linear(x[:m], *args, kind=kind, config=dict(cfg, BLOCK_M=bm),
                                   split_k=3)
             assert rel_err(y, ref[:m]) < tol
-    ws, cnt = fp4._WORKSPACE[(str(x.device), atomic)]
+    _, cnt = common._WORKSPACE[str(x.device)]
     assert not cnt.any()
-    if atomic:
-        assert not ws.any()
 
 
 @needs_interpreter
@@ -189,11 +183,11 @@ def test_custom_ops_trace_under_torch_compile():
 
 
 @needs_interpreter
-def test_opcheck_nvfp4_linear():
+def test_opcheck_e4m3_linear():
     n, k = 16, 32
     t, _ = quantized("nvfp4", n, k)
     x = torch.randn(2, k, requires_grad=True)
-    torch.library.opcheck(torch.ops.qerl.nvfp4_linear.default,
+    torch.library.opcheck(torch.ops.qerl.fp4_e4m3_linear.default,
                           # the scale as raw bytes: opcheck's schema test multiplies inputs,
                           # which CPU torch cannot do for float8 (the op accepts either).
                           (x, t["weight_packed"], t["weight_scale"].view(torch.uint8),

@@ -58,7 +58,7 @@ def test_every_model_linear_shape(fmt):
 def test_gemv_paths(fmt):
     """The packed-decode GEMV kernel at every M it can serve: bf16 activations (bf16x2 FMAs) and
     fp32 activations (fp32 FMAs, held to a tighter tolerance), odd shapes, forced split-K."""
-    from qerl.kernels import fp4
+    from qerl.kernels import ops
 
     torch.backends.cuda.matmul.allow_tf32 = False
     for n, k in [(3584, 3584), (512, 3584), (1000, 4128), (48, 96)]:
@@ -70,7 +70,7 @@ def test_gemv_paths(fmt):
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 ref = x.float() @ wd.T
                 for split in (None, 3):
-                    y = fp4.launch_linear(x, *args, kind="gemv", split_k=split)
+                    y = ops.launch_linear(x, *args, kind="gemv", split_k=split)
                     assert rel_err(y, ref) < tol, (n, k, m, dtype, split)
 
 
@@ -78,7 +78,7 @@ def test_gemv_paths(fmt):
 def test_dot_paths(fmt):
     """The tensor-core kernels in each operand order (SWAP_AB), ragged shapes, skinny (split-K)
     and tiled M, bf16 and fp32 x; grad-input in bf16 and fp32."""
-    from qerl.kernels import fp4
+    from qerl.kernels import ops
 
     torch.backends.cuda.matmul.allow_tf32 = False
     for n, k in [(3584, 3584), (1000, 4128), (200, 352)]:
@@ -92,11 +92,11 @@ def test_dot_paths(fmt):
                 ref = x.float() @ wd.T
                 ref_g = dy.float() @ wd
                 for swap in (True, False):
-                    cfg = fp4.pick_config("dot", m, n, k, fmt == "nvfp4")
+                    cfg = ops.pick_config("dot", m, n, k, fmt == "nvfp4")
                     cfg.update(SWAP_AB=swap)
-                    y = fp4.launch_linear(x, *args, kind="dot", config=cfg)
+                    y = ops.launch_linear(x, *args, kind="dot", config=cfg)
                     assert rel_err(y, ref) < TOL, (n, k, m, dtype, swap)
-                g = fp4.launch_grad_input(dy, *args)  # fp32: 32-row tiles (Triton 3.6 limit)
+                g = ops.launch_grad_input(dy, *args)  # fp32: 32-row tiles (Triton 3.6 limit)
                 assert rel_err(g, ref_g) < TOL, ("grad", n, k, m, dtype)
 
 

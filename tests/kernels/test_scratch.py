@@ -12,7 +12,7 @@ from qerl import formats, kernels
 
 INTERPRET = __import__("os").environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRET:
-    import qerl.kernels.fp4  # noqa: F401  (jit while TRITON_INTERPRET=1)
+    import qerl.kernels.ops  # noqa: F401  (jit while TRITON_INTERPRET=1)
 needs_kernels = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
                                    reason="needs TRITON_INTERPRET=1 or a GPU")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,9 +41,9 @@ def _special(t, fmt):
 
 def _decode_configs(fmt):
     """Both decode kernels: element stores (PAIRS off) and int32 pair stores (PAIRS on, bf16 only)."""
-    from qerl.kernels import fp4
+    from qerl.kernels import scratch
 
-    base = fp4.DECODE_CONFIG[fmt == "nvfp4"]
+    base = scratch.DECODE_CONFIG[fmt == "nvfp4"]
     return [dict(base, PAIRS=False), dict(base, PAIRS=True)]
 
 
@@ -52,7 +52,7 @@ def _decode_configs(fmt):
 @pytest.mark.parametrize("n,k", [(48, 128), (37, 192), (130, 256)])
 @pytest.mark.parametrize("pairs", [False, True])
 def test_decode_is_dequantize_bit_for_bit(fmt, n, k, pairs):
-    from qerl.kernels import fp4
+    from qerl.kernels import scratch
 
     t = _special(formats.quantize(torch.randn(n, k, device=DEV) * 0.02, fmt), fmt)
     args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
@@ -60,26 +60,26 @@ def test_decode_is_dequantize_bit_for_bit(fmt, n, k, pairs):
     cfg = _decode_configs(fmt)[pairs]
     for dt in (torch.bfloat16, torch.float32):
         ref = formats.dequantize(t, fmt, dtype=dt)
-        assert _same_bits(fp4.decode(*args, dtype=dt, config=cfg), ref)
-        sub = fp4.decode(*args, dtype=dt, rows=(3, n - 1), cols=(blk, k - blk), config=cfg)
+        assert _same_bits(scratch.decode(*args, dtype=dt, config=cfg), ref)
+        sub = scratch.decode(*args, dtype=dt, rows=(3, n - 1), cols=(blk, k - blk), config=cfg)
         assert _same_bits(sub, ref[3:n - 1, blk:k - blk])
         # into a strided slice of a wider buffer (the scratch's column chunks are such views)
         wide = torch.full((n, k + 2 * blk), float("nan"), dtype=dt, device=DEV)
-        fp4.decode(*args, dtype=dt, cols=(blk, k), out=wide[:, 2 * blk:k + blk], config=cfg)
+        scratch.decode(*args, dtype=dt, cols=(blk, k), out=wide[:, 2 * blk:k + blk], config=cfg)
         assert _same_bits(wide[:, 2 * blk:k + blk], ref[:, blk:])
         assert wide[:, :2 * blk].isnan().all() and wide[:, k + blk:].isnan().all()  # nothing written outside
     with pytest.raises(ValueError, match="blocks"):
-        fp4.decode(*args, cols=(1, k))
+        scratch.decode(*args, cols=(1, k))
 
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("chunk", [None, 64 * 128 * 4])
 def test_scratch_path_matches_reference_and_reuses_one_buffer(fmt, chunk, monkeypatch):
-    from qerl.kernels import fp4
+    from qerl.kernels import ops, scratch
 
-    monkeypatch.setattr(fp4, "SCRATCH_CHUNK_BYTES", chunk)
-    fp4.release_scratch()
+    monkeypatch.setattr(scratch, "SCRATCH_CHUNK_BYTES", chunk)
+    scratch.release_scratch()
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     n, k = 200, 384
     t = formats.quantize(torch.randn(n, k, device=DEV) * 0.02, fmt)
@@ -87,37 +87,37 @@ def test_scratch_path_matches_reference_and_reuses_one_buffer(fmt, chunk, monkey
     w = formats.dequantize(t, fmt, dtype=torch.float32).double()
     x = torch.randn(2, 5, k, device=DEV, dtype=dt)
     dy = torch.randn(2, 5, n, device=DEV, dtype=dt)
-    y = fp4.launch_linear(x, *args, kind="scratch")
-    dx = fp4.launch_grad_input(dy, *args, kind="scratch")
+    y = ops.launch_linear(x, *args, kind="scratch")
+    dx = ops.launch_grad_input(dy, *args, kind="scratch")
     tol = 1e-2 if dt == torch.bfloat16 else 1e-6
     for out, ref in ((y, x.double() @ w.T), (dx, dy.double() @ w)):
         assert out.shape == ref.shape and out.dtype == dt
         assert float((out.double() - ref).norm() / ref.norm()) < tol
-    held = fp4.scratch_bytes(DEV)
+    held = scratch.scratch_bytes(DEV)
     elem = torch.tensor([], dtype=dt).element_size()
     assert 0 < held <= n * k * elem  # one buffer, at most the whole weight
     if chunk is not None:
         assert held < n * k * elem  # chunked: smaller than the weight
-    fp4.launch_linear(x, *args, kind="scratch")
-    assert fp4.scratch_bytes(DEV) == held  # reused, not grown
-    fp4.release_scratch()
-    assert fp4.scratch_bytes(DEV) == 0
+    ops.launch_linear(x, *args, kind="scratch")
+    assert scratch.scratch_bytes(DEV) == held  # reused, not grown
+    scratch.release_scratch()
+    assert scratch.scratch_bytes(DEV) == 0
 
 
 @needs_kernels
 def test_scratch_is_chosen_by_m(monkeypatch):
-    from qerl.kernels import fp4
+    from qerl.kernels import ops, scratch
 
     calls = []
-    monkeypatch.setattr(fp4, "scratch_linear", lambda *a: calls.append("linear") or a[-1])
-    monkeypatch.setattr(fp4, "scratch_grad_input", lambda *a: calls.append("grad") or a[-1])
+    monkeypatch.setattr(scratch, "scratch_linear", lambda *a: calls.append("linear") or a[-1])
+    monkeypatch.setattr(scratch, "scratch_grad_input", lambda *a: calls.append("grad") or a[-1])
     t = formats.quantize(torch.randn(64, 128, device=DEV) * 0.02, "nvfp4")
     args = (t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
-    big = fp4.SCRATCH_MIN_M[("linear", "nvfp4")]
-    fp4.launch_linear(torch.randn(big, 128, device=DEV), *args)
-    fp4.launch_grad_input(torch.randn(fp4.SCRATCH_MIN_M[("grad_input", "nvfp4")], 64, device=DEV), *args)
+    big = scratch.SCRATCH_MIN_M["linear"]
+    ops.launch_linear(torch.randn(big, 128, device=DEV), *args)
+    ops.launch_grad_input(torch.randn(scratch.SCRATCH_MIN_M["grad_input"], 64, device=DEV), *args)
     assert calls == ["linear", "grad"]
-    fp4.launch_linear(torch.randn(1, 128, device=DEV), *args)
+    ops.launch_linear(torch.randn(1, 128, device=DEV), *args)
     assert calls == ["linear", "grad"]
 
 
@@ -126,7 +126,7 @@ def test_scratch_is_chosen_by_m(monkeypatch):
 def test_quantlinear_plan_path(m, monkeypatch):
     """QuantLinear's cached plan: same output as the dispatch point, autograd only when needed,
     rebuilt when the buffers are replaced."""
-    from qerl.kernels import fp4
+    from qerl.kernels.plan import Plan
     from qerl.qlinear import QuantLinear
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -137,7 +137,7 @@ def test_quantlinear_plan_path(m, monkeypatch):
     y = q(x)
     assert torch.equal(y, ref) and y.grad_fn is not None or not y.requires_grad
     plan = q.__dict__["_plan_state"][2]
-    assert isinstance(plan, fp4.Plan)
+    assert isinstance(plan, Plan)
     q(x)
     assert q.__dict__["_plan_state"][2] is plan  # cached
     xg = x.clone().requires_grad_(True)
@@ -152,15 +152,13 @@ def test_quantlinear_plan_path(m, monkeypatch):
 
 @needs_kernels
 def test_split_k_is_deterministic():
-    """Default split-K sums the partials in split order: repeated calls agree bit for bit."""
-    from qerl.kernels import fp4
-
-    assert not fp4.SPLITK_ATOMIC
+    """Split-K sums the partials in split order: repeated calls agree bit for bit."""
+    from qerl.kernels import ops
     n, k = 40, 512
     t = formats.quantize(torch.randn(n, k, device=DEV) * 0.02, "nvfp4")
     args = (t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
     x = torch.randn(3, k, device=DEV)
-    ys = [fp4.launch_linear(x, *args, kind="dot", split_k=4,
+    ys = [ops.launch_linear(x, *args, kind="dot", split_k=4,
                             config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1))
           for _ in range(3)]
     assert all(torch.equal(ys[0], y) for y in ys)
@@ -173,46 +171,14 @@ def test_split_k_is_deterministic():
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k", [(18944, 3584), (3584, 18944), (1000, 4128)])
 def test_decode_bit_exact_gpu(fmt, n, k):
-    from qerl.kernels import fp4
+    from qerl.kernels import scratch
 
     t = _special(formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt), fmt)
     args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
     for dt in (torch.bfloat16, torch.float32):
         ref = formats.dequantize(t, fmt, dtype=dt)
         for cfg in _decode_configs(fmt):
-            assert _same_bits(fp4.decode(*args, dtype=dt, config=cfg), ref), cfg
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("chunk", [None, 1 << 20])
-def test_overlapped_scratch_matches_and_captures(chunk, monkeypatch):
-    """QERL_SCRATCH_OVERLAP: decodes on a side stream into two slots: the same result as the same
-    chunks decoded in line, eagerly and replayed from a CUDA graph."""
-    from qerl.kernels import fp4
-
-    n, k, m = 3000, 1024, 300
-    t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, "nvfp4")
-    args = (t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setattr(fp4, "SCRATCH_CHUNK_BYTES", chunk if chunk else None)
-    ref = [fp4.launch_linear(x, *args, kind="scratch"), fp4.launch_grad_input(dy, *args, kind="scratch")]
-    w = formats.dequantize(t, "nvfp4", dtype=torch.float32)
-    monkeypatch.setattr(fp4, "SCRATCH_OVERLAP", True)
-    outs = [fp4.launch_linear(x, *args, kind="scratch"), fp4.launch_grad_input(dy, *args, kind="scratch")]
-    for o, r, exact in zip(outs, ref, (x.float() @ w.T, dy.float() @ w)):
-        assert float((o.float() - exact).norm() / exact.norm()) < 1e-2
-        if chunk:  # same chunks, same GEMMs: bit for bit
-            assert torch.equal(o, r)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = fp4.launch_linear(x, *args, kind="scratch")
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.cuda.synchronize()
-    exact = x.float() @ w.T
-    assert float((y.float() - exact).norm() / exact.norm()) < 1e-2
+            assert _same_bits(scratch.decode(*args, dtype=dt, config=cfg), ref), cfg
 
 
 @pytest.mark.gpu
@@ -220,7 +186,7 @@ def test_overlapped_scratch_matches_and_captures(chunk, monkeypatch):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_seeded_rollout_repeats_token_for_token(fmt):
     """A rollout with a fixed seed gives the same tokens (and log-probs) twice: the 4-bit kernels'
-    split-K reductions run in a fixed order (issue 14)."""
+    split-K reductions run in a fixed order."""
     import importlib.util
     from pathlib import Path
 
@@ -249,22 +215,23 @@ def test_plan_scratch_fast_path_equals_scratch_path(fmt):
     """Plan.linear / Plan.grad_input at large M keep the decode launch in the plan: bitwise the
     results of the scratch path, the decoded weight is dequantize's, and no scratch is held
     by the plan (release_scratch frees it; the next call decodes into a new one)."""
-    from qerl.kernels import fp4
+    from qerl.kernels import ops, scratch
+    from qerl.kernels.plan import Plan
 
     n, k = 256, 384
     t = formats.quantize(torch.randn(n, k, device=DEV) * 0.02, fmt)
     args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
-    plan = fp4.Plan(*args)
+    plan = Plan(*args)
     for dt in (torch.float32, torch.bfloat16):
-        m = max(fp4.SCRATCH_MIN_M[("linear", fmt)], 130)
+        m = max(scratch.SCRATCH_MIN_M["linear"], 130)
         x, dy = torch.randn(m, k, device=DEV).to(dt), torch.randn(m, n, device=DEV).to(dt)
-        assert torch.equal(plan.linear(x), fp4.launch_linear(x, *args, kind="scratch"))
-        assert torch.equal(plan.grad_input(dy), fp4.launch_grad_input(dy, *args, kind="scratch"))
+        assert torch.equal(plan.linear(x), ops.launch_linear(x, *args, kind="scratch"))
+        assert torch.equal(plan.grad_input(dy), ops.launch_grad_input(dy, *args, kind="scratch"))
         assert _same_bits(plan.decoded(dt), formats.dequantize(t, fmt, dtype=dt))
-        fp4.release_scratch()
-        assert fp4.scratch_bytes(DEV) == 0
-        assert torch.equal(plan.linear(x), fp4.launch_linear(x, *args, kind="scratch"))
-    fp4.release_scratch()
+        scratch.release_scratch()
+        assert scratch.scratch_bytes(DEV) == 0
+        assert torch.equal(plan.linear(x), ops.launch_linear(x, *args, kind="scratch"))
+    scratch.release_scratch()
 
 
 @pytest.mark.gpu
@@ -274,23 +241,24 @@ def test_plan_direct_launches_gpu(fmt, monkeypatch):
     """The plan's DirectLaunch (second and later calls skip Triton's launch path): bitwise the normal
     launch at every small-M kind, with fresh inputs each call, a misaligned input (falls back), under
     CUDA-graph capture, and for the decode of the large-M path across release_scratch(). The Triton
-    kernels only (fp4_mma off; its plan launches: tests/kernels/test_fp4_mma.py)."""
-    from qerl.kernels import fp4, fp4_mma
+    kernels only (the tensor-core mma kernel off; its plan launches: tests/kernels/test_mma.py)."""
+    from qerl.kernels import mma, ops, scratch
+    from qerl.kernels.plan import Plan
 
-    monkeypatch.setattr(fp4_mma, "ENABLED", False)
+    monkeypatch.setattr(mma, "applies", lambda x, k: False)
 
     n, k = 1000, 4128
     t = formats.quantize(torch.randn(n, k, device="cuda") * 0.02, fmt)
     args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
-    plan = fp4.Plan(*args)
+    plan = Plan(*args)
     for m in (1, 2, 8, 16, 64):
         for _ in range(3):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            assert torch.equal(plan.linear(x), fp4.launch_linear(x, *args)), m
+            assert torch.equal(plan.linear(x), ops.launch_linear(x, *args)), m
         assert any(key[0] == m and d is not None for key, d in plan._direct.items()), m
         big = torch.randn(m * k + 1, device="cuda", dtype=torch.bfloat16)
         xm = big[1:].view(m, k)  # 2-byte offset: not 16-byte aligned -> the normal launch
-        assert torch.equal(plan.linear(xm), fp4.launch_linear(xm.contiguous(), *args))
+        assert torch.equal(plan.linear(xm), ops.launch_linear(xm.contiguous(), *args))
     x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
     plan.linear(x)
     torch.cuda.synchronize()
@@ -301,12 +269,12 @@ def test_plan_direct_launches_gpu(fmt, monkeypatch):
         x.copy_(torch.randn_like(x))
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, fp4.launch_linear(x, *args))
+        assert torch.equal(y, ops.launch_linear(x, *args))
     del g
     xb = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
-        assert torch.equal(plan.linear(xb), fp4.launch_linear(xb, *args, kind="scratch"))
-        assert torch.equal(plan.grad_input(dy), fp4.launch_grad_input(dy, *args, kind="scratch"))
-        fp4.release_scratch()
-        assert fp4.scratch_bytes("cuda") == 0 and not plan._decode
+        assert torch.equal(plan.linear(xb), ops.launch_linear(xb, *args, kind="scratch"))
+        assert torch.equal(plan.grad_input(dy), ops.launch_grad_input(dy, *args, kind="scratch"))
+        scratch.release_scratch()
+        assert scratch.scratch_bytes("cuda") == 0 and not plan._decode

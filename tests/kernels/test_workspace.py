@@ -11,33 +11,33 @@ import pytest
 import torch
 
 from qerl import formats, kernels
-from qerl.kernels import fp4
+from qerl.kernels import common, ops
 
 
 def test_outgrown_workspace_is_retired_not_freed():
     dev = torch.device("cpu")
-    ws, cnt = fp4._workspace(dev, 0, 0)
+    ws, cnt = common.workspace(dev, 0, 0)
     ptrs = (ws.data_ptr(), cnt.data_ptr())
-    ws2, cnt2 = fp4._workspace(dev, ws.numel() + 1, cnt.numel() + 1)
+    ws2, cnt2 = common.workspace(dev, ws.numel() + 1, cnt.numel() + 1)
     assert ws2.numel() >= 2 * ws.numel() and cnt2.numel() >= 2 * cnt.numel()
     del ws, cnt
-    retired = {t.data_ptr() for t in fp4._RETIRED}
+    retired = {t.data_ptr() for t in common.RETIRED}
     assert set(ptrs) <= retired, "an outgrown workspace was dropped (a captured graph may still use it)"
-    assert fp4._workspace(dev, 1, 1)[0].data_ptr() == ws2.data_ptr()  # smaller requests reuse the live one
+    assert common.workspace(dev, 1, 1)[0].data_ptr() == ws2.data_ptr()  # smaller requests reuse the live one
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4"])
 def test_unsplit_launch_does_not_grow_workspace(fmt):
-    if not fp4.INTERPRETED and not torch.cuda.is_available():
+    if not common.INTERPRETED and not torch.cuda.is_available():
         pytest.skip("needs the Triton interpreter or a GPU")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n, k = 96, 128
     t = formats.quantize(torch.randn(n, k, device=dev) * 0.02, fmt)
-    before = fp4._workspace(dev, 0, 0)[0].data_ptr()
+    before = common.workspace(dev, 0, 0)[0].data_ptr()
     x = torch.randn(4096, k, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     y = kernels.linear(x, fmt, t, n, k, backend="triton")  # 4096 x 96 outputs > the initial workspace
     assert y.shape == (4096, n)
-    assert fp4._workspace(dev, 0, 0)[0].data_ptr() == before
+    assert common.workspace(dev, 0, 0)[0].data_ptr() == before
 
 
 @pytest.mark.gpu
@@ -54,8 +54,8 @@ def test_graph_replay_survives_workspace_growth(fmt):
         out = kernels.linear(x, fmt, t, n, k, backend="triton")
     args = (t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), fmt == "nvfp4")
     for m in (64, 256, 1024):  # split-K launches with more outputs: the workspace grows
-        fp4.launch_linear(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), *args, kind="dot", split_k=4)
-    assert fp4._RETIRED, "the workspace did not grow: the test does not exercise the failure"
+        ops.launch_linear(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), *args, kind="dot", split_k=4)
+    assert common.RETIRED, "the workspace did not grow: the test does not exercise the failure"
     junk = [torch.full((1 << 22,), 1e4, device="cuda") for _ in range(16)]  # reuse any freed memory
     x.copy_(torch.randn_like(x))
     g.replay()

@@ -1,61 +1,35 @@
-"""Tensor-core W4A16 kernel for small M (decode batches) on a compute layout made for it (issue 14).
-
-The compressed-tensors layout (``weight_packed`` [N, K/2], ``weight_scale`` [N, K/B]) keeps each
-row's bytes in K order. A tensor-core kernel wants instead each lane's ``mma.m16n8k16`` fragment in
-one vector load. ``to_compute_layout`` rewrites a weight (once: the first small-M call that needs it
-makes it and ``cached_layout`` keeps it in the module's kernel cache, beside the on-disk buffers,
-which stay the module's state for export, ``state_dict``, AQN and the training kernels) into:
-
-  - packed: uint8 [Np/16, Kp/64, 8 (g), 4 (c), 16]: for each 16-row x 64-column block, lane
-    (g, c) of a warp reads 16 contiguous bytes: exactly its A fragments of ``mma.m16n8k16`` (and of
-    the warpgroup ``wgmma``, whose register A operand has the same per-warp fragments) for the four
-    16-column steps t of the block, in natural column order. Word t holds rows g + 8 h (h = 0, 1),
-    columns 64 kb + 16 t + 8 q + 2 c + e; its nibble i (i < 4) is (h = i & 1, q = i >> 1, e = 0)
-    and nibble i + 4 the same with e = 1, so that ``(w << s) & mask`` turns it into one bf16x2
-    register of the fragment.
-  - scales: uint8 [Np/16, Kp/64, 8 (g), 4 (t), 2 (h)]: the scale of row g + 8 h's weights of step t
-    (its NVFP4 block; an MXFP4 block covers two steps and is stored twice). The four lanes c of a
-    row read the same 8 bytes. NVFP4 stores t = ((F - 236) << 3) | mmm, F and mmm the exponent field
-    and mantissa of the bf16 equal to the E4M3 scale times 2^119 (exact, every E4M3 value), t = 0
-    for a zero scale; the kernel makes the bf16 with one multiply-add. MXFP4 keeps the E8M0 byte.
-
-K keeps its natural order: the activations are read as they are (the warpgroup kernel stages them
-into shared memory with asynchronous copies). Padding rows / columns are zero.
-``from_compute_layout`` is the exact inverse (tests: bit for bit).
+"""The tensor-core FP4 kernel for small M (decode batches) on the compute layout (qerl.kernels.layout).
 
 Exactness: the kernel decodes an E2M1 code c to the bf16 c * 2^-126 (bits placed, subnormal for
 0.5) and multiplies it by the scale's bf16 (E4M3 * 2^119 or 2^(e - 63)) with one bf16x2 FMA per
-two weights: the weight times 2^-7 (2^-62), exactly. The powers of two and the NVFP4 global divisor
+two weights: the weight times 2^-7 (2^-62), exactly. The powers of two and the global divisor
 come off in the epilogue; the tensor cores accumulate in fp32.
 
 The kernel (Gluon, Triton's explicit-layout dialect): the activation tiles (and from BM = 32 the
 weight and scale bytes) go through a ring of shared-memory buffers filled by asynchronous 16-byte
 copies; each lane decodes its 16 weight bytes with inline PTX straight into the MMA's A operand
-(every layout conversion free: ``python -m benchmarks.compile_check_sm90 mma`` shows no shuffles).
-Up to M = 32 it multiplies with ``mma_v2`` (mma.sync; activations by ldmatrix); above, on sm_90,
-with the warpgroup MMA (A from registers, B the shared activation tile), waited at once (left in
-flight across the next decode, its register operand came out corrupted: results/kernels/NOTES.md).
+(every layout conversion free: the sm_90 compile check shows no shuffles). Up to M = 32 it
+multiplies with ``mma_v2`` (mma.sync; activations by ldmatrix); above, on sm_90, with the
+warpgroup MMA (A from registers, B the shared activation tile), waited at once (left in flight
+across the next decode, its register operand came out corrupted: results/kernels/NOTES.md).
 Split-K partial sums are reduced in a fixed order. ``grouped_linear`` runs up to three weights that
 share an input in one launch. Dispatch (``applies``): bf16 inputs, K and row stride multiples of 8,
-16-byte aligned, no autograd through x, not while torch.compile traces; 1 <= M <= MMA_MAX_M on sm_80+,
-up to WGMMA_MAX_M on sm_90; ``QERL_MMA=0`` turns it off. Measurements: results/kernels/NOTES.md.
+16-byte aligned, no autograd through x, not while torch.compile traces; 1 <= M <= MMA_MAX_M on
+sm_80+, up to WGMMA_MAX_M on sm_90. Measurements: results/kernels/NOTES.md.
 
 Requires Gluon (triton >= 3.6) and a GPU with mma.sync bf16 (sm_80+); ``available()`` says whether
 it can run. Not run under TRITON_INTERPRET: the CPU tests check the layout, its inverse and a torch
-emulation of the kernel's arithmetic; the GPU tests the kernel against the fp32 reference.
+emulation of the kernel's arithmetic (``layout.decode_reference``); the GPU tests the kernel
+against the fp32 reference.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-KBLOCK = 64  # columns of a compute-layout block
-RBLOCK = 16  # rows of a compute-layout block
-T_OFFSET = 236  # bf16 exponent field of the NVFP4 scale byte's zero point (see the module docstring)
-LAYOUT_CHUNK_ROWS = 1024  # rows to_compute_layout converts at a time (a multiple of RBLOCK)
+from qerl.kernels import common
+from qerl.kernels.layout import to_compute_layout
 
 try:  # Gluon: triton >= 3.6
     from triton.experimental import gluon
@@ -68,121 +42,6 @@ try:  # Gluon: triton >= 3.6
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
-
-
-# ----------------------------------------------------------------------------------------------
-# the compute layout and its inverse (torch, any device)
-
-
-def _pad_to(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def nvfp4_scale_code(scale_u8: torch.Tensor) -> torch.Tensor:
-    """E4M3 scale bytes -> the compute layout's byte t (see the module docstring); uint8."""
-    s = scale_u8.to(torch.int32)
-    e, m = (s >> 3) & 0xF, s & 0x7
-    # bf16 of E4M3 * 2^119: normal E4M3 (e >= 1): exponent e - 7 + 119 -> field e + 239, mantissa m;
-    # subnormal (e == 0): m * 2^-9 * 2^119 = m * 2^110 -> normalise m (1..7)
-    top = torch.where(m >= 4, 2, torch.where(m >= 2, 1, 0))  # floor(log2(m)) for m >= 1
-    F = torch.where(e > 0, e + 239, 237 + top)
-    mant = torch.where(e > 0, m, (m << (3 - top)) & 0x7)
-    t = ((F - T_OFFSET) << 3) | mant
-    zero = (s & 0x7F) == 0
-    return torch.where(zero, 0, t).to(torch.uint8)
-
-
-def nvfp4_scale_from_code(t: torch.Tensor, sign: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of ``nvfp4_scale_code`` (uint8 E4M3 bytes; sign: the original sign bits, 0 or 0x80)."""
-    t = t.to(torch.int32)
-    F, mant = (t >> 3) + T_OFFSET, t & 0x7
-    e = torch.where(F >= 240, F - 239, 0)
-    # subnormal: m * 2^(F - 237 ... ) -> m = (1.mant) >> (3 - (F - 237))
-    sub = ((8 | mant) >> (3 - (F - 237).clamp(0, 3))) & 0x7
-    m = torch.where(F >= 240, mant, sub)
-    out = torch.where(t == 0, 0, (e << 3) | m)
-    if sign is not None:
-        out = out | sign.to(torch.int32)
-    return out.to(torch.uint8)
-
-
-def compute_layout_ok(packed: torch.Tensor, scale: torch.Tensor, is_nv: bool) -> str | None:
-    """None if the weight has an exact compute layout, else why not (NaN scales; a zero scale with
-    non-zero codes, which the kernel's t = 0 could not keep at zero)."""
-    s = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
-    if is_nv:
-        if bool(((s & 0x7F) == 0x7F).any()):
-            return "NaN block scales"
-        zero = (s & 0x7F) == 0
-    else:
-        if bool((s == 0xFF).any()):
-            return "NaN block scales"
-        zero = s == 0
-        if bool((s > 190).any()):
-            return "MXFP4 block scales above 2^63"
-    if bool(zero.any()):
-        B = 16 if is_nv else 32
-        N, KH = packed.shape
-        codes = packed.view(N, KH * 2 // B, B // 2)
-        if bool(((codes != 0).any(-1) & zero).any()):
-            return "zero block scales with non-zero codes"
-    return None
-
-
-def to_compute_layout(packed: torch.Tensor, scale: torch.Tensor, is_nv: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed, scales) in the compute layout (see the module docstring), on packed's device."""
-    N, KH = packed.shape
-    K = 2 * KH
-    Np, Kp = _pad_to(N, RBLOCK), _pad_to(K, KBLOCK)
-    s = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
-    B = 16 if is_nv else 32
-    out = torch.empty(Np // 16, Kp // 64, 8, 4, 16, dtype=torch.uint8, device=packed.device)
-    step = LAYOUT_CHUNK_ROWS  # rows at a time: the int32 codes are 8 bytes a weight while they exist
-    for r0 in range(0, Np, step):
-        r1 = min(r0 + step, Np)
-        # codes [rows, Kp]: one uint8 per weight (padding: code 0)
-        codes = torch.zeros(r1 - r0, Kp, dtype=torch.uint8, device=packed.device)
-        src = packed[r0:min(r1, N)]
-        codes[:src.shape[0], :K:2] = src & 0xF
-        codes[:src.shape[0], 1:K:2] = src >> 4
-        # [nb, h, g, kb, t, q, c, e] -> [nb, kb, g, c, t, nibble = (e, q, h)]
-        nb = (r1 - r0) // 16
-        c8 = codes.view(nb, 2, 8, Kp // 64, 4, 2, 4, 2).permute(0, 3, 2, 6, 4, 7, 5, 1)
-        c8 = c8.reshape(nb, Kp // 64, 8, 4, 4, 8).to(torch.int32)  # nibble index i = 4 e + 2 q + h
-        words = torch.zeros(c8.shape[:-1], dtype=torch.int32, device=packed.device)
-        for i in range(8):
-            words |= c8[..., i] << (4 * i)
-        out[r0 // 16:r1 // 16] = words.view(torch.uint8).view(nb, Kp // 64, 8, 4, 16)
-    # scales: block of columns 64 kb + 16 t ..
-    code = nvfp4_scale_code(s) if is_nv else s
-    sp = torch.zeros(Np, Kp // B, dtype=torch.uint8, device=packed.device)
-    sp[:N, :K // B] = code
-    cols = (torch.arange(Kp // 64, device=packed.device)[:, None] * 64
-            + torch.arange(4, device=packed.device)[None, :] * 16) // B  # [kb, c]
-    st = sp[:, cols]  # [Np, kb, t]
-    st = st.view(Np // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).contiguous()  # [nb, kb, g, t, h]
-    return out, st
-
-
-def from_compute_layout(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: int, is_nv: bool,
-                        scale_sign: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact inverse of ``to_compute_layout``: (weight_packed uint8 [N, K/2], scale bytes uint8
-    [N, K/B]). ``scale_sign``: NVFP4 scale sign bits to restore (the layout drops them; the
-    quantizer writes none)."""
-    nb, kb = packed_c.shape[:2]
-    Np, Kp = nb * 16, kb * 64
-    words = packed_c.contiguous().view(torch.int32).view(nb, kb, 8, 4, 4)
-    c8 = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1)  # [nb, kb, g, c, t, i]
-    c8 = c8.view(nb, kb, 8, 4, 4, 2, 2, 2)  # [nb, kb, g, c, t, e, q, h]
-    codes = c8.permute(0, 7, 2, 1, 4, 6, 3, 5).reshape(Np, Kp)  # [nb, h, g, kb, t, q, c, e]
-    packed = (codes[:N, :K:2] | (codes[:N, 1:K:2] << 4)).to(torch.uint8)
-    B = 16 if is_nv else 32
-    st = scales_c.permute(0, 4, 2, 1, 3).reshape(Np, kb * 4)  # [nb, h, g, kb, t] -> [Np, kb * 4]
-    st = st[:, ::B // 16] if B > 16 else st
-    st = st[:N, :K // B]
-    if is_nv:
-        st = nvfp4_scale_from_code(st, scale_sign)
-    return packed.contiguous(), st.contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,7 +283,7 @@ def available(device: torch.device | None = None) -> bool:
     return ok
 
 
-def _self_test(device: torch.device, M: int = 3, config: dict | None = None, what: str = "fp4_mma kernel",
+def _self_test(device: torch.device, M: int = 3, config: dict | None = None, what: str = "tensor-core FP4 kernel",
                instead: str = "the Triton kernels serve every 4-bit call instead") -> bool:
     """Compile and run the kernel once on a small weight (both formats, M rows) against the fp32
     reference. On another Triton whose Gluon API or compiler differs, a failure turns the kernel off
@@ -437,10 +296,11 @@ def _self_test(device: torch.device, M: int = 3, config: dict | None = None, wha
     try:
         g = torch.Generator(device=device).manual_seed(0)
         for fmt in formats.with_kernel("triton"):  # the formats with Triton (and this) kernels
+            is_nv = common.scale_mode(fmt)
             t = formats.quantize(torch.randn(40, 192, device=device, generator=g) * 0.02, fmt)
-            pc, sc = to_compute_layout(t["weight_packed"], t["weight_scale"], fmt == "nvfp4")
+            pc, sc = to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
             x = torch.randn(M, 192, device=device, dtype=torch.bfloat16, generator=g)
-            y = linear(x, pc, sc, t.get("weight_global_scale"), 40, 192, fmt == "nvfp4", config=config).float()
+            y = linear(x, pc, sc, t.get("weight_global_scale"), 40, 192, is_nv, config=config).float()
             ref = x.float() @ formats.dequantize(t, fmt, dtype=torch.float32).T
             err = float((y - ref).norm() / ref.norm())
             if not err < 1e-2:
@@ -472,19 +332,19 @@ def has_wgmma(device: torch.device) -> bool:
                 return False  # no self-test inside a capture: not yet (asked again after it)
             M = 8 + MMA_MAX_M
             ok = _self_test(torch.device("cuda", idx), M=M, config=pick_config(M, 40, 192, wgmma=True),
-                            what="fp4_mma warpgroup-MMA variant",
+                            what="warpgroup-MMA variant of the tensor-core FP4 kernel",
                             instead=f"the mma.sync variant serves M <= {MMA_MAX_M}, the Triton kernels the rest")
         _WGMMA_OK[idx] = ok
     return ok
 
 
 def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
-    """Launch config by rule. mma.sync (the H100 sweep of cf3257f over the 7B and Llama-3-8B shapes,
-    results/kernels/h100_mma_probe_cf3257f.json): BM the smallest of 8 / 16 / 32 / 64 holding M;
+    """Launch config by rule. mma.sync (an H100 sweep over the 7B and Llama-3-8B shapes,
+    results/kernels/NOTES.md): BM the smallest of 8 / 16 / 32 / 64 holding M;
     KB (64-column blocks an iteration) so that a lane holds <= 64 activations of the B operand,
     and on the large matrices (N K >= 2^25) at BM = 16 two row blocks a warp (REPS) with KB 2. From
     BM = 32 the weights go through the shared-memory ring with the activations (W_RING, 4 stages):
-    7B layer at M = 32 178 us against 208 with register loads (H100, dd9dab3, results/kernels/NOTES.md).
+    7B layer at M = 32 178 us against 208 with register loads (H100, results/kernels/NOTES.md).
     Warpgroup MMA (``wgmma``, sm_90, M > 32): 64 weight rows x 64 rows of x a program (row tiles of x
     in the grid), weights and activations through a 4-deep ring: 7B layer M = 64 178 us (mma.sync 244),
     M = 128 251 (BM = 128: 301), M = 256 414 (BM = 128: 479) in the same run. Split-K (in
@@ -498,7 +358,7 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
     pf = BM >= PREFETCH_MIN_BM
     if BM == 16 and N * K >= (1 << 25):
         # Measured faster and not taken: REPS 1 here (7B layer M = 16 111.9 against 135.4 us, every 7B
-        # shape; H100, results/kernels/h100_mma_probe_22b4a1f.json). With it and 82f3275's lora_a chunks
+        # shape; H100, results/kernels/NOTES.md). With it and the chunked lora_a of qerl.kernels.fused
         # together, the SmolLM2 fused-vs-unfused greedy test drifted 0.19 in a chosen token's log-prob
         # (tolerance 0.15; either change alone passed): landing it needs the drift study that test
         # lacks (results/gpu_tests/NOTES.md), not a wider tolerance.
@@ -509,7 +369,7 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
 # Software prefetch of the weights in registers (the next iteration's loads issued before this one's
 # decode), where the weights do not ride in the ring (now: the BM = 64 mma.sync config only): it
 # doubles the registers (62 -> 138 a thread at BM = 8), and the lost occupancy cost more than the
-# loads in flight gained at small M. H100, 7B layer (c2bb60c, results/kernels/h100_mma_probe_c2bb60c.json):
+# loads in flight gained at small M. H100, 7B layer (results/kernels/NOTES.md):
 # M = 1 88.2 us without vs 116.9 with, M = 16 117.3 vs 140.2, M = 32 264.3 vs 220.9.
 PREFETCH_MIN_BM = 32
 
@@ -517,7 +377,7 @@ PREFETCH_MIN_BM = 32
 def wgmma_split(n_tiles: int, k_iters: int, sms: int) -> int:
     """Split-K of the warpgroup-MMA variant: a power of two <= 4 near 2 sms / n_tiles programs, scaled
     up for long K (k_iters / 128). From the H100 sweep over the 7B and Llama-3-8B shapes at M = 64 /
-    128 / 256 (ead7943, results/kernels/h100_mma_probe_ead7943.json): within 3% of the best split
+    128 / 256 (results/kernels/NOTES.md): within 3% of the best split
     everywhere but one shape (11%), where the older waves rule was up to 15% off on five."""
     want = 2 * sms / max(n_tiles, 1) * max(1.0, k_iters / 128)
     s = 1
@@ -538,17 +398,15 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
                    config: dict | None = None, split_k: int | None = None, describe: bool = False):
     """[x2 W_i^T] for 1-3 weights (packed_c, scales_c, gs, N) of one format sharing x2, one launch.
     ``describe``: launch nothing, return (kernel, grid, args, kwargs, (workspace floats, counters))."""
-    from qerl.kernels import fp4
-
     M = x2.shape[0]
     if not 1 <= len(weights) <= 3:
-        raise ValueError(f"fp4_mma takes 1 to 3 weights a launch, got {len(weights)}")
+        raise ValueError(f"the mma kernel takes 1 to 3 weights a launch, got {len(weights)}")
     if x2.dtype != torch.bfloat16:
-        raise ValueError(f"fp4_mma takes bfloat16 activations, got {x2.dtype}")
+        raise ValueError(f"the mma kernel takes bfloat16 activations, got {x2.dtype}")
     if x2.stride(-1) != 1:
-        raise ValueError("fp4_mma takes activations with contiguous rows")
+        raise ValueError("the mma kernel takes activations with contiguous rows")
     if K % 8 or (M > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
-        raise ValueError("fp4_mma copies activations 16 bytes at a time: K and the row stride must be "
+        raise ValueError("the mma kernel copies activations 16 bytes at a time: K and the row stride must be "
                          "multiples of 8, the data 16-byte aligned")
     Ns = [w[3] for w in weights]
     if outs is None:
@@ -562,7 +420,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     cfg.setdefault("WGMMA", False)
     cfg.setdefault("W_RING", False)
     if not cfg["WGMMA"] and M > MAX_M:
-        raise ValueError(f"fp4_mma's mma.sync path serves M <= {MAX_M}, got {M}")
+        raise ValueError(f"the mma kernel's mma.sync path serves M <= {MAX_M}, got {M}")
     rows = warps * cfg["REPS"]  # 16-row blocks a program
     mt = triton.cdiv(M, cfg["BM"])  # row tiles of x, next to each other in the grid
     tiles = [triton.cdiv(w[0].shape[0], rows) for w in weights]
@@ -571,15 +429,15 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     iters = triton.cdiv(nbk, cfg["KB"])
     if split_k is None:
         if cfg["WGMMA"]:
-            split_k = wgmma_split(n_tiles, iters, fp4._num_sms(x2.device))
+            split_k = wgmma_split(n_tiles, iters, common.num_sms(x2.device))
         else:
             wide = cfg["BM"] >= 64
-            split_k = fp4._split(n_tiles, iters, fp4._num_sms(x2.device), 8 if wide else None,
-                                 fp4.WAVES_MID if wide else fp4.WAVES, 2)
+            split_k = common.split(n_tiles, iters, common.num_sms(x2.device), 8 if wide else None,
+                                   common.WAVES_MID if wide else common.WAVES, 2)
     ips = triton.cdiv(iters, split_k)
     split = triton.cdiv(iters, ips)
     ws_need = (0 if split == 1 else split * M * sum(Ns), n_tiles if split > 1 else 0)
-    ws, cnt = fp4._workspace(x2.device, *ws_need, atomic=False)
+    ws, cnt = common.workspace(x2.device, *ws_need)
     args = [x2]
     for i in range(3):
         pc, sc, gs, _ = weights[min(i, len(weights) - 1)]
@@ -588,7 +446,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     Tp = tiles + [0] * (3 - len(tiles))
     args += [ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips, mt]
     kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **launch, **cfg)
-    if describe:  # (kernel, grid, args, kwargs, workspace need): for fp4.Plan's DirectLaunch
+    if describe:  # (kernel, grid, args, kwargs, workspace need): for Plan's DirectLaunch
         return _mma_kernel, (n_tiles, split), tuple(args), kwargs, ws_need
     _mma_kernel[(n_tiles, split)](*args, **kwargs)
     return outs
@@ -596,32 +454,6 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
 
 # argument positions a DirectLaunch of _mma_kernel replaces per call
 ARG_X, ARG_OUTS, ARG_WS, ARG_CNT = 0, (4, 8, 12), 13, 14
-
-
-def decode_reference(packed_c: torch.Tensor, scales_c: torch.Tensor, N: int, K: int, is_nv: bool,
-                     gs: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 [N, K] weight the kernel multiplies by, computed the kernel's way in torch (bf16 code *
-    2^-126 times the scale's bf16, then the epilogue factor): for tests on any device."""
-    nb, kb = packed_c.shape[:2]
-    words = packed_c.contiguous().view(torch.int32).view(nb, kb, 8, 4, 4).to(torch.int64) & 0xFFFFFFFF
-    c8 = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1)  # [nb, kb, g, c, t, i = (e, q, h)]
-    mag, neg = c8 & 0x7, (c8 & 0x8) != 0
-    code = torch.where(mag >= 2, torch.exp2((mag >> 1).double() - 1) * (1 + (mag & 1) / 2), (mag & 1) * 0.5)
-    code = torch.where(neg, -code, code)
-    t = scales_c.to(torch.int64)  # [nb, kb, g, t, h]
-    if is_nv:
-        F, mant = (t >> 3) + T_OFFSET, t & 0x7
-        sbf = torch.exp2(F.double() - 127) * (1 + mant / 8)  # the bf16 the kernel makes (t = 0 too)
-        scale = sbf * 2.0 ** -119
-    else:
-        scale = torch.exp2(t.double() - 127)
-    # weight (h, t, q, c, e) of lane (g, c): scale of (g, t, h)
-    c8 = code.view(nb, kb, 8, 4, 4, 2, 2, 2)  # [nb, kb, g, c, t, e, q, h]
-    w = c8 * scale[:, :, :, None, :, None, None, :]
-    w = w.permute(0, 7, 2, 1, 4, 6, 3, 5).reshape(nb * 16, kb * 64)[:N, :K]
-    if is_nv and gs is not None:
-        w = w / float(gs)
-    return w.float()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -634,16 +466,14 @@ MAX_M = 64  # largest M the mma.sync path accepts (B-operand registers grow with
 MMA_MAX_M = 32
 # Served M on sm_90 by the warpgroup-MMA variant (M > MMA_MAX_M).
 WGMMA_MAX_M = 256
-ENABLED = os.environ.get("QERL_MMA", "1") != "0"  # QERL_MMA=0: the older fused kernels at every M
-_CACHE_KEY = "fp4_mma_layout"
 
 
 def applies(x: torch.Tensor, in_features: int) -> bool:
-    """Whether a forward of x should take this kernel: enabled, bf16 on a capable GPU, 1 <= M <=
+    """Whether a forward of x should take this kernel: bf16 on a capable GPU, 1 <= M <=
     MMA_MAX_M (WGMMA_MAX_M on sm_90), rows the 16-byte copies can take (K and every row stride
     multiples of 8, 16-byte aligned), no autograd through x (the kernel has no backward of its own),
     not being traced."""
-    if not ENABLED or x.dtype != torch.bfloat16 or x.device.type != "cuda":
+    if x.dtype != torch.bfloat16 or x.device.type != "cuda":
         return False
     M = x.numel() // max(in_features, 1)
     if M < 1 or (torch.is_grad_enabled() and x.requires_grad) or in_features % 8 or x.data_ptr() % 16:
@@ -655,31 +485,3 @@ def applies(x: torch.Tensor, in_features: int) -> bool:
     if torch.compiler.is_compiling():
         return False
     return available(x.device)
-
-
-def weight_args(cache: dict, tensors: dict, fmt: str, out_features: int) -> tuple | None:
-    """(packed_c, scales_c, global scale or None, N) of one weight for ``linear`` / ``grouped_linear``,
-    from its packed tensors (by their on-disk names) and its kernel cache; None without a layout."""
-    cl = cached_layout(cache, tensors["weight_packed"], tensors["weight_scale"], fmt == "nvfp4")
-    return None if cl is None else (cl[0], cl[1], tensors.get("weight_global_scale"), out_features)
-
-
-def cached_layout(cache: dict, packed: torch.Tensor, scale: torch.Tensor, is_nv: bool):
-    """(packed_c, scales_c) for this weight, made once and kept in ``cache`` (a module's kernel
-    cache), remade if the tensors are replaced or changed in place (into the same storage when the
-    shape holds); None if the weight has no exact compute layout (see ``compute_layout_ok``).
-    The check runs on eager calls: a CUDA graph replays the layout as of its last eager call, so after
-    changing base weights in place make one eager call (or recapture) before replaying."""
-    ver = (packed.data_ptr(), packed._version, scale.data_ptr(), scale._version)
-    ent = cache.get(_CACHE_KEY)
-    if ent is None or ent[0] != ver:
-        why = compute_layout_ok(packed, scale, is_nv)
-        new = None if why else to_compute_layout(packed, scale, is_nv)
-        old = ent[1] if ent is not None else None
-        if new is not None and old is not None and all(a.shape == b.shape for a, b in zip(old, new)):
-            for a, b in zip(old, new):  # same storage: a CUDA graph that captured it sees the new weight
-                a.copy_(b)
-            new = old
-        ent = (ver, new)
-        cache[_CACHE_KEY] = ent
-    return ent[1]

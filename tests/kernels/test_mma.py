@@ -1,11 +1,11 @@
-"""The compute layout of qerl.kernels.fp4_mma (CPU: exact inverse, the kernel's arithmetic in torch)
+"""The compute layout of the tensor-core kernel (qerl.kernels.layout, qerl.kernels.mma) (CPU: exact inverse, the kernel's arithmetic in torch)
 and the kernel itself (GPU: against the fp32 reference, groups, repeatability, the plan's launches)."""
 
 import pytest
 import torch
 
 from qerl import formats
-from qerl.kernels import fp4_mma
+from qerl.kernels import layout, mma
 
 SHAPES = [(48, 128), (200, 352), (64, 1024), (17, 64)]  # ragged: N % 16, K % 64 != 0
 
@@ -23,25 +23,25 @@ def _weight(n, k, fmt, seed=0, zero_rows=()):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_compute_layout_round_trip_is_exact(fmt, n, k, chunk_rows, monkeypatch):
-    monkeypatch.setattr(fp4_mma, "LAYOUT_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(layout, "LAYOUT_CHUNK_ROWS", chunk_rows)
     t = _weight(n, k, fmt, zero_rows=(n - 1,))
     nv = fmt == "nvfp4"
     p, s = t["weight_packed"], t["weight_scale"]
-    assert fp4_mma.compute_layout_ok(p, s, nv) is None
-    pc, sc = fp4_mma.to_compute_layout(p, s, nv)
+    assert layout.compute_layout_ok(p, s, nv) is None
+    pc, sc = layout.to_compute_layout(p, s, nv)
     assert pc.shape == (-(-n // 16), -(-k // 64), 8, 4, 16) and sc.shape == (-(-n // 16), -(-k // 64), 8, 4, 2)
     assert pc.numel() * 2 == -(-n // 16) * 16 * -(-k // 64) * 64  # 4 bits a weight, padding only
-    p2, s2 = fp4_mma.from_compute_layout(pc, sc, n, k, nv)
+    p2, s2 = layout.from_compute_layout(pc, sc, n, k, nv)
     assert torch.equal(p2, p) and torch.equal(s2, s.view(torch.uint8))
 
 
-def test_nvfp4_scale_code_covers_every_e4m3_value():
+def test_e4m3_scale_code_covers_every_e4m3_value():
     s = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8)  # every finite non-negative E4M3
-    t = fp4_mma.nvfp4_scale_code(s)
+    t = layout.e4m3_scale_code(s)
     assert int(t[0]) == 0 and bool((t[1:] > 0).all())  # zero is t = 0, nothing else is
-    assert torch.equal(fp4_mma.nvfp4_scale_from_code(t), s)
+    assert torch.equal(layout.e4m3_scale_from_code(t), s)
     # the kernel's bf16 of t (one multiply-add on the bits) is E4M3 * 2^119 exactly
-    bits = (t[1:].to(torch.int32) * 16 + (fp4_mma.T_OFFSET << 7)).to(torch.int16)
+    bits = (t[1:].to(torch.int32) * 16 + (layout.T_OFFSET << 7)).to(torch.int16)
     got = bits.view(torch.bfloat16).float().double()
     want = s[1:].view(torch.float8_e4m3fn).double() * 2.0 ** 119
     assert torch.equal(got, want)
@@ -54,8 +54,8 @@ def test_kernel_arithmetic_gives_the_dequantized_weight(fmt, n, k):
     compute layout equals qerl.formats.dequantize on the original tensors."""
     t = _weight(n, k, fmt, seed=1, zero_rows=(1,))
     nv = fmt == "nvfp4"
-    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], nv)
-    got = fp4_mma.decode_reference(pc, sc, n, k, nv, t.get("weight_global_scale"))
+    pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], nv)
+    got = layout.decode_reference(pc, sc, n, k, nv, t.get("weight_global_scale"))
     want = formats.dequantize(t, fmt, dtype=torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
@@ -68,10 +68,10 @@ def test_lanes_hold_their_mma_fragments_in_natural_column_order():
     read from the original tensors, not from the layout code)."""
     n, k = 40, 192
     t = _weight(n, k, "nvfp4", seed=3)
-    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
+    pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
     p = t["weight_packed"]
     codes = torch.stack([p & 0xF, p >> 4], -1).view(n, k)  # natural [N, K] codes
-    scodes = fp4_mma.nvfp4_scale_code(t["weight_scale"].view(torch.uint8))  # [N, K/16]
+    scodes = layout.e4m3_scale_code(t["weight_scale"].view(torch.uint8))  # [N, K/16]
     rng = torch.Generator().manual_seed(0)
     for _ in range(200):
         nb, kb = int(torch.randint(3, (1,), generator=rng)), int(torch.randint(3, (1,), generator=rng))
@@ -95,31 +95,31 @@ def test_weights_without_an_exact_layout_are_refused():
     t = _weight(32, 64, "nvfp4")
     p, s = t["weight_packed"].clone(), t["weight_scale"].clone()
     s.view(torch.uint8)[0, 0] = 0  # zero scale, codes still non-zero
-    assert "zero block scales" in fp4_mma.compute_layout_ok(p, s, True)
+    assert "zero block scales" in layout.compute_layout_ok(p, s, True)
     s.view(torch.uint8)[0, 0] = 0x7F
-    assert "NaN" in fp4_mma.compute_layout_ok(p, s, True)
-    assert fp4_mma.cached_layout({}, p, s, True) is None
+    assert "NaN" in layout.compute_layout_ok(p, s, True)
+    assert layout.cached_layout({}, p, s, True) is None
 
 
 def test_cached_layout_follows_in_place_changes():
     t = _weight(32, 64, "nvfp4")
     p, s = t["weight_packed"].clone(), t["weight_scale"].clone()
     cache = {}
-    a = fp4_mma.cached_layout(cache, p, s, True)
-    assert fp4_mma.cached_layout(cache, p, s, True) is a
+    a = layout.cached_layout(cache, p, s, True)
+    assert layout.cached_layout(cache, p, s, True) is a
     ptrs = [t.data_ptr() for t in a]
     p.bitwise_xor_(0x11)  # an in-place change bumps the version: remade, into the same storage
-    b = fp4_mma.cached_layout(cache, p, s, True)
+    b = layout.cached_layout(cache, p, s, True)
     assert [t.data_ptr() for t in b] == ptrs
-    assert torch.equal(fp4_mma.from_compute_layout(*b, 32, 64, True)[0], p)
+    assert torch.equal(layout.from_compute_layout(*b, 32, 64, True)[0], p)
 
 
 def test_does_not_apply_on_the_cpu_or_with_autograd():
     x = torch.randn(2, 64, dtype=torch.bfloat16)
-    assert not fp4_mma.applies(x, 64)
+    assert not mma.applies(x, 64)
 
 
-gpu = pytest.mark.skipif(not fp4_mma.available(), reason="needs a CUDA GPU (sm_80+) and Gluon")
+gpu = pytest.mark.skipif(not mma.available(), reason="needs a CUDA GPU (sm_80+) and Gluon")
 
 
 def _rel(a, b):
@@ -133,18 +133,18 @@ def _rel(a, b):
 def test_kernel_matches_the_reference_gpu(fmt, n, k):
     t = {kk: v.cuda() for kk, v in _weight(n, k, fmt, zero_rows=(3,)).items()}
     nv = fmt == "nvfp4"
-    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], nv)
+    pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], nv)
     wd = formats.dequantize(t, fmt, dtype=torch.float32)
-    wg = fp4_mma.has_wgmma(torch.device("cuda"))
-    cases = [(m, None) for m in (1, 3, 8, 16, 32)] + [(64, fp4_mma.pick_config(64, n, k))]  # mma.sync
+    wg = mma.has_wgmma(torch.device("cuda"))
+    cases = [(m, None) for m in (1, 3, 8, 16, 32)] + [(64, mma.pick_config(64, n, k))]  # mma.sync
     if wg:  # the warpgroup-MMA variant: one tile, ragged tiles, several row tiles of x
         cases += [(m, None) for m in (40, 64, 100, 128, 256, 300)]
     for m, cfg in cases:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        y = fp4_mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv, config=cfg)
+        y = mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv, config=cfg)
         assert _rel(y, x.float() @ wd.T) < 1e-2, (m, cfg, _rel(y, x.float() @ wd.T))
         # split-K in a fixed order: the same bits every call
-        assert torch.equal(y, fp4_mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv, config=cfg))
+        assert torch.equal(y, mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv, config=cfg))
 
 
 @pytest.mark.gpu
@@ -152,11 +152,11 @@ def test_kernel_matches_the_reference_gpu(fmt, n, k):
 def test_grouped_launch_equals_separate_launches_gpu():
     k = 3584
     ts = [{kk: v.cuda() for kk, v in _weight(n, k, "nvfp4", seed=i).items()} for i, n in enumerate((3584, 512, 512))]
-    ws = [(*fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True), t["weight_global_scale"], n)
+    ws = [(*layout.to_compute_layout(t["weight_packed"], t["weight_scale"], True), t["weight_global_scale"], n)
           for t, n in zip(ts, (3584, 512, 512))]
-    for m in (1, 8, 32) + ((64, 200) if fp4_mma.has_wgmma(torch.device("cuda")) else ()):
+    for m in (1, 8, 32) + ((64, 200) if mma.has_wgmma(torch.device("cuda")) else ()):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        for y, t in zip(fp4_mma.grouped_linear(x, ws, k, True), ts):
+        for y, t in zip(mma.grouped_linear(x, ws, k, True), ts):
             ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
             assert _rel(y, ref) < 1e-2
 
@@ -164,22 +164,22 @@ def test_grouped_launch_equals_separate_launches_gpu():
 @pytest.mark.gpu
 @gpu
 def test_plan_direct_launch_of_the_mma_kernel_gpu():
-    """fp4.Plan keeps the first mma launch and relaunches it directly: later calls with new inputs,
+    """Plan keeps the first mma launch and relaunches it directly: later calls with new inputs,
     outputs and a grown workspace give what a normal launch gives."""
-    from qerl.kernels import fp4
+    from qerl.kernels.plan import Plan
 
     t = {kk: v.cuda() for kk, v in _weight(1024, 4096, "nvfp4").items()}
-    plan = fp4.Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
+    plan = Plan(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], True)
     wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
     with torch.no_grad():
         for i in range(4):
             x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
             if i == 2:  # a larger launch elsewhere grows the shared workspace
-                fp4_mma.linear(torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16),
-                               *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True, split_k=16)
+                mma.linear(torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16),
+                           *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True, split_k=16)
             y = plan.linear(x)
             assert _rel(y, x.float() @ wd.T) < 1e-2
-            assert torch.equal(y, fp4_mma.linear(x, *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True))
+            assert torch.equal(y, mma.linear(x, *plan._mma_layout(), t["weight_global_scale"], 1024, 4096, True))
     assert any(k[0] == "mma" and v is not None for k, v in plan._direct.items())
 
 
@@ -191,26 +191,26 @@ def test_strided_and_unaligned_activations_gpu():
     to the kernel by ``applies`` and refused by ``grouped_linear`` with the reason."""
     n, k = 256, 512
     t = {kk: v.cuda() for kk, v in _weight(n, k, "nvfp4").items()}
-    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
+    pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
     wd = formats.dequantize(t, "nvfp4", dtype=torch.float32)
     for m in (5, 100):
         wide = torch.randn(m, k + 64, device="cuda", dtype=torch.bfloat16)
         x = wide[:, :k]  # row stride k + 64
-        assert fp4_mma.applies(x, k) or m > fp4_mma.MMA_MAX_M
-        if m <= fp4_mma.MMA_MAX_M or fp4_mma.has_wgmma(x.device):
-            y = fp4_mma.linear(x, pc, sc, t["weight_global_scale"], n, k, True)
+        assert mma.applies(x, k) or m > mma.MMA_MAX_M
+        if m <= mma.MMA_MAX_M or mma.has_wgmma(x.device):
+            y = mma.linear(x, pc, sc, t["weight_global_scale"], n, k, True)
             assert _rel(y, x.float() @ wd.T) < 1e-2
         odd = torch.randn(m, k + 1, device="cuda", dtype=torch.bfloat16)[:, 1:]  # start 2 bytes off
-        assert not fp4_mma.applies(odd, k)
+        assert not mma.applies(odd, k)
         with pytest.raises(ValueError, match="16 bytes"):
-            fp4_mma.linear(odd, pc, sc, t["weight_global_scale"], n, k, True)
+            mma.linear(odd, pc, sc, t["weight_global_scale"], n, k, True)
 
 
 def test_a_failing_self_test_turns_the_kernel_off_with_a_warning():
     """Where the kernel cannot compile or run (here: CPU tensors), the self-test says so and returns
     False, so that available() sends every call to the Triton kernels."""
     with pytest.warns(UserWarning, match="failed its self-test"):
-        assert fp4_mma._self_test(torch.device("cpu")) is False
+        assert mma._self_test(torch.device("cpu")) is False
 
 
 def test_wgmma_split_rule():
@@ -218,7 +218,7 @@ def test_wgmma_split_rule():
     for longer K."""
     for tiles in (1, 8, 56, 224, 1184):
         for iters in (1, 3, 56, 296):
-            s = fp4_mma.wgmma_split(tiles, iters, 132)
+            s = mma.wgmma_split(tiles, iters, 132)
             assert s in (1, 2, 4) and s <= max(iters, 1)
-    assert fp4_mma.wgmma_split(8, 56, 132) == 4 and fp4_mma.wgmma_split(592, 56, 132) == 1
-    assert fp4_mma.wgmma_split(224, 296, 132) > fp4_mma.wgmma_split(224, 56, 132)
+    assert mma.wgmma_split(8, 56, 132) == 4 and mma.wgmma_split(592, 56, 132) == 1
+    assert mma.wgmma_split(224, 296, 132) > mma.wgmma_split(224, 56, 132)
