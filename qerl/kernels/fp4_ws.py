@@ -1,0 +1,341 @@
+"""Warp-specialised W4A16 GEMM for Hopper (sm_90) on the compute layout of ``fp4_mma``.
+
+y [M, N] = x [M, K] W^T, W in the compute layout (``fp4_mma.to_compute_layout``: 16-row x 64-column
+blocks of 512 code bytes, each lane's 16 bytes its MMA fragment, and 64 scale bytes a block).
+
+A CTA: NWG consumer warpgroups (64 weight rows each) x BM rows of x, over a K range, and one
+producer warp:
+  - the producer (a worker partition of one warp, 24 registers) streams, per ring stage, KB
+    activation tiles [BM, 64] (bf16, 128-byte swizzle) and each warpgroup's KB weight blocks and
+    scales into a ring of STAGES shared-memory buffers with bulk tensor copies (TMA), each stage
+    completing on its own mbarrier. It waits only on the ring's "empty" barriers: no CTA barrier in
+    the loop.
+  - each consumer warpgroup (the default partition and NWG - 1 worker partitions) waits for a
+    stage, decodes its 64 rows in registers (the ``fp4_mma`` decode: exact, 20 instructions per 8
+    weights) straight into the register A operand of the warpgroup MMA, whose B operand is the
+    shared activation tile, and hands the stage back (count NWG) once its MMAs are complete. The MMA
+    is waited at once: a register-A warpgroup MMA left in flight reads corrupted registers on Triton
+    3.6. The warpgroups of a CTA interleave instead (one decodes while another's MMA runs), share the
+    activation tile, and each writes its own epilogue.
+Split-K partials are summed in a fixed order by the last program of a tile (bitwise repeatable).
+
+Where it serves: 17 <= M <= 32 (the M range between the mma.sync kernel's 16-row and 32-row
+tiles, where that kernel was slowest). H200, layer sums, CUDA-graph replay (results/kernels/NOTES.md):
+Qwen2.5-7B 1.16-1.41x the mma.sync kernel at M = 17-32, Llama-3-8B 1.40-1.76x, a 5120-wide layer
+1.13-1.32x; at M <= 16 and M >= 33 the existing kernels stay faster. Measured and not kept: decoding
+into shared memory for a shared-operand MMA left in flight (the shared-memory traffic of the decoded
+tile bounded it near half the bf16 rate), three or four consumer warpgroups (register spills).
+
+Requires Gluon with warp_specialize, TMA and mbarriers (Triton >= 3.6) and an sm_90 GPU;
+``available()`` says whether it can run (a self-test against the fp32 reference at the first call).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from qerl.kernels import fp4_mma
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_WS = hasattr(gl, "warp_specialize")
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+except ImportError:  # pragma: no cover - older triton
+    HAVE_WS = False
+
+BK = 64  # columns a K step (one compute-layout block)
+
+if HAVE_WS:
+
+    @gluon.jit
+    def _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1,
+                   KB: gl.constexpr, NWG: gl.constexpr):
+        """The producer warp: per ring stage, KB activation tiles, and each consumer warpgroup's KB
+        weight and scale blocks, on the stage's ready barrier."""
+        STAGES: gl.constexpr = ready.type.shape[0]
+        nbytes: gl.constexpr = KB * (x_desc.block_type.nbytes
+                                     + NWG * (w_desc.block_type.nbytes + s_desc.block_type.nbytes))
+        RW: gl.constexpr = w_desc.block_type.shape[0]  # 16-row blocks of a warpgroup
+        for it in range(i0, i1):
+            j = it - i0
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            for kb in gl.static_range(KB):
+                k = it * KB + kb
+                tma.async_copy_global_to_shared(x_desc, [m0, k * 64], bar, x_bufs.index(s * KB + kb))
+                for w in gl.static_range(NWG):
+                    idx = (s * KB + kb) * NWG + w
+                    tma.async_copy_global_to_shared(w_desc, [nb0 + w * RW, k * 2, 0], bar, w_bufs.index(idx))
+                    tma.async_copy_global_to_shared(s_desc, [nb0 + w * RW, k * 64], bar, s_bufs.index(idx))
+
+    @gluon.jit
+    def _ws_decode(w_buf, s_buf, ASM: gl.constexpr, a_l: gl.constexpr):
+        """One 64-column block of a warpgroup's 64 weight rows from its ring buffers -> bf16 [64, 64]
+        in the MMA's register A layout (the fp4_mma decode: exact, 20 instructions per 8 weights)."""
+        # weights [4 (blocks), 8 (g), 4 (c), 1, 16 bytes]: 16 contiguous bytes a lane, one block a warp
+        w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+        s_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+        s7_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1, 1], [4, 1, 1, 1, 1, 1, 1],
+                                              [6, 5, 4, 3, 2, 1, 0])
+        flat5: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
+        # the bulk copy wrote each block's 512 bytes in the compute layout's (g, c, byte) order
+        wq = w_buf._reinterpret(gl.uint8, [4, 8, 4, 1, 16], flat5).load(w_l)
+        # the block's 64 scale bytes (g, t, h); the four lanes c of a row read the same 8
+        sq = s_buf._reinterpret(gl.uint8, [4, 8, 1, 1, 8], flat5).load(s_l)
+        sq = sq + gl.zeros([4, 8, 4, 1, 8], gl.uint8, s_l)
+        s16 = gl.convert_layout(
+            gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [4, 8, 4, 1, 4, 2]),
+                                                        gl.SliceLayout(6, s7_l)), 6)
+                       + gl.zeros([4, 8, 4, 1, 4, 2, 2], gl.uint8, s7_l), [4, 8, 4, 1, 16]), w_l)
+        lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        wv = gl.join(lo, hi)
+        wv = gl.reshape(wv, [4, 8, 4, 1, 4, 2, 2, 2])  # [nb, g, c, kb, t, h, e, q]
+        wv = gl.permute(wv, [0, 5, 1, 3, 4, 7, 2, 6])  # [nb, h, g, kb, t, q, c, e]
+        return gl.convert_layout(gl.reshape(wv, [64, 64]), a_l)
+
+    @gluon.jit
+    def _ws_consumer(x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, wg: gl.constexpr,
+                     gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, m0, row0, tile, pid_k, n_split,
+                     KB: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, IS_NV: gl.constexpr,
+                     ASM: gl.constexpr):
+        """One consumer warpgroup: 64 weight rows (from row0) x BM rows of x. Per stage it decodes its
+        blocks into registers and multiplies them with the shared activation tiles (register-A
+        warpgroup MMA, waited at once: left in flight, its register operand is not safe on Triton 3.6);
+        two warpgroups share a CTA so that one decodes while the other's MMA runs. Then its own
+        epilogue (split-K partials summed in a fixed order by the last program of the tile)."""
+        STAGES: gl.constexpr = ready.type.shape[0]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+        acc = gl.zeros([64, BM], gl.float32, layout=mma)
+        for it in range(i0, i1):
+            j = it - i0
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            for kb in gl.static_range(KB):
+                idx = (s * KB + kb) * NWG + wg
+                a = _ws_decode(w_bufs.index(idx), s_bufs.index(idx), ASM, a_l)
+                acc = warpgroup_mma(a, x_bufs.index(s * KB + kb).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            # every warp of this warpgroup issued (so had decoded) the MMAs that have now completed
+            mbarrier.arrive(empty.index(s), count=1)
+        if IS_NV:
+            alpha = 128.0 / gl.load(gs_ptr)
+        else:
+            alpha = 4611686018427387904.0
+        acc = acc * alpha
+        offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        offs_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        o_off = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
+        if n_split == 1:
+            gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:  # workspace [split, M, N]; the last program of the tile sums the partials in split order
+            mn = (pid_k.to(gl.int64) * 0 + M) * N
+            gl.store(ws_ptr + pid_k.to(gl.int64) * mn + o_off, acc, mask=mask)
+            _cta_barrier()
+            count = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if count == n_split - 1:
+                total = gl.zeros([64, BM], gl.float32, layout=mma)
+                for p in range(0, n_split):
+                    total += gl.load(ws_ptr + p * mn + o_off, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0)
+
+    @gluon.jit
+    def _ws_kernel(x_desc, w_desc, s_desc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NB_K, iters_per_split, MT,
+                   IS_NV: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+                   KB: gl.constexpr, ASM: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+        """out[M, N] = x W^T. Grid (N tiles * MT, split): the MT row tiles of x for one weight tile next
+        to each other (they share it in L2). A CTA: NWG consumer warpgroups of 64 weight rows each
+        and one producer warp."""
+        pid0 = gl.program_id(0)
+        pid_n = pid0 // MT
+        m0 = (pid0 % MT) * BM
+        pid_k = gl.program_id(1)
+        n_split = gl.num_programs(1)
+        i0 = pid_k * iters_per_split
+        i1 = gl.minimum(i0 + iters_per_split, gl.cdiv(NB_K, KB))
+        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES * KB, BM, 64], x_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, 4, 2, 256], w_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, 4, 64], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NWG)
+        row0 = pid_n * (64 * NWG)
+        tile = pid0 * NWG
+        if NWG == 4:
+            gl.warp_specialize([
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0 + 64, tile + 1, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 2, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0 + 128, tile + 2, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 3, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0 + 192, tile + 3, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
+                              i0, i1, KB, NWG)),
+            ], [4, 4, 4, 1], [REGS, REGS, REGS, 24])
+        elif NWG == 3:
+            gl.warp_specialize([
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0 + 64, tile + 1, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 2, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0 + 128, tile + 2, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
+                              i0, i1, KB, NWG)),
+            ], [4, 4, 1], [REGS, REGS, 24])
+        elif NWG == 2:
+            gl.warp_specialize([
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0 + 64, tile + 1, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
+                              i0, i1, KB, NWG)),
+            ], [4, 1], [REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
+                              i0, i1, KB, NWG)),
+            ], [1], [24])
+
+
+# ----------------------------------------------------------------------------------------------
+# launch
+
+
+def pick_config(M: int, N: int, K: int) -> dict:
+    """Launch config by rule. BM: the activation rows of a CTA, a power of two from 16 holding M up to
+    128, above that 128-row tiles. NWG: consumer warpgroups (64 weight rows each) of a CTA. KB: 64-column
+    blocks a ring stage."""
+    BM = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    KB = 2 if BM <= 64 else 1
+    return dict(BM=BM, NWG=2, KB=KB, STAGES=4, REGS=232, maxnreg=None, waves=1)
+
+
+def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM: int, cache: dict | None):
+    gl_layout = gl.NVMMASharedLayout
+    M, K = x2.shape
+    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [BM, BK],
+                              gl_layout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    key = ("fp4_ws", packed_c.data_ptr(), scales_c.data_ptr())
+    wd = cache.get(key) if cache is not None else None
+    if wd is None:
+        nb, nbk = packed_c.shape[:2]
+        w3 = packed_c.view(nb, nbk * 2, 256)
+        s2 = scales_c.view(nb, nbk * 64)
+        wd = (TensorDescriptor(w3, [nb, nbk * 2, 256], [nbk * 512, 256, 1], [4, 2, 256],
+                               gl_layout(swizzle_byte_width=0, element_bitwidth=8, rank=3)),
+              TensorDescriptor(s2, [nb, nbk * 64], [nbk * 64, 1], [4, 64],
+                               gl_layout(swizzle_byte_width=0, element_bitwidth=8, rank=2)))
+        if cache is not None:
+            cache[key] = wd
+    return x_desc, wd[0], wd[1]
+
+
+def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs: torch.Tensor | None, N: int,
+           K: int, is_nv: bool, out: torch.Tensor | None = None, config: dict | None = None,
+           split_k: int | None = None, cache: dict | None = None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] W^T with W in the compute layout; bf16 x2 with contiguous rows, K and the
+    row stride multiples of 8, 16-byte aligned (the bulk copies' rules)."""
+    from qerl.kernels import fp4
+
+    M = x2.shape[0]
+    if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
+        raise ValueError("fp4_ws takes bfloat16 activations with contiguous rows")
+    if K % 8 or (M > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
+        raise ValueError("fp4_ws copies activations in bulk: K and the row stride must be multiples of 8, "
+                         "the data 16-byte aligned")
+    cfg = dict(pick_config(M, N, K), **(config or {}))
+    BM, NWG, stages, KB = cfg["BM"], cfg["NWG"], cfg["STAGES"], cfg["KB"]
+    launch = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    if out is None:
+        out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    mt = triton.cdiv(M, BM)
+    n_tiles = triton.cdiv(packed_c.shape[0] * 16, 64 * NWG)
+    nbk = packed_c.shape[1]
+    iters = triton.cdiv(nbk, KB)
+    split_k = split_k or cfg.get("split")
+    if split_k is None:
+        want = cfg["waves"] * fp4._num_sms(x2.device) / max(n_tiles * mt, 1)
+        split_k = 1
+        while split_k * 2 <= min(want, 8, iters // 4):
+            split_k *= 2
+    ips = triton.cdiv(iters, split_k)
+    split = triton.cdiv(iters, ips)
+    ws, cnt = fp4._workspace(x2.device, 0 if split == 1 else split * M * N,
+                             n_tiles * mt * NWG if split > 1 else 0, atomic=False)
+    x_desc, w_desc, s_desc = _descs(x2, packed_c, scales_c, BM, cache)
+    _ws_kernel[(n_tiles * mt, split)](
+        x_desc, w_desc, s_desc, gs if gs is not None else scales_c, out, ws, cnt, M, N, nbk, ips, mt,
+        IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=fp4_mma._ASM_NV if is_nv else fp4_mma._ASM_MX,
+        REGS=cfg["REGS"], num_warps=4, **launch)
+    return out
+
+
+_AVAILABLE: dict = {}
+
+
+def available(device: torch.device) -> bool:
+    """Gluon with warp_specialize, an sm_90 GPU, and the kernel through its self-test (once)."""
+    if not HAVE_WS or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _AVAILABLE.get(idx)
+    if ok is None:
+        if torch.cuda.get_device_capability(idx)[0] != 9:
+            ok = False
+        elif torch.cuda.is_current_stream_capturing():
+            return False
+        else:
+            ok = _self_test(torch.device("cuda", idx))
+        _AVAILABLE[idx] = ok
+    return ok
+
+
+def _self_test(device: torch.device) -> bool:
+    import warnings
+
+    from qerl import formats
+
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        for fmt in formats.with_kernel("triton"):
+            t = formats.quantize(torch.randn(200, 320, device=device, generator=g) * 0.02, fmt)
+            is_nv = fmt == "nvfp4"
+            pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
+            for M in (5, 70):
+                x = torch.randn(M, 320, device=device, dtype=torch.bfloat16, generator=g)
+                y = linear(x, pc, sc, t.get("weight_global_scale"), 200, 320, is_nv).float()
+                ref = x.float() @ formats.dequantize(t, fmt, dtype=torch.float32).T
+                err = float((y - ref).norm() / ref.norm())
+                if not err < 1e-2:
+                    raise RuntimeError(f"{fmt} M={M}: relative error {err:.2e} against the fp32 reference")
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure: off, said once
+        msg = str(e)
+        msg = msg if len(msg) <= 500 else f"{msg[:150]} ... {msg[-350:]}"
+        warnings.warn(f"qerl: the warp-specialised fp4 kernel failed its self-test on {device} "
+                      f"({type(e).__name__}: {msg}); the other kernels serve its calls", stacklevel=2)
+        return False
