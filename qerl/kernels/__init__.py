@@ -26,7 +26,8 @@ Backends:
   - "reference": qerl.formats.dequantize to fp32, matmul in fp32, result cast to x.dtype.
   - "triton": fused dequantize-and-multiply kernels, for the formats whose spec lists "triton"
     (E2M1 codes with E4M3 or E8M0 scales): the tensor-core kernel of qerl.kernels.mma on the
-    compute layout for decode batches (with a cache), the GEMV (qerl.kernels.gemv) and tiled
+    compute layout for decode batches (with a cache; from 17 to 32 rows on sm_90 the warp-specialised
+    kernel of qerl.kernels.warpspec on the same layout), the GEMV (qerl.kernels.gemv) and tiled
     kernels (qerl.kernels.dot) for small and mid M, decode + cuBLAS (qerl.kernels.scratch) from
     M = 128 and for grad-input (launched by qerl.kernels.ops).
     Raises RuntimeError when it cannot run (tensors not on CUDA and TRITON_INTERPRET unset,
@@ -211,7 +212,7 @@ def _mma_linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
                 cache: dict) -> torch.Tensor | None:
     """x W^T through the tensor-core kernel on the compute layout kept in ``cache``, or None where
     that kernel does not apply (M, dtype or layout of x; a weight without an exact layout)."""
-    from qerl.kernels import common, layout, mma
+    from qerl.kernels import common, layout, mma, warpspec
 
     if not mma.applies(x, in_features):
         return None
@@ -222,7 +223,10 @@ def _mma_linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = mma.grouped_linear(x2, [w], in_features, is_nv)[0]
+    if warpspec.serves(x2):  # 17-32 rows: the warp-specialised Hopper kernel
+        y = warpspec.linear(x2, w[0], w[1], w[2], out_features, in_features, is_nv, cache=cache)
+    else:
+        y = mma.grouped_linear(x2, [w], in_features, is_nv)[0]
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -276,7 +280,7 @@ def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]
         return None
     if x.device.type != "cuda":
         return None
-    from qerl.kernels import common, layout, mma
+    from qerl.kernels import common, layout, mma, warpspec
 
     if not mma.applies(x, K) or any(_resolve_backend(w.backend, fmt, x.device) != "triton" for w in weights):
         return None
@@ -285,6 +289,8 @@ def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]
             for w in weights]
     if any(a is None for a in args):
         return None
+    if warpspec.serves(x):  # 17-32 rows: the warp-specialised Hopper kernel, one launch a weight
+        return [warpspec.linear(x, a[0], a[1], a[2], a[3], K, is_nv, cache=w.cache) for a, w in zip(args, weights)]
     return mma.grouped_linear(x, args, K, is_nv)
 
 

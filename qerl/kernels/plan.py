@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl.kernels import layout, mma, scratch
+from qerl.kernels import layout, mma, scratch, warpspec
 from qerl.kernels.common import DirectLaunch, aligned, check_input, check_weight, int32_words, scale_bytes, workspace
 from qerl.kernels.ops import launch_grad_input, linear_call, linear_launch
 
@@ -70,6 +70,9 @@ class Plan:
     def _mma_linear(self, x2: torch.Tensor, out: torch.Tensor, cl: tuple) -> None:
         """out = x2 W^T through qerl.kernels.mma on the compute layout cl; its launch kept as a DirectLaunch per
         (M, row stride), like the small-M Triton kernels (host time of eager calls)."""
+        if warpspec.serves(x2):  # 17-32 rows: the warp-specialised Hopper kernel
+            warpspec.linear(x2, cl[0], cl[1], self.gs, self.N, self.K, self.is_nv, out=out, cache=self._mma)
+            return
         dkey = ("mma", x2.shape[0], x2.stride(0), cl[0].data_ptr())
         st = self._direct.get(dkey)
         if st is not None and aligned(x2) and aligned(out):

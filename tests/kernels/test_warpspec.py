@@ -1,4 +1,4 @@
-"""The warp-specialised Hopper kernel (qerl.kernels.fp4_ws): its launch rule on any machine, and on an
+"""The warp-specialised Hopper kernel (qerl.kernels.warpspec): its launch rule on any machine, and on an
 sm_90 GPU its product against the fp32 reference at every M class it serves (and beyond), ragged
 shapes, both formats, forced split-K, and bitwise repeatability."""
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from qerl import formats
-from qerl.kernels import fp4_mma, fp4_ws
+from qerl.kernels import common, layout, warpspec
 
 
 def test_pick_config_covers_every_m():
     for M in range(1, 600):
-        cfg = fp4_ws.pick_config(M, 4096, 4096)
+        cfg = warpspec.pick_config(M, 4096, 4096)
         assert cfg["BM"] in (16, 32, 64, 128)
         assert cfg["BM"] >= min(M, 128)
         assert cfg["NWG"] in (1, 2) and cfg["KB"] >= 1 and cfg["STAGES"] >= 2
@@ -20,19 +20,20 @@ def test_pick_config_covers_every_m():
 def test_refuses_what_the_bulk_copies_cannot_take():
     x = torch.zeros(4, 20, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiples of 8"):
-        fp4_ws.linear(x, torch.zeros(1, 1, 8, 4, 16, dtype=torch.uint8), torch.zeros(1, 1, 8, 4, 2, dtype=torch.uint8),
+        warpspec.linear(x, torch.zeros(1, 1, 8, 4, 16, dtype=torch.uint8), torch.zeros(1, 1, 8, 4, 2, dtype=torch.uint8),
                       None, 16, 20, True)
     with pytest.raises(ValueError, match="bfloat16"):
-        fp4_ws.linear(x.float(), torch.zeros(1, 1, 8, 4, 16, dtype=torch.uint8),
+        warpspec.linear(x.float(), torch.zeros(1, 1, 8, 4, 16, dtype=torch.uint8),
                       torch.zeros(1, 1, 8, 4, 2, dtype=torch.uint8), None, 16, 20, True)
 
 
 def test_not_available_on_the_cpu():
-    assert not fp4_ws.available(torch.device("cpu"))
+    assert not warpspec.available(torch.device("cpu"))
+    assert not warpspec.serves(torch.zeros(20, 64, dtype=torch.bfloat16))
 
 
 def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and fp4_ws.HAVE_WS
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and warpspec.HAVE_WS
 
 
 sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and Gluon's warp_specialize")
@@ -44,20 +45,20 @@ sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and Gluon's wa
 @pytest.mark.parametrize("n,k", [(200, 320), (1000, 1088), (512, 3584), (3584, 1024)])
 def test_matches_the_reference_and_repeats_bitwise_gpu(fmt, n, k):
     dev = torch.device("cuda")
-    assert fp4_ws.available(dev)
+    assert warpspec.available(dev)
     g = torch.Generator(device=dev).manual_seed(n + k)
     t = formats.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02, fmt)
-    is_nv = fmt == "nvfp4"
-    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
+    is_nv = common.scale_mode(fmt)
+    pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
     w = formats.dequantize(t, fmt, dtype=torch.float32)
     for M in (1, 7, 16, 17, 24, 31, 32, 33, 100, 129, 300):
         x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
         ref = x.float() @ w.T
         for split in (None, 3):
-            y = fp4_ws.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split)
+            y = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split)
             err = float((y.float() - ref).norm() / ref.norm())
             assert err < 5e-3, (fmt, n, k, M, split, err)
-            again = fp4_ws.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split)
+            again = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split)
             assert torch.equal(y, again), (fmt, n, k, M, split)
 
 
@@ -66,9 +67,9 @@ def test_matches_the_reference_and_repeats_bitwise_gpu(fmt, n, k):
 def test_strided_rows_gpu():
     dev = torch.device("cuda")
     t = formats.quantize(torch.randn(384, 512, device=dev) * 0.02, "nvfp4")
-    pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
+    pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
     big = torch.randn(24, 640, device=dev, dtype=torch.bfloat16)
     x = big[:, 64:576]  # rows of 512 at a stride of 640
-    y = fp4_ws.linear(x, pc, sc, t["weight_global_scale"], 384, 512, True)
+    y = warpspec.linear(x, pc, sc, t["weight_global_scale"], 384, 512, True)
     ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
     assert float((y.float() - ref).norm() / ref.norm()) < 5e-3

@@ -1,6 +1,6 @@
-"""Warp-specialised W4A16 GEMM for Hopper (sm_90) on the compute layout of ``fp4_mma``.
+"""Warp-specialised W4A16 GEMM for Hopper (sm_90) on the compute layout of ``qerl.kernels.layout``.
 
-y [M, N] = x [M, K] W^T, W in the compute layout (``fp4_mma.to_compute_layout``: 16-row x 64-column
+y [M, N] = x [M, K] W^T, W in the compute layout (``layout.to_compute_layout``: 16-row x 64-column
 blocks of 512 code bytes, each lane's 16 bytes its MMA fragment, and 64 scale bytes a block).
 
 A CTA: NWG consumer warpgroups (64 weight rows each) x BM rows of x, over a K range, and one
@@ -11,7 +11,7 @@ producer warp:
     completing on its own mbarrier. It waits only on the ring's "empty" barriers: no CTA barrier in
     the loop.
   - each consumer warpgroup (the default partition and NWG - 1 worker partitions) waits for a
-    stage, decodes its 64 rows in registers (the ``fp4_mma`` decode: exact, 20 instructions per 8
+    stage, decodes its 64 rows in registers (the ``qerl.kernels.mma`` decode: exact, 20 instructions per 8
     weights) straight into the register A operand of the warpgroup MMA, whose B operand is the
     shared activation tile, and hands the stage back (count NWG) once its MMAs are complete. The MMA
     is waited at once: a register-A warpgroup MMA left in flight reads corrupted registers on Triton
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from qerl.kernels import fp4_mma
+from qerl.kernels import common, layout, mma
 
 try:
     from triton.experimental import gluon
@@ -83,7 +83,7 @@ if HAVE_WS:
     @gluon.jit
     def _ws_decode(w_buf, s_buf, ASM: gl.constexpr, a_l: gl.constexpr):
         """One 64-column block of a warpgroup's 64 weight rows from its ring buffers -> bf16 [64, 64]
-        in the MMA's register A layout (the fp4_mma decode: exact, 20 instructions per 8 weights)."""
+        in the MMA's register A layout (the qerl.kernels.mma decode: exact, 20 instructions per 8 weights)."""
         # weights [4 (blocks), 8 (g), 4 (c), 1, 16 bytes]: 16 contiguous bytes a lane, one block a warp
         w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
         s_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
@@ -238,7 +238,7 @@ def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM:
     M, K = x2.shape
     x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [BM, BK],
                               gl_layout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    key = ("fp4_ws", packed_c.data_ptr(), scales_c.data_ptr())
+    key = ("ws_descriptors", packed_c.data_ptr(), scales_c.data_ptr())
     wd = cache.get(key) if cache is not None else None
     if wd is None:
         nb, nbk = packed_c.shape[:2]
@@ -258,13 +258,11 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
            split_k: int | None = None, cache: dict | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] W^T with W in the compute layout; bf16 x2 with contiguous rows, K and the
     row stride multiples of 8, 16-byte aligned (the bulk copies' rules)."""
-    from qerl.kernels import fp4
-
     M = x2.shape[0]
     if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
-        raise ValueError("fp4_ws takes bfloat16 activations with contiguous rows")
+        raise ValueError("the warp-specialised kernel takes bfloat16 activations with contiguous rows")
     if K % 8 or (M > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
-        raise ValueError("fp4_ws copies activations in bulk: K and the row stride must be multiples of 8, "
+        raise ValueError("the warp-specialised kernel copies activations in bulk: K and the row stride must be multiples of 8, "
                          "the data 16-byte aligned")
     cfg = dict(pick_config(M, N, K), **(config or {}))
     BM, NWG, stages, KB = cfg["BM"], cfg["NWG"], cfg["STAGES"], cfg["KB"]
@@ -277,20 +275,31 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     iters = triton.cdiv(nbk, KB)
     split_k = split_k or cfg.get("split")
     if split_k is None:
-        want = cfg["waves"] * fp4._num_sms(x2.device) / max(n_tiles * mt, 1)
+        want = cfg["waves"] * common.num_sms(x2.device) / max(n_tiles * mt, 1)
         split_k = 1
         while split_k * 2 <= min(want, 8, iters // 4):
             split_k *= 2
     ips = triton.cdiv(iters, split_k)
     split = triton.cdiv(iters, ips)
-    ws, cnt = fp4._workspace(x2.device, 0 if split == 1 else split * M * N,
-                             n_tiles * mt * NWG if split > 1 else 0, atomic=False)
+    ws, cnt = common.workspace(x2.device, 0 if split == 1 else split * M * N, n_tiles * mt * NWG if split > 1 else 0)
     x_desc, w_desc, s_desc = _descs(x2, packed_c, scales_c, BM, cache)
     _ws_kernel[(n_tiles * mt, split)](
         x_desc, w_desc, s_desc, gs if gs is not None else scales_c, out, ws, cnt, M, N, nbk, ips, mt,
-        IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=fp4_mma._ASM_NV if is_nv else fp4_mma._ASM_MX,
+        IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=mma._ASM_NV if is_nv else mma._ASM_MX,
         REGS=cfg["REGS"], num_warps=4, **launch)
     return out
+
+
+# The M range this kernel serves in the dispatch (the door, Plan, grouped launches): where it beat the
+# mma.sync kernel on every layer family measured (results/kernels/NOTES.md).
+MIN_M, MAX_M = 17, 32
+
+
+def serves(x2: torch.Tensor) -> bool:
+    """Whether the dispatch sends this bf16 activation block [M, K] here: MIN_M <= M <= MAX_M on an
+    sm_90 GPU where the kernel passed its self-test (the caller has checked what the mma kernel's
+    ``applies`` checks: dtype, alignment, no autograd)."""
+    return MIN_M <= x2.shape[0] <= MAX_M and x2.is_cuda and available(x2.device)
 
 
 _AVAILABLE: dict = {}
@@ -322,8 +331,8 @@ def _self_test(device: torch.device) -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         for fmt in formats.with_kernel("triton"):
             t = formats.quantize(torch.randn(200, 320, device=device, generator=g) * 0.02, fmt)
-            is_nv = fmt == "nvfp4"
-            pc, sc = fp4_mma.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
+            is_nv = common.scale_mode(fmt)
+            pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
             for M in (5, 70):
                 x = torch.randn(M, 320, device=device, dtype=torch.bfloat16, generator=g)
                 y = linear(x, pc, sc, t.get("weight_global_scale"), 200, 320, is_nv).float()
