@@ -293,15 +293,17 @@ def grad_input(dy: torch.Tensor, fmt: str, *tensors: torch.Tensor) -> torch.Tens
 
 
 def kernel_name(op: str, x: torch.Tensor, in_features: int, cached: bool = True) -> str:
-    """Which family a Triton ``op`` ("linear" / "grad_input") on x runs by default: "mma" / "wgmma"
+    """Which family a Triton ``op`` ("linear" / "grad_input") on x runs by default: "mma" / "warpspec" / "wgmma"
     (the compute-layout kernel, when the caller passes a kernel cache), "gemv", "dot-splitk",
     "dot", "scratch" (decode + cuBLAS) or "bwd-dot" (benchmark rows)."""
     M = x.numel() // max(x.shape[-1], 1)
     if op == "grad_input":
         return "scratch" if scratch.use_scratch("grad_input", M) else "bwd-dot"
-    from qerl.kernels import mma
+    from qerl.kernels import mma, warpspec
 
     if cached and mma.applies(x, in_features):
+        if warpspec.serves(x.reshape(-1, in_features)):
+            return "warpspec"
         return "mma" if M <= mma.MMA_MAX_M else "wgmma"
     if scratch.use_scratch("linear", M):
         return "scratch"
