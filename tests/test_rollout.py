@@ -309,11 +309,18 @@ def test_cuda_graphs_match_eager_and_see_noise(smollm2_gpu, fmt, fused):
     # eager unfused engine and HF generate): a fixed bound was crossed by valid reorderings (0.107, 0.129
     # against 0.1; LOG.md). A wrong graph (stale weights or noise, a wrong attention window) is off by far
     # more than twice that drift; the fp32 tests check the same graphs for equality.
+    # The graphs' own arithmetic (fused or not) run eagerly is the second known-valid path: its kernels are
+    # checked against the unfused ones in fp32 (test_fused_cuda_graphs_fp32_equal_unfused), and in bf16 it
+    # reorders reductions (tf32 LoRA products, grouped 4-bit launches), which moves greedy log-probs by
+    # 0.1-0.13 on this model (measured on an H100 at aa5feab). Capturing it in graphs must add nothing
+    # beyond that: the graph engine is bounded by twice the larger of the two eager drifts.
     fe = FastEngine(model, tok, logits_fp32=False, fused=fused)
     eager = FastEngine(model, tok, logits_fp32=False, fused=False, cuda_graphs=False)
+    same_math = FastEngine(model, tok, logits_fp32=False, fused=fused, cuda_graphs=False)
     refs = [hf_greedy(model, p, 32, eos_token_id=fe.eos_list) for p in prompts[:3]]
-    drift = max(greedy_drift(eager.generate([p], 32, greedy=True), r) for p, r in zip(prompts[:3], refs))
-    assert drift < 0.3, f"the eager engine and HF generate drift {drift:.3f} apart: a reference path is broken"
+    drift = max(max(greedy_drift(eng.generate([p], 32, greedy=True), r) for p, r in zip(prompts[:3], refs))
+                for eng in (eager, same_math))
+    assert drift < 0.3, f"an eager engine and HF generate drift {drift:.3f} apart: a reference path is broken"
     tol = max(0.1, 2 * drift)
     for p, ref in zip(prompts[:3], refs):
         assert_greedy_close(fe.generate([p], 32, greedy=True), ref, tol)
