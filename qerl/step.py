@@ -105,35 +105,51 @@ def rollout(cfg, engine, model, prompt_ids: list, step: int, sigma: float, first
 
 
 def score(cfg, tokenizer, pad_id: int, ro: RolloutOutput, golds: list, counts: list[int], first: int,
-          device) -> tuple[Batch, dict]:
+          device, rewards: qrewards.RewardSet | None = None, rows: list[dict] | None = None) -> tuple[Batch, dict]:
     """Rewards of this rank's completions, then (over all ranks) advantages and what is trained.
 
+    ``rewards``: the run's reward functions (default: cfg's); ``rows``: each completion's dataset
+    record (its prompt and columns reach the reward functions; default: just ``golds`` as answer).
     Returns the ``Batch`` and the step's reward / completion metrics (global).
     """
     G = cfg.num_generations
     cmask = ro.completion_mask
     texts = tokenizer.batch_decode(ro.completion_ids * cmask + pad_id * (1 - cmask), skip_special_tokens=True)
-    res = qrewards.score_batch(texts, golds, reward=cfg.reward)
+    rewards = rewards if rewards is not None else qrewards.RewardSet.from_config(cfg)
+    rows = rows if rows is not None else [{"answer": g} for g in golds]
+    prompts = [r.get("prompt", r.get("question")) for r in rows]
+    cols = [r.get("columns") or {k: v for k, v in r.items() if k in ("answer", "level")} for r in rows]
+    columns = {k: [c.get(k) for c in cols] for k in sorted({k for c in cols for k in c})}
+    if rewards.needs_answer:  # the gold answer as the built-in rewards read it (from answer_column)
+        columns["answer"] = [r.get("answer") for r in rows]
+    comp, unparsed = rewards(prompts, texts, columns)
     if cfg.mask_truncated_completions:
         cmask = cmask * (~ro.truncated).long()[:, None]
-    per_seq = torch.tensor([res.rewards, res.format], dtype=torch.float64).T
+    K = len(rewards.names)
+    per_seq = torch.tensor(comp, dtype=torch.float64).view(len(texts), K)
     per_seq = torch.cat([per_seq, torch.stack([ro.completion_mask.sum(1), cmask.sum(1), ro.truncated.long()], 1)
                          .to(torch.float64).cpu()], 1)
-    per_seq = qdist.gather_shards(per_seq, counts)  # [all completions, 5]: every rank holds the whole batch's
-    acc, fmt_r = per_seq[:, 0].float(), per_seq[:, 1].float()
-    lengths, n_loss_tokens, trunc = per_seq[:, 2].float(), per_seq[:, 3], per_seq[:, 4].bool()
-    unparsed = qdist.all_reduce(float(res.unparsed), "sum")
-    rewards = acc + cfg.format_reward_weight * fmt_r
-    adv, metrics = qloss.compute_advantages(rewards, G, cfg.scale_rewards)  # global: the same on every rank
-    metrics.update({"rewards/accuracy/mean": float(acc.mean()), "rewards/format/mean": float(fmt_r.mean()),
-                    "rewards/unparsed": int(unparsed)})
+    per_seq = qdist.gather_shards(per_seq, counts)  # [all completions, K + 3]: every rank holds the whole batch's
+    comp_all = per_seq[:, :K]
+    lengths, n_loss_tokens, trunc = per_seq[:, K].float(), per_seq[:, K + 1], per_seq[:, K + 2].bool()
+    unparsed = qdist.all_reduce(float(unparsed), "sum")
+    weights = torch.tensor(rewards.weights, dtype=torch.float64)
+    total = (comp_all * weights).nansum(1).float()  # TRL: a None reward is left out of the weighted sum
+    adv, metrics = qloss.compute_advantages(total, G, cfg.scale_rewards)  # global: the same on every rank
+    for j, name in enumerate(rewards.names):
+        col = comp_all[:, j]
+        ok = col[~torch.isnan(col)]
+        metrics[f"rewards/{name}/mean"] = float(ok.mean()) if ok.numel() else None
+        metrics[f"rewards/{name}/std"] = float(ok.std()) if ok.numel() > 1 else None
+    if rewards.needs_answer:
+        metrics["rewards/unparsed"] = int(unparsed)
     term = lengths[~trunc]
     metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                     "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(trunc.float().mean()),
                     "completions/mean_terminated_length": float(term.mean()) if term.numel() else None})
-    keep = torch.ones(len(rewards), dtype=torch.bool)
+    keep = torch.ones(len(total), dtype=torch.bool)
     if cfg.dynamic_sampling:
-        keep = qloss.dynamic_sampling_filter(rewards, G).repeat_interleave(G)
+        keep = qloss.dynamic_sampling_filter(total, G).repeat_interleave(G)
         metrics["dynamic_sampling/kept_groups"] = int(keep.sum()) // G
     idx = torch.nonzero(keep).squeeze(1)  # global indices
     n = ro.completion_ids.size(0)
