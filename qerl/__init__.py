@@ -14,6 +14,16 @@ See docs/own-task.md for config files, reward functions, datasets, W&B and adapt
 from __future__ import annotations
 
 import importlib
+import logging
+
+
+def _no_cpu_gemm_warning(record: logging.LogRecord) -> bool:
+    """bitsandbytes (imported by peft) warns on every CPU import that an optional kernels-community
+    package is missing; qerl never uses that CPU kernel, so that one message is dropped."""
+    return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_cpu_gemm_warning)
 
 # name -> (module, attribute); ``train`` is the module qerl.train itself, which is callable
 _API = {

@@ -82,7 +82,7 @@ def _spellings(*names: str) -> list[str]:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a YAML or JSON file of settings (field names, or TRL's); a run's config.json repeats it. "
-                        "Flags override it")
+                        "Flags override it (default: none)")
     p.add_argument("--profile", default=None, choices=tuple(PROFILES) + ("custom",),
                    help="base settings; the config file and flags override (default: the file's, else small; "
                         "custom = the plain defaults)")

@@ -158,7 +158,7 @@ class TrainConfig:
     num_stages: int = 10  # AQN stages K (stage 0 is noise-free)
     noise_schedule: str = "exponential"  # AQN sigma decay: exponential | linear | cosine | logarithmic
     # ---- evaluation
-    eval_datasets: tuple[str, ...] = ("arith",)  # evaluated before and after training (none: no evaluation)
+    eval_datasets: tuple[str, ...] = ("arith",)  # evaluated before and after training: built-in names or your own test files (none: no evaluation)
     eval_limit: int = 200  # problems per eval dataset (0 = all)
     eval_samples: int = 1  # n samples per problem for pass@1
     eval_temperature: float = 0.6  # evaluation sampling temperature (paper: 0.6)
@@ -249,6 +249,8 @@ class TrainConfig:
             raise ValueError("num_stages (K) must be >= 2: stage 0 is noise-free")
         self.arith_levels = tuple(self.arith_levels)
         self.eval_datasets = tuple(self.eval_datasets)
+        if self.eval_datasets in (("none",), ("",)):  # `--eval-datasets none`: no evaluation
+            self.eval_datasets = ()
 
     @property
     def method(self) -> str:

@@ -96,6 +96,36 @@ def wandb_settings(cfg) -> dict:
             "wandb_dir": env.get("WANDB_DIR") or None}
 
 
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress(total: int, desc: str, unit: str = "it", unit_scale=False):
+    """A transient progress bar inside a long phase (the rollout's tokens, the update's micro-batches).
+
+    Shown only on an interactive terminal: not when stderr is not a TTY (logs, CI, `make reproduce`'s
+    job logs) nor under pytest; QERL_PROGRESS=1 forces it on, QERL_PROGRESS=0 off. ``unit_scale``:
+    a factor for the counts (the batch size, so decode steps show as tokens and tokens/s).
+    """
+    import sys
+
+    flag = os.environ.get("QERL_PROGRESS")
+    show = flag == "1" or (flag != "0" and "PYTEST_CURRENT_TEST" not in os.environ
+                           and hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+    if not show or total <= 0:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, leave=False, dynamic_ncols=True)
+
+
 def _clean(v):
     """JSON-safe scalar: tensors to floats, NaN/inf to None (never a fake number)."""
     if isinstance(v, torch.Tensor):

@@ -205,6 +205,9 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
     table = []  # per global micro-batch: [loss, sums of the token metrics over this rank's tokens]
     micro_tokens = []  # per global micro-batch: its completion tokens over all ranks
     grad_norms = []
+    from qerl.logging import progress
+
+    bar = progress(cfg.num_iterations * -(-max(n, 1) // mb), "update", unit="micro-batch")
     for it in range(cfg.num_iterations):
         order = idx[torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 31 * step + it))] if n else idx
         for ms in range(0, n, mini):
@@ -267,6 +270,7 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
                     row[1:] = [lm[k] * n_own for k in keys]  # token means -> token sums
                 if bad is None:
                     total.backward()
+                bar.update(len(pack))
             if qdist.any_true(bad is not None):
                 raise NonFiniteError(f"non-finite loss ({bad}) at step {step}, iteration {it}: stopping. "
                                      "Lower the learning rate, check the data, or resume from the last checkpoint.")
@@ -277,6 +281,7 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
             grad_norms.append(float(gn))
             opt.step()
             sched.step()
+    bar.close()
     metrics: dict = {}
     if table:  # each micro-batch's loss and token means over all ranks, then their mean (as one process logs them)
         tab = torch.tensor(qdist.all_reduce([v for row in table for v in row], "sum"), dtype=torch.float64)
@@ -284,9 +289,13 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
         tok = torch.tensor(micro_tokens, dtype=torch.float64).clamp(min=1)[:, None]
         metrics["loss"] = float(tab[:, 0].mean())
         metrics.update({k: float((tab[:, 1 + j:2 + j] / tok).mean()) for j, k in enumerate(keys)})
+        # TRL's extremes of the clip ratios (over its processes; here over the micro-batches)
+        per_micro = {k: tab[:, 1 + j] / tok[:, 0] for j, k in enumerate(keys)}
+        metrics["clip_ratio/low_min"] = float(per_micro["clip_ratio/low_mean"].min())
+        metrics["clip_ratio/high_max"] = float(per_micro["clip_ratio/high_mean"].max())
     else:
         metrics["loss"] = None
-        metrics.update({k: None for k in keys})
+        metrics.update({k: None for k in (*keys, "clip_ratio/low_min", "clip_ratio/high_max")})
     metrics.setdefault("kl", None)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else None
     metrics["learning_rate"] = sched.get_last_lr()[0]

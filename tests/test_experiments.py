@@ -389,3 +389,16 @@ def test_run_json_keeps_the_command_that_ran_and_data_dir_only_where_read(fake_r
     assert C.main(exp, base + ["--resume", str(root), "--data-dir", str(tmp_path / "other")]) == 0
     meta = json.loads((root / "results" / exp.name / "small" / "runs/linear-s0/run.json").read_text())
     assert meta["command"] == ran and "/elsewhere" not in meta["command"]
+
+
+def test_job_progress_reads_the_running_run_folder(tmp_path):
+    """`make reproduce` shows each running job's step and reward, read from its run folder."""
+    from experiments._common import job_progress
+
+    assert job_progress(tmp_path) == "starting"
+    (tmp_path / "config.json").write_text(json.dumps({"max_steps": 30}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/arith/accuracy": 0.1}) + "\n")
+    assert job_progress(tmp_path) == "evaluating"
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "reward": 0.25}) + "\n")
+    assert job_progress(tmp_path) == "step 3/30 reward 0.250"

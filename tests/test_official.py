@@ -61,13 +61,13 @@ def test_official_profile_has_the_official_scripts_settings():
     c = make_config("official", method="nvfp4_lora_aqn")
     want = dict(lora_rank=16, lora_alpha=16, max_grad_norm=0.2, weight_decay=0.1, adam_beta2=0.99, warmup_ratio=0.1,
                 lr_scheduler="cosine", mask_truncated_completions=True, loss_type="bnpo", beta=0.0, epsilon_high=0.28,
-                train_norms=True, reward="official_exact", format_reward_weight=0.2, sigma_start=1e-2,
+                train_norms=True, reward=("official_exact",), format_reward_weight=0.2, sigma_start=1e-2,
                 sigma_end=1e-4, num_stages=10, learning_rate=1e-5, num_iterations=1, max_completion_length=2048,
                 dataset="gsm8k")
     assert {k: getattr(c, k) for k in want} == want
     assert make_config("official", method="bf16_lora").learning_rate == 5e-6
     paper = make_config("paper")  # the paper profile stays Table 4
-    assert (paper.lora_rank, paper.reward, paper.train_norms, paper.beta) == (32, "math_verify", False, 0.0)
+    assert (paper.lora_rank, paper.reward, paper.train_norms, paper.beta) == (32, ("math_verify",), False, 0.0)
 
 
 def test_official_profile_trains_end_to_end_on_a_tiny_model(tmp_path, tiny_llama_dir):
