@@ -9,7 +9,7 @@ config.json repeats that run); flags override it.
     python -m qerl train --profile small --method nvfp4_lora_aqn --seed 1 --output-dir runs/aqn-s1
     python -m qerl train --config my_task.yaml --num_generations 8 --output_dir runs/mine
     python -m qerl eval --model smollm2-135m-instruct --method nvfp4_lora --adapter runs/x/checkpoints/step-60 \
-        --datasets gsm8k arith --data-dir ../shared/data
+        --datasets gsm8k arith --data-dir data/
 """
 
 from __future__ import annotations

@@ -518,7 +518,8 @@ def read_config_file(path) -> dict:
 
 def resolve_config(config_file=None, profile: str | None = None, method: str | None = None, **flags) -> TrainConfig:
     """The config of a command line: the profile (flag, else the file's, else small), then the config
-    file's settings, then the flags (None = not given). A flag --method replaces the file's method."""
+    file's settings, then the flags (None = not given). A flag --method replaces the file's method,
+    a flag --reward the file's reward functions and their weights."""
     file = read_config_file(config_file) if config_file else {}
     file_profile = file.pop("profile", None)
     profile = profile or file_profile or "small"
@@ -529,6 +530,8 @@ def resolve_config(config_file=None, profile: str | None = None, method: str | N
     elif file_method is not None:
         file = {**parse_method(file_method), **file}
     flags = {k: v for k, v in flags.items() if v is not None}
+    if "reward" in flags and "reward_weights" not in flags:  # new reward functions: the file's weights were for others
+        file.pop("reward_weights", None)
     if method is not None:
         return make_config(profile, method=method, **{**file, **flags})
     return make_config(profile, **{**file, **flags})

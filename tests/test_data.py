@@ -382,3 +382,21 @@ def test_no_message_points_outside_the_repository(tmp_path):
     import qerl.data
 
     assert "../shared" not in Path(qerl.data.__file__).read_text()
+
+
+def test_own_data_from_a_hub_id(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake(name, split=None, **kw):
+        calls.append((name, split))
+        if name == "me/offline":
+            raise ConnectionError("Couldn't reach the hub")
+        return [{"question": "q1", "answer": 4}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    recs = load_dataset_split("me/task", "train")
+    assert calls == [("me/task", "train")] and recs[0]["answer"] == "4" and recs[0]["dataset"] == "me/task"
+    with pytest.raises(FileNotFoundError, match="'me/offline': no such local file or folder.*ConnectionError"):
+        load_dataset_split("me/offline", "test")

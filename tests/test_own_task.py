@@ -125,13 +125,12 @@ def test_bad_user_input_is_one_line(tmp_path, tiny_llama_dir):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"instruction": "w1", "target": "w2"}) + "\n"
                                         + json.dumps({"instruction": "w3"}) + "\n")
     r = run("--dataset", "bad.jsonl", "--reward", "math_verify", "--output-dir", str(tmp_path / "o1"))
-    assert r.returncode == 2 and "reward_weights: 2 weights for 1 reward" in r.stderr, r.stderr
-    r = run("--dataset", "bad.jsonl", "--reward", "math_verify", "--reward-weights", "1", "--output-dir",
-            str(tmp_path / "o1"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "bad.jsonl:2" in r.stderr and "'target'" in r.stderr and "Traceback" not in r.stderr
-    r = run("--reward", "my_rewards:nope", "--reward_weights", "1", "--output-dir", str(tmp_path / "o2"))
+    r = run("--reward", "my_rewards:nope", "--output-dir", str(tmp_path / "o2"))
     assert r.returncode == 2 and "my_rewards:nope" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    r = run("--reward", "my_rewards:length_bonus", "--reward_weights", "1", "2", "--output-dir", str(tmp_path / "o2"))
+    assert r.returncode == 2 and "2 weights for 1 reward" in r.stderr, r.stderr
     (tmp_path / "typo.yaml").write_text("num_generation: 4\n")
     r = run("--config", str(tmp_path / "typo.yaml"))
     assert r.returncode == 2 and "num_generations" in r.stderr and "typo.yaml" in r.stderr, r.stderr
