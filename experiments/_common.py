@@ -191,7 +191,7 @@ def command(exp: Experiment, run: Run, args, run_dir: Path) -> list[str]:
 
 # Fields that say where or how a run is logged, not what it computes.
 NOT_COMPARED = {"output_dir", "data_dir", "resume_from", "save_every", "wandb_mode", "wandb_project", "wandb_group",
-                "profile"}
+                "wandb_entity", "wandb_tags", "wandb_name", "profile"}
 
 
 def _jsonable(x):
@@ -472,11 +472,32 @@ def new_root(shared, label: str, git: dict) -> Path:
 
 
 # ----------------------------------------------------------------------------- running
+PROGRESS_S = 60  # seconds between progress lines of the running jobs (a terminal: one line, redrawn each poll)
+
+
+def job_progress(work: Path) -> str:
+    """A running job's progress from its run folder: "step k/N reward r" (or "starting")."""
+    try:
+        total = json.loads((work / "config.json").read_text()).get("max_steps")
+        last = None
+        with (work / "metrics.jsonl").open() as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    last = row if row.get("reward") is not None else last
+    except (OSError, ValueError):
+        return "starting"
+    if last is None:
+        return "evaluating" if total else "starting"
+    return f"step {last['step']}/{total} reward {last['reward']:.3f}"
+
+
 def launch(jobs: list[Job], shared, git: dict) -> dict[str, int]:
     """Run the jobs, `shared.parallel` at a time, each in its work folder. -> {job name: exit code}"""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true"}
     gpus = list(shared.gpus or [])
     todo, running, codes, t0 = list(jobs), [], {}, time.time()
+    last_progress = t0
     while todo or running:
         while todo and len(running) < max(shared.parallel, 1):
             job = todo.pop(0)
@@ -492,6 +513,12 @@ def launch(jobs: list[Job], shared, git: dict) -> dict[str, int]:
             log = open(job.work / "log.txt", "a")
             running.append((subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, env=penv), job, log, gpu))
         time.sleep(POLL_S)
+        tty = sys.stdout.isatty()
+        if running and (tty or time.time() - last_progress >= PROGRESS_S):
+            last_progress = time.time()
+            line = f"[{time.time() - t0:6.0f}s] " + "; ".join(f"{j.name}: {job_progress(j.work)}" for _, j, _, _ in running)
+            cols = shutil.get_terminal_size().columns - 1
+            print(f"\r\x1b[K{line[:cols]}" if tty else line, end="" if tty else "\n", flush=True)
         for item in list(running):
             p, job, log, _ = item
             if p.poll() is None:
@@ -502,7 +529,7 @@ def launch(jobs: list[Job], shared, git: dict) -> dict[str, int]:
                                                            "exit_code": p.returncode}, indent=2))
             codes[job.name] = p.returncode
             status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode}; see {job.work / 'log.txt'})"
-            print(f"[{time.time() - t0:6.0f}s] {job.name}: {status} ({len(todo)} to start, {len(running)} running)",
+            print(f"{chr(13) + chr(27) + '[K' if sys.stdout.isatty() else ''}[{time.time() - t0:6.0f}s] {job.name}: {status} ({len(todo)} to start, {len(running)} running)",
                   flush=True)
             if p.returncode != 0:
                 print("".join((job.work / "log.txt").read_text().splitlines(True)[-15:]), flush=True)

@@ -1,6 +1,8 @@
 """Command line: `python -m qerl <command> ...`.
 
     python -m qerl quantize --model PATH_OR_ID --format FORMAT --out DIR
+    python -m qerl generate --adapter runs/x/checkpoints/step-60 --prompt "What is 2 + 3?"
+    python -m qerl export --adapter runs/x/checkpoints/step-60 --out served/ [--merge]
 
 quantize: stream an HF Llama/Qwen2/Qwen3 checkpoint (a local folder, a .gguf file, the embedded
 default `smollm2-135m-instruct`, or a hub id) into DIR: config.json with quantization_config,
@@ -48,6 +50,57 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# generate / export: a trained run's base + adapter, rebuilt in one call (qerl.export.load_trained)
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", required=True,
+                   help="a qerl checkpoint folder (checkpoints/step-N) or the adapter folder qerl exported there")
+    p.add_argument("--prompt", required=True, nargs="+", help="one or more prompts (each gets the chat template)")
+    p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--suffix", default="", help="text appended to each prompt (\"paper\": the paper's instruction)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from qerl.data import build_prompt, prompt_suffix
+    from qerl.export import load_trained
+    from qerl.rollout import make_engine
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    model, tok = load_trained(args.adapter)
+    engine = make_engine(model, tok)
+    ids = [tok(build_prompt(p, tok, suffix=prompt_suffix(args.suffix)), add_special_tokens=False)["input_ids"]
+           for p in args.prompt]
+    greedy = args.temperature <= 0
+    ro = engine.generate(ids, args.max_new_tokens, temperature=args.temperature if not greedy else 1.0,
+                         greedy=greedy, seed=args.seed)
+    texts = tok.batch_decode(ro.completion_ids * ro.completion_mask + engine.pad_id * (1 - ro.completion_mask),
+                             skip_special_tokens=True)
+    for p, t in zip(args.prompt, texts):
+        print(f">>> {p}\n{t.strip()}\n")
+    print(json.dumps({"completions": texts}))
+    return 0
+
+
+def add_export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", required=True, help="a qerl checkpoint folder (checkpoints/step-N) or its adapter folder")
+    p.add_argument("--out", required=True, help="output folder (new or empty)")
+    p.add_argument("--merge", action="store_true",
+                   help="one plain transformers model: the dequantized base with LoRA and trained norms merged "
+                        "(else: a compressed-tensors 4-bit base with trained norms folded in, plus out/adapter)")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from qerl.export import export_trained
+
+    print(json.dumps(export_trained(args.adapter, args.out, merge=args.merge)))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # train / eval live in qerl/cli_train.py (add_train_args/run_train, add_eval_args/run_eval);
 # imported lazily so that `quantize` never depends on the training stack.
 
@@ -68,6 +121,8 @@ COMMANDS = {
               _from_cli_train("add_train_args"), _from_cli_train("run_train")),
     "eval": ("evaluate a model or adapter (pass@1)",
              _from_cli_train("add_eval_args"), _from_cli_train("run_eval")),
+    "generate": ("sample from a trained run (its quantized base + adapter)", add_generate_args, run_generate),
+    "export": ("write a trained run for serving: merged model, or 4-bit base + adapter", add_export_args, run_export),
 }
 
 

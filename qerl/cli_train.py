@@ -1,7 +1,13 @@
 """`python -m qerl train` and `python -m qerl eval`: flags are TrainConfig's field names.
 
+Every training flag is accepted in kebab-case (--num-generations) and snake_case (--num_generations),
+and under TRL's name where it differs (--per_device_train_batch_size, --save_steps, --lora_r, ...:
+qerl.config.TRL_ALIASES). `--config file.yaml|.json` sets any fields first (a run folder's
+config.json repeats that run); flags override it.
+
     python -m qerl train --profile smoke --output-dir runs/smoke
     python -m qerl train --profile small --method nvfp4_lora_aqn --seed 1 --output-dir runs/aqn-s1
+    python -m qerl train --config my_task.yaml --num_generations 8 --output_dir runs/mine
     python -m qerl eval --model smollm2-135m-instruct --method nvfp4_lora --adapter runs/x/checkpoints/step-60 \
         --datasets gsm8k arith --data-dir /path/to/data
 """
@@ -16,15 +22,17 @@ import typing
 
 from qerl.config import (
     PROFILES,
+    TRL_ALIASES,
     TrainConfig,
     eval_settings,
     make_config,
     method_name,
     methods,
     parse_method,
+    report_to_mode,
+    resolve_config,
     table_bases,
 )
-from qerl.rewards import REWARDS
 
 
 def _field_type(f: dataclasses.Field):
@@ -63,37 +71,59 @@ def _field_help(f: dataclasses.Field, docs: dict[str, str]) -> str:
     return text.replace("%", "%%")
 
 
+def _spellings(*names: str) -> list[str]:
+    """--a-b and --a_b for each name (one spelling when they are the same)."""
+    out = []
+    for n in names:
+        out += [f"--{n.replace('_', '-')}"] + ([f"--{n}"] if "_" in n else [])
+    return out
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", default="small", choices=tuple(PROFILES), help="base settings; flags override (default: small)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML or JSON file of settings (field names, or TRL's); a run's config.json repeats it. "
+                        "Flags override it (default: none)")
+    p.add_argument("--profile", default=None, choices=tuple(PROFILES) + ("custom",),
+                   help="base settings; the config file and flags override (default: the file's, else small; "
+                        "custom = the plain defaults)")
     p.add_argument("--method", default=None, choices=methods(),
                    help="shorthand for --fmt, --lora and --aqn (nvfp4_lora_aqn = nvfp4 base, LoRA, AQN; "
                         "default: the profile's, else nvfp4_lora_aqn)")
+    p.add_argument("--report-to", "--report_to", default=None, nargs="+", metavar="TARGET",
+                   help="TRL's report_to: wandb (default) or none (= --wandb-mode disabled)")
     hints = typing.get_type_hints(TrainConfig)
     docs = _field_docs()
+    aliases: dict[str, list[str]] = {}
+    for trl, field in TRL_ALIASES.items():
+        aliases.setdefault(field, []).append(trl)
     for f in dataclasses.fields(TrainConfig):
         if f.name == "profile":
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = _spellings(f.name, *aliases.get(f.name, []))
         help_ = _field_help(f, docs)
         t = hints[f.name]
         origin = typing.get_origin(t)
         if t is bool:  # `--flag` alone means true; `--flag false` turns a profile's true off
-            p.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_)
+            p.add_argument(*flags, dest=f.name, type=_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                           help=help_)
         elif origin is tuple:
             inner = typing.get_args(t)[0]
-            p.add_argument(flag, type=inner, nargs="+", default=None, help=help_)
+            p.add_argument(*flags, dest=f.name, type=inner, nargs="+", default=None, help=help_)
         elif t in (int, float, str):
-            kw = {"choices": table_bases()} if f.name == "fmt" else {"choices": REWARDS} if f.name == "reward" else {}
-            p.add_argument(flag, type=t, default=None, help=help_, **kw)
+            kw = {"choices": table_bases()} if f.name == "fmt" else {}
+            p.add_argument(*flags, dest=f.name, type=t, default=None, help=help_, **kw)
         else:  # Optional[str], Optional[float]: the inner type
             inner = next((a for a in typing.get_args(t) if a is not type(None)), str)
-            p.add_argument(flag, type=inner, default=None, help=help_)
+            p.add_argument(*flags, dest=f.name, type=inner, default=None, help=help_)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"profile"}
-    return make_config(args.profile, method=getattr(args, "method", None),
-                       **{k: getattr(args, k) for k in fields if getattr(args, k, None) is not None})
+    flags = {k: getattr(args, k) for k in fields if getattr(args, k, None) is not None}
+    if getattr(args, "report_to", None) is not None and "wandb_mode" not in flags:
+        flags["wandb_mode"] = report_to_mode(args.report_to)
+    return resolve_config(getattr(args, "config", None), getattr(args, "profile", None),
+                          method=getattr(args, "method", None), **flags)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -101,6 +131,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
+        from qerl.rewards import RewardSet
+
+        RewardSet.from_config(cfg)  # a module:function that does not import fails here, before the model loads
         summary = train(cfg)
     except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ ENVIRONMENT = {
     "QERL_DIST_TIMEOUT_MIN": "minutes ranks wait for each other under torchrun; default 60",
     "QERL_GIT_SHA": "the commit of a copied tree without .git (recorded in run.json and results)",
     "QERL_GIT_DIRTY": "1: that copied tree had uncommitted changes",
+    "QERL_PROGRESS": "1: progress bars inside a step even off a terminal; 0: never (default: on a terminal)",
 }
 
 
@@ -133,7 +134,11 @@ class TrainConfig:
     engine: str = "auto"  # rollout engine: auto (fast where supported) | fast (static cache + CUDA graphs) | hf (reference)
     gradient_checkpointing: bool = False  # recompute activations in the backward (less memory, slower)
     # ---- data
-    dataset: str = "arith"  # training set: arith | gsm8k | bigmath (see qerl.data.DATASETS)
+    dataset: str = "arith"  # training set: a built-in name (qerl.data.DATASETS), a .jsonl/.parquet/.csv file, a folder of them, or a hub dataset id
+    prompt_column: str | None = None  # your data's prompt column (None: prompt, question or problem); a list of chat messages is used as is
+    answer_column: str | None = None  # your data's gold-answer column (None: answer, else solution); needed by the built-in rewards only
+    chat_template: bool = True  # render prompts with the tokenizer's chat template (false: the raw text)
+    prompt_suffix: str = "paper"  # appended to text prompts: "paper" = the paper's think/answer instruction (Appendix E), "" = nothing, else this text
     arith_levels: tuple[int, ...] = (0, 1)  # levels of the built-in arith set (qerl.data.ARITH_LEVELS)
     bigmath_config: str = "level_3_4_5"  # BigMath subset (BIGMATH_CONFIGS); paper: 3-5, 32B: level_4_5
     data_dir: str | None = None  # local JSONL folder laid out like shared/data (else $QERL_DATA_DIR, else hub)
@@ -165,7 +170,8 @@ class TrainConfig:
     scale_rewards: str = "group"  # group | batch | none
     mask_truncated_completions: bool = False  # no loss on completions cut at max_completion_length
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no resampling here; counted)
-    reward: str = "math_verify"  # math_verify | official_exact (the official GSM8K reward; qerl.rewards)
+    reward: tuple[str, ...] = ("math_verify",)  # reward functions: math_verify | official_exact (qerl.rewards) or module:function (TRL's signature)
+    reward_weights: tuple[float, ...] = ()  # one weight per reward function (empty: 1.0 each; TRL's reward_weights)
     format_reward_weight: float | None = None  # reward = accuracy + w * format; None: 0 (math_verify), 0.2 (official_exact)
     # ---- broken-rollout guard (runs without AQN): stop when sampling/logprob_gap stays above the limit
     max_logprob_gap: float = 0.2  # nats, mean |rollout - training| log-prob over completion tokens
@@ -176,7 +182,7 @@ class TrainConfig:
     num_stages: int = 10  # AQN stages K (stage 0 is noise-free)
     noise_schedule: str = "exponential"  # AQN sigma decay: exponential | linear | cosine | logarithmic
     # ---- evaluation
-    eval_datasets: tuple[str, ...] = ("arith",)  # evaluated before and after training (none: no evaluation)
+    eval_datasets: tuple[str, ...] = ("arith",)  # evaluated before and after training: built-in names or your own test files (none: no evaluation)
     eval_limit: int = 200  # problems per eval dataset (0 = all)
     eval_samples: int = 1  # n samples per problem for pass@1
     eval_temperature: float = 0.6  # evaluation sampling temperature (paper: 0.6)
@@ -192,9 +198,12 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
     save_total_limit: int = 0  # keep at most N checkpoints, the newest (0 = all); the last complete one is never deleted
     resume_from: str | None = None  # a checkpoint folder, or "auto" = the latest in output_dir
-    wandb_mode: str = "offline"  # offline | online | disabled
-    wandb_project: str = "qerl"  # W&B project
-    wandb_group: str | None = None  # W&B group (experiment scripts set it)
+    wandb_mode: str | None = None  # offline | online | disabled (None: $WANDB_MODE, else offline)
+    wandb_project: str | None = None  # W&B project (None: $WANDB_PROJECT, else qerl)
+    wandb_entity: str | None = None  # W&B entity (None: $WANDB_ENTITY, else your default)
+    wandb_group: str | None = None  # W&B group (None: $WANDB_RUN_GROUP; experiment scripts set it)
+    wandb_tags: tuple[str, ...] = ()  # extra W&B tags, added to $WANDB_TAGS and method/format/profile/seed
+    wandb_name: str | None = None  # W&B run name (None: <run root>/<run folder>)
     overwrite: bool = False  # replace a run already in output_dir (without it such a run is refused; --resume-from auto continues it)
     profile: str = "custom"
 
@@ -218,7 +227,7 @@ class TrainConfig:
             raise ValueError(f"optim must be adamw|adamw_8bit, got {self.optim!r}")
         if self.lr_scheduler not in ("cosine", "constant"):
             raise ValueError(f"lr_scheduler must be cosine|constant, got {self.lr_scheduler!r}")
-        if self.wandb_mode not in ("offline", "online", "disabled"):
+        if self.wandb_mode is not None and self.wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb_mode must be offline|online|disabled, got {self.wandb_mode!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16|float16|float32, got {self.dtype!r}")
@@ -245,12 +254,14 @@ class TrainConfig:
             raise ValueError(f"max_logprob_gap must be > 0 nats, got {self.max_logprob_gap}")
         if self.max_logprob_gap_steps < 0:
             raise ValueError(f"max_logprob_gap_steps must be >= 0 (0 = no check), got {self.max_logprob_gap_steps}")
-        from qerl.rewards import OFFICIAL_FORMAT_REWARD, REWARDS
+        from qerl.rewards import OFFICIAL_FORMAT_REWARD, check_reward_names
 
-        if self.reward not in REWARDS:
-            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        self.reward = (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
+        self.reward_weights = tuple(float(w) for w in self.reward_weights)
+        check_reward_names(self.reward, self.reward_weights)
         if self.format_reward_weight is None:
-            self.format_reward_weight = OFFICIAL_FORMAT_REWARD if self.reward == "official_exact" else 0.0
+            self.format_reward_weight = OFFICIAL_FORMAT_REWARD if "official_exact" in self.reward else 0.0
+        self.wandb_tags = (self.wandb_tags,) if isinstance(self.wandb_tags, str) else tuple(self.wandb_tags)
         if self.train_norms and not self.lora:
             raise ValueError("train_norms is for the LoRA methods: bf16_full already trains every weight")
         if not 0 < self.adam_beta2 < 1:
@@ -260,7 +271,9 @@ class TrainConfig:
         if self.num_stages < 2:
             raise ValueError("num_stages (K) must be >= 2: stage 0 is noise-free")
         self.arith_levels = tuple(self.arith_levels)
-        self.eval_datasets = tuple(d for d in self.eval_datasets if d != "none")  # --eval-datasets none
+        self.eval_datasets = tuple(self.eval_datasets)
+        if self.eval_datasets in (("none",), ("",)):  # `--eval-datasets none`: no evaluation
+            self.eval_datasets = ()
 
     @property
     def method(self) -> str:
@@ -347,7 +360,7 @@ PROFILES["official"] = {**PROFILES["paper"], **dict(
     lora_rank=16, lora_alpha=16, adam_beta2=0.99, weight_decay=0.1, warmup_ratio=0.1, lr_scheduler="cosine",
     max_grad_norm=0.2, mask_truncated_completions=True, train_norms=True, sigma_start=1e-2, sigma_end=1e-4,
     num_stages=10, learning_rate=1e-5, optim="adamw_8bit", max_prompt_length=256, max_completion_length=2048,
-    loss_type="bnpo", beta=0.0, epsilon=0.2, epsilon_high=0.28, num_iterations=1, reward="official_exact")}
+    loss_type="bnpo", beta=0.0, epsilon=0.2, epsilon_high=0.28, num_iterations=1, reward=("official_exact",))}
 
 
 # Settings a profile gives one method (applied after the profile, before flags).
@@ -385,8 +398,8 @@ def make_config(profile: str = "small", method: str | None = None, **overrides) 
     `method` is the shorthand for the fields fmt, lora and aqn (parse_method); an explicit field
     override that contradicts it is an error.
     """
-    if profile not in PROFILES:
-        raise ValueError(f"unknown profile {profile!r}; expected one of {tuple(PROFILES)}")
+    if profile not in PROFILES and profile != "custom":
+        raise ValueError(f"unknown profile {profile!r}; expected one of {tuple(PROFILES)} (or custom: the defaults)")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = set(overrides) - fields
     if unknown:
@@ -398,8 +411,150 @@ def make_config(profile: str = "small", method: str | None = None, **overrides) 
         if clash:
             raise ValueError(f"method {method!r} contradicts {clash} (flag, method)")
         overrides = {**shorthand, **overrides}
-    merged = {**PROFILES[profile], **overrides}
+    base = PROFILES.get(profile, {})
+    merged = {**base, **overrides}
     chosen = method_name(*(merged.get(k, getattr(TrainConfig, k)) for k in ("fmt", "lora", "aqn")))
     per_method = PROFILE_METHOD_OVERRIDES.get(profile, {}).get(chosen, {})
-    kw = {**PROFILES[profile], **per_method, **overrides, "profile": profile}
+    kw = {**base, **per_method, **overrides, "profile": profile}
     return TrainConfig(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# config files and TRL's names
+
+# TRL's GRPOConfig / transformers' TrainingArguments / TRL's ModelConfig and ScriptArguments name ->
+# the qerl field it sets (names equal in both need no entry: num_generations, learning_rate, beta, ...).
+TRL_ALIASES = {
+    "per_device_train_batch_size": "micro_batch_size",  # completions per forward/backward on one device
+    "save_steps": "save_every", "eval_steps": "eval_every", "lr_scheduler_type": "lr_scheduler",
+    "model_name_or_path": "model", "lora_r": "lora_rank", "dataset_name": "dataset", "reward_funcs": "reward",
+    "run_name": "wandb_name", "resume_from_checkpoint": "resume_from",
+}
+# Keys a run folder's config.json holds besides the fields (what the run recorded about itself):
+# skipped when it is read back as a config file, so that `--config run/config.json` repeats the run.
+RECORD_KEYS = ("policy", "prompts_skipped", "world_size", "provenance", "command", "data_sources")
+
+
+def report_to_mode(value) -> str | None:
+    """TRL's report_to -> wandb_mode: "none" (or nothing) disables W&B; "wandb"/"all" keep the W&B settings."""
+    vals = [value] if isinstance(value, str) else list(value or [])
+    vals = [v.strip().lower() for v in vals if v and v.strip()]
+    if not vals or vals == ["none"]:
+        return "disabled"
+    if "wandb" in vals or "all" in vals:
+        return None
+    raise ValueError(f"report_to {value!r}: qerl logs to W&B (and metrics.jsonl) only; use wandb or none")
+
+
+def _coerce(name: str, value, where: str):
+    """A config-file value as the field's type (YAML reads 1e-5 as a string; JSON has no tuples)."""
+    import typing
+
+    t = typing.get_type_hints(TrainConfig)[name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    if value is None:
+        if type(None) in typing.get_args(t):
+            return None
+        raise ValueError(f"{where}: {name} cannot be null")
+    if typing.get_origin(t) is tuple:
+        inner = typing.get_args(t)[0]
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_coerce_scalar(name, inner, v, where) for v in items)
+    return _coerce_scalar(name, args[0] if args else t, value, where)
+
+
+def _coerce_scalar(name, t, value, where):
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "1", "yes"):
+            return True
+        if str(value).lower() in ("false", "0", "no"):
+            return False
+    elif t in (int, float):
+        try:
+            v = t(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            v = None
+        if v is not None and (t is float or float(value) == v):
+            return v
+    elif t is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ValueError(f"{where}: {name} must be {t.__name__}, got {value!r}")
+
+
+def read_config_file(path) -> dict:
+    """The settings of a YAML (.yaml/.yml) or JSON config file: TrainConfig field names (or TRL's names,
+    TRL_ALIASES), plus optionally ``profile`` and ``method``. A run folder's config.json reads back
+    (its record-only keys are skipped). Unknown keys and badly typed values are ValueErrors naming the file."""
+    import difflib
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--config {p}: no such file")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"--config {p}: expected a .yaml, .yml or .json file")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    except Exception as exc:  # noqa: BLE001 - yaml's errors: one line with the position
+        if isinstance(exc, ValueError):
+            raise
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{p}{at}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: expected a mapping of settings, got {type(data).__name__}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    out: dict = {}
+    for key, value in data.items():
+        k = str(key).replace("-", "_")
+        if k in RECORD_KEYS:
+            continue
+        if k == "report_to":
+            out["wandb_mode"] = report_to_mode(value)
+            continue
+        k = TRL_ALIASES.get(k, k)
+        if k in ("profile", "method"):
+            out[k] = None if value is None else str(value)
+            continue
+        if k not in fields:
+            near = difflib.get_close_matches(k, sorted(fields | set(TRL_ALIASES)), n=1)
+            raise ValueError(f"{p}: unknown setting {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        if k in out:
+            raise ValueError(f"{p}: {key!r} sets {k} twice")
+        out[k] = _coerce(k, value, f"{p}")
+    return out
+
+
+def resolve_config(config_file=None, profile: str | None = None, method: str | None = None, **flags) -> TrainConfig:
+    """The config of a command line: the profile (flag, else the file's, else small), then the config
+    file's settings, then the flags (None = not given). A flag --method replaces the file's method,
+    a flag --reward the file's reward functions and their weights."""
+    file = read_config_file(config_file) if config_file else {}
+    file_profile = file.pop("profile", None)
+    profile = profile or file_profile or "small"
+    file_method = file.pop("method", None)
+    if method is not None:
+        for k in ("fmt", "lora", "aqn"):
+            file.pop(k, None)
+    elif file_method is not None:
+        file = {**parse_method(file_method), **file}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if "reward" in flags and "reward_weights" not in flags:  # new reward functions: the file's weights were for others
+        file.pop("reward_weights", None)
+    if method is not None:
+        return make_config(profile, method=method, **{**file, **flags})
+    return make_config(profile, **{**file, **flags})

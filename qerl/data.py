@@ -9,8 +9,14 @@ Sources:
   difficulty levels 1-4 (see ARITH_LEVELS). It is the default task of the embedded 135M model.
 - ``gsm8k``, ``math500``, ``aime24``, ``aime25``, ``amc23``, ``bigmath``: from local JSONL when a
   data dir is given (``data_dir=`` or the QERL_DATA_DIR environment variable), else from the
-  Hugging Face hub. The local layout is ``<data_dir>/<name>/<split>.jsonl`` (as in
-  ../shared/data/README.md); BigMath reads ``<data_dir>/bigmath/<config>/train.jsonl``.
+  Hugging Face hub. The local layout is ``<data_dir>/<name>/<split>.jsonl``; BigMath reads
+  ``<data_dir>/bigmath/<config>/train.jsonl``.
+- your own data (``load_user_split``): a ``.jsonl``, ``.json``, ``.parquet`` or ``.csv`` file (the
+  file is every split), a folder holding ``<split>.jsonl|.parquet|.csv``, or a hub dataset id
+  (``owner/name``). ``prompt_column`` and ``answer_column`` name its fields (default: ``prompt``,
+  ``question`` or ``problem``; ``answer``, else ``solution``); every other field is kept in the
+  record's ``"columns"`` and reaches the reward functions as a keyword argument, as in TRL. A prompt
+  that is a list of chat messages (``[{"role": ..., "content": ...}]``) is rendered as it is.
 
 Hub ids: gsm8k ``openai/gsm8k`` (config ``main``), math500 ``HuggingFaceH4/MATH-500``, bigmath
 ``open-r1/Big-Math-RL-Verified-Processed`` (configs ``level_3_4_5``, ``level_4_5``; what the
@@ -28,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -141,8 +148,7 @@ def _local_rows(name: str, split: str, data_dir: Path, config: str | None) -> li
         have = sorted(p.name for p in folder.glob("*.jsonl")) if folder.is_dir() else []
         raise FileNotFoundError(
             f"{name} split {split!r}: no file {path} (found in {folder}: {have or 'nothing'}). "
-            f"Expected the layout <data_dir>/<dataset>/<split>.jsonl described in "
-            f"../shared/data/README.md."
+            f"Expected the layout <data_dir>/<dataset>/<split>.jsonl (docs/own-task.md)."
         )
     rows = _checked_jsonl(path, name, split)
     try:
@@ -181,7 +187,7 @@ def _hub_rows(name: str, split: str, config: str | None) -> list[dict]:
             f"{split_map[split]!r}) from the Hugging Face hub: {type(e).__name__}: {e}. Without hub "
             f"access, point qerl at local JSONL copies: set {DATA_DIR_ENV}=<dir> or pass "
             f"--data-dir <dir> (data_dir=...), laid out as <dir>/<dataset>/<split>.jsonl "
-            f"(see ../shared/data/README.md)."
+            f"(docs/own-task.md)."
         ) from e
     return [dict(row) for row in ds]
 
@@ -191,19 +197,33 @@ def load_dataset_split(
 ) -> list[dict]:
     """Load one split of a dataset as normalised records.
 
-    name: one of DATASETS. split: "train" or "test" (SPLITS lists what each dataset has).
+    name: one of DATASETS, or your own data (a file, a folder or a hub id: see load_user_split; the
+    options prompt_column, answer_column and require_answer go there).
+    split: "train" or "test" (SPLITS lists what each built-in dataset has).
     data_dir: folder of local JSONL copies; default: $QERL_DATA_DIR, else the hub.
     limit: keep the first `limit` records (after shuffling, if shuffle=True).
     seed: the arith generator's seed, and the shuffle seed.
     kw: shuffle (bool, default False); bigmath: config (one of BIGMATH_CONFIGS, default
     "level_3_4_5"); arith: see generate_arith (levels, num_examples, test_fraction).
     """
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
-    if split not in SPLITS[name]:
-        raise ValueError(f"dataset {name!r} has no split {split!r}; its splits: {', '.join(SPLITS[name])}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    user = {k: kw.pop(k) for k in ("prompt_column", "answer_column", "require_answer") if k in kw}
+    if name not in DATASETS:
+        if not looks_like_user_data(name):
+            raise ValueError(f"unknown dataset {name!r}: not a built-in name ({', '.join(DATASETS)}), an existing "
+                             f"file ({', '.join(DATA_SUFFIXES)}) or folder, or a hub id (owner/name)")
+        shuffle = bool(kw.pop("shuffle", False))
+        if kw:
+            raise ValueError(f"unexpected options for your own dataset {name!r}: {', '.join(sorted(kw))}")
+        records = load_user_split(name, split, **user)
+        if shuffle:
+            random.Random(f"shuffle-{name}-{split}-{seed}").shuffle(records)
+        return records if limit is None else records[:limit]
+    if split not in SPLITS[name]:
+        raise ValueError(f"dataset {name!r} has no split {split!r}; its splits: {', '.join(SPLITS[name])}")
+    if user:
+        raise ValueError(f"{', '.join(sorted(user))}: for your own data, not the built-in dataset {name!r}")
     shuffle = bool(kw.pop("shuffle", False))
 
     if name == "arith":
@@ -228,17 +248,181 @@ def load_dataset_split(
 
 
 # ---------------------------------------------------------------------------------------------
+# your own data: a file, a folder or a hub dataset
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+PROMPT_COLUMNS = ("prompt", "question", "problem")
+
+
+def looks_like_user_data(name: str) -> bool:
+    """A local file or folder, or a hub id (owner/name) that is not a local path."""
+    p = Path(name).expanduser()
+    return p.exists() or p.suffix in DATA_SUFFIXES or (name.count("/") == 1 and not name.startswith((".", "/")))
+
+
+def _read_rows(path: Path) -> list[tuple[str, dict]]:
+    """(where, row) of every row of a local file; where is "file:line" (jsonl, csv) or "file: row i"."""
+    where = str(path)
+    if path.suffix in (".jsonl", ".json"):
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if path.suffix == ".json" and text.lstrip().startswith("["):  # one JSON array of objects
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            out = [(f"{where}: item {i}", r) for i, r in enumerate(rows)]
+        else:
+            out = []
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append((f"{where}:{lineno}", json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{where}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    elif path.suffix == ".csv":
+        import csv
+
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            out = [(f"{where}:{reader.line_num}", dict(row)) for row in reader]
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise ValueError(f"{where}: cannot read as Parquet ({type(exc).__name__}: {exc})") from None
+        out = [(f"{where}: row {i}", r) for i, r in enumerate(table.to_pylist())]
+    else:
+        raise ValueError(f"{where}: unknown data file type {path.suffix!r}; expected one of {', '.join(DATA_SUFFIXES)}")
+    for w, r in out:
+        if not isinstance(r, dict):
+            raise ValueError(f"{w}: expected a JSON object per row, got {type(r).__name__}")
+    return out
+
+
+def _folder_file(folder: Path, split: str) -> Path:
+    """The file of one split in a folder: <split>.jsonl|.json|.parquet|.csv, or a hub-style <split>-*.parquet."""
+    for suffix in DATA_SUFFIXES:
+        if (folder / f"{split}{suffix}").is_file():
+            return folder / f"{split}{suffix}"
+    shards = sorted(folder.glob(f"**/{split}-*.parquet"))
+    if shards:
+        return shards[0]
+    have = sorted(p.name for p in folder.iterdir())[:12]
+    raise FileNotFoundError(f"{folder}: no {split} split (expected {split}.jsonl, {split}.parquet or {split}.csv; "
+                            f"found {have or 'nothing'})")
+
+
+def _hub_user_rows(name: str, split: str) -> list[tuple[str, dict]]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as exc:  # noqa: BLE001 - any hub failure gets the same advice
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise FileNotFoundError(f"dataset {name!r}: no such local file or folder, and loading it from the Hugging Face "
+                                f"hub (split {split!r}) failed: {type(exc).__name__}: {first}") from None
+    return [(f"{name} ({split}) row {i}", dict(r)) for i, r in enumerate(ds)]
+
+
+def user_record(row: dict, where: str, index: int, name: str, prompt_column: str | None = None,
+                answer_column: str | None = None, require_answer: bool = True) -> dict:
+    """One row of your own data -> {"id", "question", "prompt", "answer", "dataset", "columns"}.
+
+    ``columns`` holds every field but the prompt (the reward functions' keyword arguments);
+    ``answer`` is the gold answer as a string, or None when the data has none and none is required.
+    """
+    cols = sorted(row)
+    pcol = prompt_column or next((c for c in PROMPT_COLUMNS if row.get(c) not in (None, "")), None)
+    if pcol is None or row.get(pcol) in (None, ""):
+        want = repr(prompt_column) if prompt_column else "prompt, question or problem"
+        raise ValueError(f"{where}: no {want} field (fields: {cols}); name the prompt field with --prompt-column")
+    prompt = row[pcol]
+    if isinstance(prompt, list):
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise ValueError(f"{where}: field {pcol!r} is a list but not chat messages [{{'role', 'content'}}, ...]")
+        question = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+    else:
+        prompt = question = str(prompt).strip()
+    answer = None
+    if answer_column is not None:
+        if row.get(answer_column) in (None, ""):
+            raise ValueError(f"{where}: no {answer_column!r} field (fields: {cols}); check --answer-column")
+        answer = gold_to_str(row[answer_column])
+    elif row.get("answer") not in (None, ""):
+        answer = gold_to_str(row["answer"])
+    elif row.get("solution"):
+        answer = boxed_answer(str(row["solution"])) or str(row["solution"]).strip()
+    if answer is None and require_answer:
+        raise ValueError(f"{where}: no 'answer' field (fields: {cols}); the built-in rewards need the gold answer: "
+                         f"name its field with --answer-column, or use only your own reward functions")
+    return {"id": f"{name}-{index}", "question": question, "prompt": prompt, "answer": answer, "dataset": name,
+            "columns": {k: v for k, v in row.items() if k != pcol}}
+
+
+def user_records(rows, name: str = "train_dataset", **kw) -> list[dict]:
+    """Records of in-memory rows (a list of dicts or a datasets.Dataset): ``qerl.train(train_dataset=...)``."""
+    if isinstance(rows, (str, os.PathLike)):
+        return load_user_split(str(rows), "train", **kw)
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{name} item {i}: expected a dict per row, got {type(row).__name__}")
+        out.append(user_record(dict(row), f"{name} item {i}", i, name, **kw))
+    if not out:
+        raise ValueError(f"{name} is empty")
+    return out
+
+
+def load_user_split(name: str, split: str = "train", prompt_column: str | None = None,
+                    answer_column: str | None = None, require_answer: bool = True) -> list[dict]:
+    """Records of your own data: a file (every split), a folder (<split>.jsonl|.parquet|.csv) or a hub id.
+
+    Errors name the file and line (or row) and the field: a bad row is a ValueError, a missing file a
+    FileNotFoundError.
+    """
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = _folder_file(path, split)
+    if path.is_file():
+        rows = _read_rows(path)
+    elif path.suffix in DATA_SUFFIXES or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"dataset {name}: no such file")
+    else:
+        rows = _hub_user_rows(name, split)
+    if not rows:
+        raise ValueError(f"dataset {name}: no rows in {path if path.is_file() else name}")
+    label = Path(name).stem if Path(name).exists() else name
+    return [user_record(r, where, i, label, prompt_column, answer_column, require_answer)
+            for i, (where, r) in enumerate(rows)]
+
+
+# ---------------------------------------------------------------------------------------------
 # prompts
 
 
-def build_prompt(question: str, tokenizer, system_prompt: str | None = None, suffix: str = PROMPT_SUFFIX) -> str:
+def build_prompt(question, tokenizer, system_prompt: str | None = None, suffix: str = PROMPT_SUFFIX,
+                 chat_template: bool = True) -> str:
     """The model input for one question: question + the paper's instruction, in the chat template.
 
     Uses ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` so the text ends where
     the assistant's answer begins. A tokenizer without a chat template gets plain text (with a
-    warning): the question, the instruction, and an empty line.
+    warning): the question, the instruction, and an empty line. ``question`` may also be a list of
+    chat messages (rendered as they are, no suffix); ``chat_template=False`` returns the text
+    (question and suffix) untemplated.
     """
+    if isinstance(question, list):
+        if not chat_template or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("a prompt of chat messages needs the tokenizer's chat template (chat_template=True)")
+        return tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
     content = f"{question.strip()}\n{suffix}" if suffix else question.strip()
+    if not chat_template:
+        return content
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": content})
     if getattr(tokenizer, "chat_template", None):
@@ -248,11 +432,18 @@ def build_prompt(question: str, tokenizer, system_prompt: str | None = None, suf
     return "\n\n".join(parts) + "\n\n"
 
 
-def tokenize_prompts(records, tokenizer, max_prompt_length: int):
+def prompt_suffix(setting: str) -> str:
+    """TrainConfig.prompt_suffix -> the text appended to prompts ("paper": PROMPT_SUFFIX)."""
+    return PROMPT_SUFFIX if setting == "paper" else setting
+
+
+def tokenize_prompts(records, tokenizer, max_prompt_length: int, chat_template: bool = True,
+                     suffix: str = PROMPT_SUFFIX):
     """Chat-templated prompt token ids; prompts over max_prompt_length are skipped and counted."""
     keep, skipped = [], 0
     for r in records:
-        ids = tokenizer(build_prompt(r["question"], tokenizer), add_special_tokens=False)["input_ids"]
+        text = build_prompt(r.get("prompt", r["question"]), tokenizer, suffix=suffix, chat_template=chat_template)
+        ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
         if len(ids) > max_prompt_length:
             skipped += 1
             continue

@@ -1,8 +1,16 @@
-"""Export: 4-bit checkpoints in compressed-tensors format, PEFT adapters, and the streaming quantizer.
+"""Export: 4-bit checkpoints in compressed-tensors format, PEFT adapters, trained models for serving,
+and the streaming quantizer.
 
     export_compressed_tensors(model, "out/", tokenizer=tok)          # a quantize_()d model -> vLLM
     export_peft_adapter(model, "adapter/", "Qwen/Qwen2.5-7B-Instruct")  # LoRA -> PeftModel
     quantize_checkpoint("/data/Qwen2.5-7B-Instruct", "out/", "nvfp4")  # `python -m qerl quantize`
+    model, tok = load_trained("runs/x/checkpoints/step-60")         # quantized base + adapter, as trained
+    export_trained("runs/x/checkpoints/step-60", "served/", merge=True)  # `python -m qerl export`
+
+A trained adapter belongs to the base it was trained on: the 4-bit base of an nvfp4_lora run is
+not the bf16 model (logits differ by several nats), so every adapter qerl writes records, in the
+metadata of adapter_model.safetensors (``qerl_base_format``, ``qerl_method``, ``qerl_base_model``),
+which base it needs; adapter_config.json's base_model_name_or_path is the real model id or folder.
 
 On disk, per quantized Linear `<p>` (the module names of the source checkpoint):
     nvfp4: <p>.weight_packed uint8 [out, in/2], <p>.weight_scale float8_e4m3fn [out, in/16],
@@ -270,7 +278,8 @@ def _merged_packed_state(quant_modules: dict, fmt: str) -> dict[str, torch.Tenso
 # (b) PEFT adapter
 
 
-def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=None) -> dict:
+def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=None, metadata: dict | None = None,
+                        norms: bool = True) -> dict:
     """Write the LoRA adapters of a quantize_()d model as a PEFT LoRA adapter.
 
     Produces adapter_model.safetensors (keys `base_model.model.<module>.lora_{A,B}.weight`, as
@@ -279,8 +288,9 @@ def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=
     (or dequantized) base. Ranks or alphas that differ between modules go to rank_pattern /
     alpha_pattern. Trained AQN norm weights (``train_norms``: input/post_attention_layernorm weights
     with requires_grad) are saved as PEFT's modules_to_save, as the official code's ``--ln`` does:
-    keys ``base_model.model.<norm>.weight`` (fp32, as trained). Returns {"out_dir", "num_modules",
-    "target_modules", "modules_to_save"}.
+    keys ``base_model.model.<norm>.weight`` (fp32, as trained); ``norms=False`` leaves them out (they
+    were folded into an exported base). ``metadata`` (str values) goes into the safetensors header.
+    Returns {"out_dir", "num_modules", "target_modules", "modules_to_save"}.
     """
     from peft import LoraConfig
 
@@ -296,11 +306,12 @@ def export_peft_adapter(model, out_dir, base_model_name_or_path: str, tokenizer=
     for name, m in mods.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight.detach().cpu().contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight.detach().cpu().contiguous()
-    norms = [(n, m) for n, m in find_norms(model) if m.weight.requires_grad]
+    norms = [(n, m) for n, m in find_norms(model) if m.weight.requires_grad] if norms else []
     for name, m in norms:
         tensors[f"base_model.model.{name}.weight"] = m.weight.detach().cpu().contiguous()
     modules_to_save = sorted({n.rsplit(".", 1)[-1] for n, _ in norms}) or None
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata=meta)
 
     # Short names (q_proj, ...) when every such module in the model has an adapter, which is
     # what PEFT users and vLLM expect; otherwise the full names, so PEFT adds nothing extra.
@@ -482,3 +493,138 @@ def load_quantized_state(out_dir) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as h:
             out.update({k: h.get_tensor(k) for k in h.keys()})
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Trained models: the run's adapter, load_trained, and export for serving
+
+
+def base_model_ref(model: str) -> str:
+    """The base model as others can open it: a local folder as an absolute path, the embedded default
+    and .gguf files as their converted HF folder, a hub id unchanged."""
+    from qerl.models import RANDOM_PREFIX
+
+    if str(model).startswith(RANDOM_PREFIX):
+        return str(model)
+    path = resolve_model_path(model)
+    return str(Path(path).resolve()) if Path(path).is_dir() else path
+
+
+def adapter_metadata(cfg) -> dict:
+    """What an adapter of this run needs besides its weights: base format, method, base model."""
+    return {"qerl_base_format": cfg.fmt, "qerl_method": cfg.method, "qerl_base_model": base_model_ref(cfg.model),
+            "qerl_train_norms": str(bool(cfg.train_norms)).lower()}
+
+
+def export_run_adapter(model, out_dir, cfg, tokenizer=None) -> dict:
+    """The PEFT adapter of a run's model: base_model_name_or_path the real base, and adapter_metadata."""
+    return export_peft_adapter(model, out_dir, base_model_ref(cfg.model), tokenizer=tokenizer,
+                               metadata=adapter_metadata(cfg))
+
+
+def adapter_info(path) -> dict:
+    """{model, method, base_format, train_norms} that a qerl adapter folder records (empty for others)."""
+    f = Path(path) / "adapter_model.safetensors"
+    if not f.is_file():
+        return {}
+    with safe_open(str(f), framework="pt") as h:
+        meta = h.metadata() or {}
+    out = {"model": meta.get("qerl_base_model"), "method": meta.get("qerl_method"),
+           "base_format": meta.get("qerl_base_format")}
+    return {k: v for k, v in out.items() if v}
+
+
+def load_trained(path, device=None, dtype: str | None = None):
+    """(model, tokenizer) of a trained run: the base in the format it was trained on (quantized as in
+    training), its adapters and trained norms loaded.
+
+    ``path``: a qerl checkpoint folder (checkpoints/step-N), or an adapter folder qerl exported
+    (checkpoints/step-N/adapter). A PEFT adapter from elsewhere records no base format: load that
+    with peft on its base model.
+    """
+    from qerl.config import TrainConfig, parse_method
+    from qerl.train import build_policy, load_trainable, read_checkpoint_config
+
+    ck = {**read_checkpoint_config(path), **adapter_info(path)}
+    method = ck.get("method")
+    if not method:
+        raise ValueError(f"{path}: no qerl method recorded (a PEFT adapter qerl did not write); load it with "
+                         f"peft on its base model, or use `python -m qerl eval --adapter {path} --method ...`")
+    if not ck.get("model"):
+        raise ValueError(f"{path}: the base model is not recorded")
+    policy = {k: ck[k] for k in ("lora_rank", "lora_alpha", "lora_dropout", "train_norms") if k in ck}
+    cfg = TrainConfig(model=ck["model"], **parse_method(method), **policy, **({"dtype": dtype} if dtype else {}))
+    import torch as _torch
+
+    model, tok, _, _ = build_policy(cfg, device=_torch.device(device) if device else None, lora=cfg.lora)
+    load_trainable(path, model)
+    model.eval()
+    model.qerl_method = method
+    return model, tok
+
+
+@torch.no_grad()
+def dense_model(model, merge_lora: bool = True):
+    """The qerl policy as a plain transformers model, in place: every QuantLinear becomes an nn.Linear
+    holding its dequantized base (plus scaling * B @ A when ``merge_lora``), norms and all in bf16."""
+    from qerl.qlinear import QuantLinear
+
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, QuantLinear):
+            continue
+        w = m.dequantized_weight(torch.float32)
+        if merge_lora and m.r:
+            w = w + m.scaling * (m.lora_B.weight.float() @ m.lora_A.weight.float())
+        lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=w.device,
+                              dtype=torch.bfloat16)
+        lin.weight.copy_(w.to(torch.bfloat16))
+        if m.bias is not None:
+            lin.bias.copy_(m.bias.detach().to(torch.bfloat16))
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, lin)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.to(torch.bfloat16)
+    for attr in ("qerl_initial_norms", "qerl_quantize_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    return model
+
+
+def export_trained(path, out_dir, merge: bool = False, device=None) -> dict:
+    """Write a trained run for serving, with trained norms folded into the base (no modules_to_save).
+
+    merge=True: one plain transformers model (bf16): the dequantized 4-bit base (or the bf16 base)
+    with the LoRA update merged. Opens with AutoModelForCausalLM.from_pretrained(out_dir).
+    merge=False (4-bit methods): a compressed-tensors checkpoint of the 4-bit base (what vLLM
+    loads) plus out_dir/adapter, a PEFT LoRA adapter whose base_model_name_or_path is out_dir:
+    ``vllm serve out_dir --enable-lora --lora-modules mine=out_dir/adapter``.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} is not empty: choose a new or empty folder")
+    model, tok = load_trained(path, device=device)
+    method = model.qerl_method
+    fmt = method.split("_", 1)[0]
+    if merge or fmt == "bf16":
+        if not merge:
+            raise ValueError(f"{path} is a {method} run (a bf16 base): pass --merge to write one merged model")
+        dense_model(model, merge_lora=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.config.use_cache = True
+        model.save_pretrained(out_dir)
+        tok.save_pretrained(out_dir)
+        return {"out_dir": str(out_dir), "merged": True, "method": method}
+    from qerl.noise import find_norms
+
+    norms = {f"{n}.weight" for n, _ in find_norms(model)}
+    state = {k: v for k, v in model.state_dict().items() if not _is_lora_key(k)}
+    state = {k: v.to(torch.bfloat16) if k in norms else v for k, v in state.items()}  # trained norms, folded
+    summary = export_compressed_tensors(state, out_dir, fmt=fmt, config=model.config, tokenizer=tok)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(out_dir)
+    info = export_peft_adapter(model, out_dir / "adapter", str(out_dir.resolve()), norms=False,
+                               metadata={"qerl_base_format": fmt, "qerl_method": method,
+                                         "qerl_base_model": str(out_dir.resolve())})
+    return {**summary, "merged": False, "method": method, "adapter": info["out_dir"]}

@@ -2,7 +2,17 @@
 
 No code elsewhere branches on whether W&B is on: with wandb_mode="disabled" (or wandb not
 installed) a DummyWandb takes the calls. Nothing here needs a W&B account; an offline run lives in
-<output_dir>/wandb and can be synced later with `wandb sync`.
+<output_dir>/wandb (or $WANDB_DIR) and can be synced later with `wandb sync <output_dir>/wandb/offline-run-*`.
+
+W&B settings come from the config's wandb_* fields, else W&B's own environment variables
+(WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_RUN_GROUP, WANDB_TAGS, WANDB_DIR), else qerl's
+defaults (offline, project "qerl"); see ``wandb_settings``.
+
+Metric names: metrics.jsonl keeps qerl's keys (``reward``, ``entropy``, ``sampling/logprob_gap``,
+...), which the experiments, plots and notebooks read. W&B gets the names TRL's GRPOTrainer logs,
+under the ``train/`` prefix the HF Trainer gives training metrics (``train/reward``,
+``train/rewards/<fn>/mean``, ``train/sampling/sampling_logp_difference/mean``, ...: ``wandb_key``);
+evaluations stay under ``eval/``.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import os
 import platform
 import secrets
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +64,70 @@ def environment() -> dict:
     return {**env, **git_info()}
 
 
+# qerl's metrics.jsonl key -> TRL's name, where the two differ (W&B logs TRL's names).
+TRL_NAMES = {"sampling/logprob_gap": "sampling/sampling_logp_difference/mean",
+             "sampling/logprob_gap_max": "sampling/sampling_logp_difference/max"}
+
+
+def wandb_key(key: str) -> str:
+    """The W&B name of a metrics.jsonl key: evaluations as they are, the rest TRL's name under train/."""
+    return key if key.startswith(("eval/", "eval_before/")) else "train/" + TRL_NAMES.get(key, key)
+
+
+_MODES = {"offline": "offline", "dryrun": "offline", "online": "online", "run": "online", "disabled": "disabled"}
+
+
+def wandb_settings(cfg) -> dict:
+    """RunLogger's W&B keywords for a TrainConfig: its wandb_* fields where set, else W&B's environment
+    variables, else offline in project "qerl"; tags: $WANDB_TAGS, cfg.wandb_tags, and the run's method,
+    format, profile and seed (so runs group and compare in the W&B UI); the name: wandb_name, else
+    <run root>/<run folder>, which differs between run roots."""
+    env = os.environ
+    mode = cfg.wandb_mode or env.get("WANDB_MODE", "").strip().lower() or "offline"
+    if env.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes") and not cfg.wandb_mode:
+        mode = "disabled"
+    if mode not in _MODES:
+        raise ValueError(f"WANDB_MODE={mode!r}: expected offline, online or disabled")
+    out = Path(cfg.output_dir).resolve()
+    tags = [t.strip() for t in env.get("WANDB_TAGS", "").split(",") if t.strip()] + list(cfg.wandb_tags)
+    tags += [f"method:{cfg.method}", f"format:{cfg.fmt}", f"profile:{cfg.profile}", f"seed:{cfg.seed}"]
+    return {"wandb_mode": _MODES[mode], "project": cfg.wandb_project or env.get("WANDB_PROJECT") or "qerl",
+            "entity": cfg.wandb_entity or env.get("WANDB_ENTITY") or None,
+            "group": cfg.wandb_group or env.get("WANDB_RUN_GROUP") or None,
+            "name": cfg.wandb_name or f"{out.parent.name}/{out.name}", "tags": list(dict.fromkeys(tags)),
+            "wandb_dir": env.get("WANDB_DIR") or None}
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress(total: int, desc: str, unit: str = "it", unit_scale=False):
+    """A transient progress bar inside a long phase (the rollout's tokens, the update's micro-batches).
+
+    Shown only on an interactive terminal: not when stderr is not a TTY (logs, CI, `make reproduce`'s
+    job logs) nor under pytest; QERL_PROGRESS=1 forces it on, QERL_PROGRESS=0 off. ``unit_scale``:
+    a factor for the counts (the batch size, so decode steps show as tokens and tokens/s).
+    """
+    import sys
+
+    flag = env("QERL_PROGRESS")
+    show = flag == "1" or (flag != "0" and "PYTEST_CURRENT_TEST" not in os.environ
+                           and hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+    if not show or total <= 0:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, leave=False, dynamic_ncols=True)
+
+
 def _clean(v):
     """JSON-safe scalar: tensors to floats, NaN/inf to None (never a fake number)."""
     if isinstance(v, torch.Tensor):
@@ -78,7 +153,8 @@ class RunLogger:
     """Writes a run folder: config.json, metrics.jsonl (one flat line per step), summary.json, wandb/."""
 
     def __init__(self, output_dir: str | os.PathLike, config: dict, wandb_mode: str = "offline",
-                 project: str = "qerl", group: str | None = None, name: str | None = None, resume: bool = False):
+                 project: str = "qerl", group: str | None = None, name: str | None = None, resume: bool = False,
+                 entity: str | None = None, tags=(), wandb_dir: str | None = None):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = {**config, "provenance": environment()}
@@ -101,15 +177,17 @@ class RunLogger:
                 if run_id is None:
                     run_id = secrets.token_hex(4)  # W&B's own ids are 8 characters of [a-z0-9]
                     id_file.write_text(run_id + "\n")
-                self.wandb = wandb.init(project=project, group=group, name=name or self.dir.name, dir=str(self.dir),
-                                        mode=wandb_mode, config=self.config, reinit="finish_previous", id=run_id,
-                                        resume="allow" if resume else None)
+                wdir = Path(wandb_dir) if wandb_dir else self.dir
+                wdir.mkdir(parents=True, exist_ok=True)
+                self.wandb = wandb.init(project=project, entity=entity, group=group, name=name or self.dir.name,
+                                        tags=list(tags) or None, dir=str(wdir), mode=wandb_mode, config=self.config,
+                                        reinit="finish_previous", id=run_id, resume="allow" if resume else None)
 
     def log(self, metrics: dict, step: int):
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        self.wandb.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
+        self.wandb.log({wandb_key(k): v for k, v in row.items() if v is not None and k != "step"}, step=step)
 
     def finish(self, summary: dict):
         summary = {k: _clean(v) for k, v in summary.items()}
@@ -124,7 +202,7 @@ class RunLogger:
                 print(f"[qerl] warning: could not draw {self.dir / 'reward.png'}: {exc}")
         for k, v in summary.items():
             if isinstance(v, (int, float)) and v is not None:
-                self.wandb.summary[k] = v
+                self.wandb.summary[k] = v  # summary.json's keys: eval/..., eval_before/..., steps
         self.wandb.finish()
 
 
@@ -191,26 +269,13 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def read_wandb_offline(run_dir: str | os.PathLike) -> dict:
-    """Read back a W&B offline run (<dir>/wandb/offline-run-*/run-*.wandb) without a server.
-
-    The file is W&B's own record log (a 7-byte ':W&B' header, then LevelDB-style 32 KiB blocks of
-    framed protobuf ``Record`` messages from wandb.proto). Returns {"history": [ {key: value} per
-    logged step ], "config": {...}, "summary": {...}, "run_id": str}. Used by the tests to prove
-    that what we log is what W&B stores, and handy for notebooks on machines that never sync.
-    """
-    import glob
+def _wandb_records(path: Path) -> list[bytes]:
+    """The raw record payloads of a W&B run file (see read_wandb_offline)."""
     import struct
 
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    p = Path(run_dir)
-    files = sorted(glob.glob(str(p / "**" / "run-*.wandb"), recursive=True))
-    if not files:
-        raise FileNotFoundError(f"no W&B offline run file (run-*.wandb) under {p}")
-    data = Path(files[-1]).read_bytes()
+    data = path.read_bytes()
     if data[:4] != b":W&B":
-        raise ValueError(f"{files[-1]} is not a W&B run file")
+        raise ValueError(f"{path} is not a W&B run file")
     block, pos, payloads, buf = 32768, 7, [], b""
     while pos + 7 <= len(data):
         left = block - pos % block
@@ -226,6 +291,35 @@ def read_wandb_offline(run_dir: str | os.PathLike) -> dict:
         if kind in (1, 4):  # FULL or LAST
             payloads.append(buf)
             buf = b""
+    return payloads
+
+
+def read_wandb_offline(run_dir: str | os.PathLike, wait_s: float = 30.0) -> dict:
+    """Read back a W&B offline run (<dir>/wandb/offline-run-*/run-*.wandb) without a server.
+
+    The file is W&B's own record log (a 7-byte ':W&B' header, then LevelDB-style 32 KiB blocks of
+    framed protobuf ``Record`` messages from wandb.proto). Returns {"history": [ {key: value} per
+    logged step ], "config": {...}, "summary": {...}, "run_id", "project", "entity", "group", "name",
+    "tags"}. Used by the tests to prove
+    that what we log is what W&B stores, and handy for notebooks on machines that never sync.
+    """
+    import glob
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    p = Path(run_dir)
+    files = sorted(glob.glob(str(p / "**" / "run-*.wandb"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no W&B offline run file (run-*.wandb) under {p}")
+    # W&B's service may still be writing the file when wandb.finish() has returned: read until the
+    # run's exit record is there (or `wait_s` has passed).
+    deadline = time.monotonic() + wait_s
+    while True:
+        payloads = _wandb_records(Path(files[-1]))
+        kinds = [pb.Record.FromString(raw).WhichOneof("record_type") for raw in payloads]
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     out = {"history": [], "config": {}, "summary": {}, "run_id": None}
     for raw in payloads:
         rec = pb.Record()
@@ -239,5 +333,7 @@ def read_wandb_offline(run_dir: str | os.PathLike) -> dict:
             out["summary"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.summary.update})
         elif which == "run":
             out["run_id"] = rec.run.run_id
+            out.update(project=rec.run.project, entity=rec.run.entity, group=rec.run.run_group,
+                       name=rec.run.display_name, tags=list(rec.run.tags))
             out["config"].update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
     return out

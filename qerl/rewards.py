@@ -372,3 +372,165 @@ def score_batch(
         formats.append(format_reward(completion, partial=partial_format))
         sources.append(source)
     return RewardResult(rewards=rewards, format=formats, unparsed=unparsed, sources=sources)
+
+
+# ---------------------------------------------------------------------------------------------
+# reward functions as plug-ins (TRL's reward_funcs)
+#
+# A reward function has TRL's signature ``f(prompts, completions, **columns) -> list[float]``:
+# ``prompts`` and ``completions`` are lists of strings (a prompt may be a list of chat messages),
+# one entry per completion, and every other field of the dataset row comes as a keyword argument
+# holding one value per completion (e.g. ``answer=[...]``). A None in the returned list means "does
+# not apply" (TRL: NaN, left out of the weighted sum). The built-in names REWARDS expand to two
+# logged components, ``accuracy`` (weight w) and ``format`` (weight w * format_reward_weight).
+
+_REF_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something other than one number per completion."""
+
+
+def check_reward_names(names, weights=()) -> None:
+    """ValueError unless every name is a built-in (REWARDS) or a ``module:function`` reference, at most
+    one built-in is used, and ``weights`` is empty or gives one weight per name."""
+    names = tuple(names)
+    if not names:
+        raise ValueError("reward: give at least one reward function")
+    for n in names:
+        if not isinstance(n, str) or (n not in REWARDS and not _REF_RE.match(n)):
+            raise ValueError(f"reward {n!r}: expected a built-in ({', '.join(REWARDS)}) or a module:function "
+                             f"reference (e.g. my_rewards:length_penalty)")
+    if sum(n in REWARDS for n in names) > 1:
+        raise ValueError(f"reward: at most one built-in answer reward ({', '.join(REWARDS)}), got {names}")
+    if weights and len(weights) != len(names):
+        raise ValueError(f"reward_weights: {len(weights)} weights for {len(names)} reward functions {names}")
+
+
+def reward_ref(fn) -> str:
+    """A reward function's name as config.json records it: a built-in name, ``module:function`` when
+    the function can be imported back, else its bare name."""
+    if isinstance(fn, str):
+        return fn
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{mod}:{qual}" if mod and qual and "<" not in qual and mod != "__main__" else reward_name(fn)
+
+
+def reward_name(fn) -> str:
+    """The name a reward function is logged under (rewards/<name>/mean): TRL's, the function's __name__."""
+    if isinstance(fn, str):
+        return fn.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def import_reward(ref: str):
+    """The callable a ``module:function`` reference names (the module found on sys.path, which holds
+    the working directory when run as ``python -m qerl``)."""
+    import importlib
+
+    mod_name, _, attr = ref.partition(":")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ValueError(f"reward {ref!r}: cannot import module {mod_name!r} ({exc}); run from the folder that "
+                         f"holds it or add that folder to PYTHONPATH") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward {ref!r}: module {mod_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward {ref!r}: {attr!r} is not callable")
+    return obj
+
+
+@dataclass
+class RewardFunc:
+    name: str  # logged as rewards/<name>/mean and /std
+    weight: float
+    fn: object = None  # the callable; None for a built-in
+    builtin: str | None = None  # one of REWARDS
+
+
+class RewardSet:
+    """The run's reward functions and weights; ``__call__`` scores one batch of completions.
+
+    ``names`` are the component columns (built-in: accuracy, format; else each function's name,
+    made unique), ``weights`` their weights in the reward the advantages see.
+    """
+
+    def __init__(self, funcs, weights=(), format_reward_weight: float = 0.0):
+        funcs = list(funcs)
+        weights = tuple(weights) or (1.0,) * len(funcs)
+        if len(weights) != len(funcs):
+            raise ValueError(f"reward_weights: {len(weights)} weights for {len(funcs)} reward functions")
+        self.funcs: list[RewardFunc] = []
+        for f, w in zip(funcs, weights):
+            if isinstance(f, str) and f in REWARDS:
+                self.funcs.append(RewardFunc("accuracy", float(w), builtin=f))
+            else:
+                fn = import_reward(f) if isinstance(f, str) else f
+                if not callable(fn):
+                    raise ValueError(f"reward_funcs: {fn!r} is not callable")
+                self.funcs.append(RewardFunc(reward_name(f), float(w), fn=fn))
+        self.format_reward_weight = float(format_reward_weight)
+        self.names, self.weights, seen = [], [], set()
+        for f in self.funcs:
+            for name, w in ([("accuracy", f.weight), ("format", f.weight * self.format_reward_weight)] if f.builtin
+                            else [(f.name, f.weight)]):
+                unique, k = name, 2
+                while unique in seen:
+                    unique, k = f"{name}_{k}", k + 1
+                seen.add(unique)
+                self.names.append(unique)
+                self.weights.append(w)
+
+    @classmethod
+    def from_config(cls, cfg, reward_funcs=None) -> RewardSet:
+        """The reward set of a TrainConfig; ``reward_funcs`` (callables or names) replaces cfg.reward."""
+        funcs = list(reward_funcs) if reward_funcs is not None else list(cfg.reward)
+        weights = tuple(cfg.reward_weights) if len(cfg.reward_weights) == len(funcs) else ()
+        if cfg.reward_weights and not weights:
+            raise ValueError(f"reward_weights: {len(cfg.reward_weights)} weights for {len(funcs)} reward functions")
+        return cls(funcs, weights, cfg.format_reward_weight)
+
+    @property
+    def needs_answer(self) -> bool:
+        """Whether a built-in answer reward is in the set (the data must then hold gold answers)."""
+        return any(f.builtin for f in self.funcs)
+
+    def refs(self) -> list[str]:
+        return [f.builtin or reward_ref(f.fn) for f in self.funcs]
+
+    def __call__(self, prompts: list, completions: list[str], columns: dict[str, list]) -> tuple[list[list[float]], int]:
+        """Per-completion component rewards [n][len(names)] (NaN where a function returned None) and
+        the number of completions the built-in reward could not parse."""
+        import math
+
+        n = len(completions)
+        out: list[list[float]] = [[] for _ in range(n)]
+        unparsed = 0
+        for f in self.funcs:
+            if f.builtin:
+                res = score_batch(completions, columns.get("answer", [None] * n), reward=f.builtin)
+                unparsed += res.unparsed
+                for row, a, b in zip(out, res.rewards, res.format):
+                    row += [float(a), float(b)]
+                continue
+            try:
+                vals = f.fn(prompts=prompts, completions=completions, **columns)
+            except Exception as exc:  # noqa: BLE001 - a user's function: one clear line naming it
+                msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise RewardError(f"reward function {reward_ref(f.fn)} raised {type(exc).__name__}: {msg}") from exc
+            try:
+                vals = list(vals)
+            except TypeError:
+                raise RewardError(f"reward function {reward_ref(f.fn)} returned {type(vals).__name__}, "
+                                  f"expected a list of {n} floats") from None
+            if len(vals) != n:
+                raise RewardError(f"reward function {reward_ref(f.fn)} returned {len(vals)} values for {n} completions")
+            for row, v in zip(out, vals):
+                try:
+                    row.append(math.nan if v is None else float(v))
+                except (TypeError, ValueError):
+                    raise RewardError(f"reward function {reward_ref(f.fn)} returned {v!r}, not a number") from None
+        return out, unparsed

@@ -114,35 +114,51 @@ def rollout(cfg, engine, model, prompt_ids: list, step: int, sigma: float, first
 
 
 def score(cfg, tokenizer, pad_id: int, ro: RolloutOutput, golds: list, counts: list[int], first: int,
-          device) -> tuple[Batch, dict]:
+          device, rewards: qrewards.RewardSet | None = None, rows: list[dict] | None = None) -> tuple[Batch, dict]:
     """Rewards of this rank's completions, then (over all ranks) advantages and what is trained.
 
+    ``rewards``: the run's reward functions (default: cfg's); ``rows``: each completion's dataset
+    record (its prompt and columns reach the reward functions; default: just ``golds`` as answer).
     Returns the ``Batch`` and the step's reward / completion metrics (global).
     """
     G = cfg.num_generations
     cmask = ro.completion_mask
     texts = tokenizer.batch_decode(ro.completion_ids * cmask + pad_id * (1 - cmask), skip_special_tokens=True)
-    res = qrewards.score_batch(texts, golds, reward=cfg.reward)
+    rewards = rewards if rewards is not None else qrewards.RewardSet.from_config(cfg)
+    rows = rows if rows is not None else [{"answer": g} for g in golds]
+    prompts = [r.get("prompt", r.get("question")) for r in rows]
+    cols = [r.get("columns") or {k: v for k, v in r.items() if k in ("answer", "level")} for r in rows]
+    columns = {k: [c.get(k) for c in cols] for k in sorted({k for c in cols for k in c})}
+    if rewards.needs_answer:  # the gold answer as the built-in rewards read it (from answer_column)
+        columns["answer"] = [r.get("answer") for r in rows]
+    comp, unparsed = rewards(prompts, texts, columns)
     if cfg.mask_truncated_completions:
         cmask = cmask * (~ro.truncated).long()[:, None]
-    per_seq = torch.tensor([res.rewards, res.format], dtype=torch.float64).T
+    K = len(rewards.names)
+    per_seq = torch.tensor(comp, dtype=torch.float64).view(len(texts), K)
     per_seq = torch.cat([per_seq, torch.stack([ro.completion_mask.sum(1), cmask.sum(1), ro.truncated.long()], 1)
                          .to(torch.float64).cpu()], 1)
-    per_seq = qdist.gather_shards(per_seq, counts)  # [all completions, 5]: every rank holds the whole batch's
-    acc, fmt_r = per_seq[:, 0].float(), per_seq[:, 1].float()
-    lengths, n_loss_tokens, trunc = per_seq[:, 2].float(), per_seq[:, 3], per_seq[:, 4].bool()
-    unparsed = qdist.all_reduce(float(res.unparsed), "sum")
-    rewards = acc + cfg.format_reward_weight * fmt_r
-    adv, metrics = qloss.compute_advantages(rewards, G, cfg.scale_rewards)  # global: the same on every rank
-    metrics.update({"rewards/accuracy/mean": float(acc.mean()), "rewards/format/mean": float(fmt_r.mean()),
-                    "rewards/unparsed": int(unparsed)})
+    per_seq = qdist.gather_shards(per_seq, counts)  # [all completions, K + 3]: every rank holds the whole batch's
+    comp_all = per_seq[:, :K]
+    lengths, n_loss_tokens, trunc = per_seq[:, K].float(), per_seq[:, K + 1], per_seq[:, K + 2].bool()
+    unparsed = qdist.all_reduce(float(unparsed), "sum")
+    weights = torch.tensor(rewards.weights, dtype=torch.float64)
+    total = (comp_all * weights).nansum(1).float()  # TRL: a None reward is left out of the weighted sum
+    adv, metrics = qloss.compute_advantages(total, G, cfg.scale_rewards)  # global: the same on every rank
+    for j, name in enumerate(rewards.names):
+        col = comp_all[:, j]
+        ok = col[~torch.isnan(col)]
+        metrics[f"rewards/{name}/mean"] = float(ok.mean()) if ok.numel() else None
+        metrics[f"rewards/{name}/std"] = float(ok.std()) if ok.numel() > 1 else None
+    if rewards.needs_answer:
+        metrics["rewards/unparsed"] = int(unparsed)
     term = lengths[~trunc]
     metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                     "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(trunc.float().mean()),
                     "completions/mean_terminated_length": float(term.mean()) if term.numel() else None})
-    keep = torch.ones(len(rewards), dtype=torch.bool)
+    keep = torch.ones(len(total), dtype=torch.bool)
     if cfg.dynamic_sampling:
-        keep = qloss.dynamic_sampling_filter(rewards, G).repeat_interleave(G)
+        keep = qloss.dynamic_sampling_filter(total, G).repeat_interleave(G)
         metrics["dynamic_sampling/kept_groups"] = int(keep.sum()) // G
     idx = torch.nonzero(keep).squeeze(1)  # global indices
     n = ro.completion_ids.size(0)
@@ -244,6 +260,9 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
     table = []  # per global micro-batch: [loss, sums of the token metrics over this rank's tokens]
     micro_tokens = []  # per global micro-batch: its completion tokens over all ranks
     grad_norms = []
+    from qerl.logging import progress
+
+    bar = progress(cfg.num_iterations * -(-max(batch.idx.numel(), 1) // mb), "update", unit="micro-batch")
     for it, mini_idx in _mini_batches(cfg, batch.idx, step):
         micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
         tokens = [float(batch.n_loss_tokens[mi].sum()) for mi in micro]
@@ -255,6 +274,7 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
         bad = None
         for pack in qdist.pack_micro_batches(micro, batch.first, batch.n_local, mb):
             bad = _accumulate(cfg, model, ro, batch, old_lp, ref_lp, pack, micro, tokens, rows, n_tokens, keys, reuse)
+            bar.update(len(pack))
             if bad is not None:
                 break
         if qdist.any_true(bad is not None):
@@ -267,6 +287,7 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
         grad_norms.append(float(gn))
         opt.step()
         sched.step()
+    bar.close()
     metrics: dict = {}
     if table:  # each micro-batch's loss and token means over all ranks, then their mean (as one process logs them)
         tab = torch.tensor(qdist.all_reduce([v for row in table for v in row], "sum"), dtype=torch.float64)
@@ -274,9 +295,13 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
         tok = torch.tensor(micro_tokens, dtype=torch.float64).clamp(min=1)[:, None]
         metrics["loss"] = float(tab[:, 0].mean())
         metrics.update({k: float((tab[:, 1 + j:2 + j] / tok).mean()) for j, k in enumerate(keys)})
+        # TRL's extremes of the clip ratios (over its processes; here over the micro-batches)
+        per_micro = {k: tab[:, 1 + j] / tok[:, 0] for j, k in enumerate(keys)}
+        metrics["clip_ratio/low_min"] = float(per_micro["clip_ratio/low_mean"].min())
+        metrics["clip_ratio/high_max"] = float(per_micro["clip_ratio/high_mean"].max())
     else:
         metrics["loss"] = None
-        metrics.update({k: None for k in keys})
+        metrics.update({k: None for k in (*keys, "clip_ratio/low_min", "clip_ratio/high_max")})
     metrics.setdefault("kl", None)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else None
     metrics["learning_rate"] = sched.get_last_lr()[0]
@@ -329,7 +354,7 @@ class PhaseTimer:
 
 def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict] | None, step: int, *, tokenizer=None,
          advantages: torch.Tensor | None = None, ro: RolloutOutput | None = None, reuse: bool | None = None,
-         ignore_eos: bool = False, timer: PhaseTimer | None = None) -> dict:
+         ignore_eos: bool = False, timer: PhaseTimer | None = None, rewards=None) -> dict:
     """One RL step: rollout -> score -> old / reference log-probs -> policy updates. Returns the
     step's metrics, reduced over ranks (and ``num_tokens_step``, its prompt + completion tokens).
 
@@ -338,7 +363,9 @@ def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict] | 
     contiguous share of whole groups (``qerl.distributed.shard``) and trains on those completions;
     the loss of each micro-batch is normalised by the counts of the GLOBAL micro/mini-batch, so the
     summed gradient is the single-process one (``qerl.loss.loss_share``). In a single process the
-    share is everything. AQN's sigma is the schedule's at ``step`` (``cfg.aqn_config()``).
+    share is everything. AQN's sigma is the schedule's at ``step`` (``cfg.aqn_config()``). ``rewards``:
+    the run's reward functions (a ``qerl.rewards.RewardSet``; default: cfg's), called with each
+    completion's prompt record as its dataset columns.
 
     For benchmarks:
     - ``advantages`` [all completions]: trained with these instead of scoring (no rewards, no
@@ -376,8 +403,9 @@ def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict] | 
     t_roll = time.perf_counter() - t0
     if advantages is None:
         with timer("score"):
-            batch, scored = score(cfg, tokenizer, engine.pad_id, ro, [p["answer"] for p in mine for _ in range(G)],
-                                  counts, first, ro.completion_ids.device)
+            rows = [p for p in mine for _ in range(G)]
+            batch, scored = score(cfg, tokenizer, engine.pad_id, ro, [p.get("answer") for p in rows], counts, first,
+                                  ro.completion_ids.device, rewards=rewards, rows=rows)
     else:
         batch, scored = Batch.given(ro, advantages, counts, first), {}
     ent_sum, ent_n, n_compl, n_prompt = qdist.all_reduce(

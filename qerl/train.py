@@ -24,6 +24,7 @@ import json
 import math
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -34,9 +35,10 @@ from qerl import data as qdata
 from qerl import distributed as qdist
 from qerl import evaluate as qeval
 from qerl import formats
+from qerl import rewards as qrewards
 from qerl import step as qstep
 from qerl.config import TrainConfig, eval_settings
-from qerl.logging import RunLogger
+from qerl.logging import RunLogger, wandb_settings
 from qerl.noise import find_norms, keep_norms_fp32
 from qerl.quantize import lora_parameters, model_size_bytes, quantize_
 from qerl.rollout import make_engine
@@ -206,10 +208,10 @@ def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, c
     estimate = tensor_bytes * (2 if cfg.lora else 1) + opt_bytes  # LoRA: the PEFT copy holds the adapter again
 
     def adapter(dst: Path):
-        from qerl.export import export_peft_adapter
+        from qerl.export import export_run_adapter
 
         try:
-            export_peft_adapter(model, dst, base_model_name_or_path=cfg.model)
+            export_run_adapter(model, dst, cfg)
         except Exception as e:  # the adapter is a convenience copy; trainable.safetensors is the checkpoint
             if qckpt.disk_full(e):
                 raise
@@ -254,7 +256,10 @@ def read_checkpoint_config(path) -> dict:
             raise ValueError(f"{peft}: modules_to_save {sorted(saved)}; qerl trains only {list(NORM_NAMES)}")
         out = {"lora_rank": int(c["r"]), "lora_alpha": float(c["lora_alpha"]),
                "lora_dropout": float(c.get("lora_dropout") or 0.0), "train_norms": bool(saved)}
-        return {**({"model": c["base_model_name_or_path"]} if c.get("base_model_name_or_path") else {}), **out}
+        from qerl.export import adapter_info  # qerl's adapters record their method and base
+
+        info = {k: v for k, v in adapter_info(path).items() if k in ("model", "method")}
+        return {**({"model": c["base_model_name_or_path"]} if c.get("base_model_name_or_path") else {}), **out, **info}
     for cfg_file in (path / "config.json", path.parent.parent / "config.json"):
         if cfg_file.exists() and (path / "trainable.safetensors").exists():
             c = json.loads(cfg_file.read_text())
@@ -384,8 +389,14 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- the loop
-def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None = None) -> dict:
+def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None = None, reward_funcs=None,
+          train_dataset=None) -> dict:
     """Run RL training as configured; writes cfg.output_dir. ``stop_after`` ends early (tests of resume).
+
+    ``reward_funcs``: callables with TRL's signature ``f(prompts, completions, **columns) -> list[float]``
+    (or built-in names / module:function references), replacing cfg.reward; weighted by
+    cfg.reward_weights. ``train_dataset``: rows (a list of dicts or a datasets.Dataset) or a file,
+    replacing cfg.dataset; cfg.prompt_column / answer_column name their fields.
 
     Under torchrun every rank runs this (data parallel, see qerl.distributed): rollouts and updates are
     split, files, W&B, checkpoints and evaluation are rank 0's, and the returned summary holds
@@ -398,15 +409,22 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     check_output_dir(cfg, clear=main)
     if cfg.prompts_per_step < world:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} < world size {world}: every rank needs a prompt")
+    rewards = qrewards.RewardSet.from_config(cfg, reward_funcs)  # bad rewards or data fail before the model loads
+    own = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column, require_answer=rewards.needs_answer)
+    if train_dataset is not None:
+        train_recs = qdata.user_records(train_dataset, **own)
+    else:
+        train_recs = qdata.load_dataset_split(cfg.dataset, "train", data_dir=cfg.data_dir, seed=cfg.seed,
+                                              **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else
+                                                 {"config": cfg.bigmath_config} if cfg.dataset == "bigmath" else
+                                                 {} if cfg.dataset in qdata.DATASETS else own))
     device = pick_device()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model, tokenizer, trainable, info = build_policy(cfg, device, model, tokenizer)
     trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
-    train_recs = qdata.load_dataset_split(cfg.dataset, "train", data_dir=cfg.data_dir, seed=cfg.seed,
-                                          **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else
-                                             {"config": cfg.bigmath_config} if cfg.dataset == "bigmath" else {}))
-    train_recs, skipped = qdata.tokenize_prompts(train_recs, tokenizer, cfg.max_prompt_length)
+    train_recs, skipped = qdata.tokenize_prompts(train_recs, tokenizer, cfg.max_prompt_length, cfg.chat_template,
+                                                 qdata.prompt_suffix(cfg.prompt_suffix))
     # The static KV cache is sized for the longest prompt this run has (not max_prompt_length): at the
     # small profile that is a 256-slot cache instead of 512 (64 x 30 layers x 2 x 3 x 64 bf16: 0.38 GB
     # instead of 0.75).
@@ -447,10 +465,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
     if opt.qerl_master is not None:
         opt.qerl_master.copy_back()
-    logger = (RunLogger(out, {**cfg.to_dict(), "policy": info, "prompts_skipped": skipped, "world_size": world,
-                              "command": _command_line(), "data_sources": data_sources(cfg)},
-                        cfg.wandb_mode, cfg.wandb_project, cfg.wandb_group, resume=resume is not None)
-              if main else _NullLogger())
+    record = {**cfg.to_dict(), "reward": rewards.refs(), "policy": info, "prompts_skipped": skipped, "world_size": world,
+              "command": _command_line(), "data_sources": data_sources(cfg)}
+    logger = RunLogger(out, record, resume=resume is not None, **wandb_settings(cfg)) if main else _NullLogger()
     eval_kw = {**eval_settings(cfg), "seed": cfg.seed}
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
     summary.update({k: v for k, v in record.get("summary", {}).items() if k != "status"})  # eval_before/*, ...
@@ -479,7 +496,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     bar = tqdm(range(start, end), desc=f"{cfg.method}", initial=start, total=cfg.max_steps, disable=not main)
     for step in bar:
         idx = prompts_for_step(len(train_recs), step, cfg.prompts_per_step, cfg.seed)
-        m = qstep.step(cfg, model, engine, opt, sched, trainable, [train_recs[i] for i in idx], step, tokenizer=tokenizer)
+        m = qstep.step(cfg, model, engine, opt, sched, trainable, [train_recs[i] for i in idx], step, tokenizer=tokenizer,
+                       rewards=rewards)
         num_tokens += m.pop("num_tokens_step")
         m["num_tokens"] = num_tokens
         m["memory/peak_gib"] = qdist.all_reduce(
@@ -542,8 +560,13 @@ def data_sources(cfg: TrainConfig) -> dict[str, str]:
     """Where each dataset of the run is read from: "built-in" (arith, generated), a local folder (the
     data_dir flag, else $QERL_DATA_DIR, resolved), or "hub". What the run read, whatever flags it got."""
     root = qdata._resolve_data_dir(cfg.data_dir)
-    return {name: "built-in" if name == "arith" else str(root.resolve()) if root is not None else "hub"
-            for name in dict.fromkeys((cfg.dataset, *cfg.eval_datasets))}
+
+    def source(name: str) -> str:
+        if name not in qdata.DATASETS:  # your own data: the file or folder, else a hub dataset
+            return str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else "hub"
+        return "built-in" if name == "arith" else str(root.resolve()) if root is not None else "hub"
+
+    return {name: source(name) for name in dict.fromkeys((cfg.dataset, *cfg.eval_datasets))}
 
 
 def _command_line() -> str:
@@ -562,6 +585,16 @@ def _rss_peak_gib() -> float:
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
+
+class _CallableModule(type(sys)):
+    """``qerl.train(cfg, ...)`` calls ``train``: importing this module makes ``qerl.train`` the module
+    (the import system sets the attribute), so the module itself forwards the call."""
+
+    def __call__(self, *args, **kwargs):
+        return train(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit("use: python -m qerl train ...")

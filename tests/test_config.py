@@ -73,3 +73,54 @@ def test_a_registered_format_is_a_method_base_even_with_an_underscore_in_its_nam
         formats.unregister("nf4_copy")
     with pytest.raises(ValueError, match="unknown method"):
         parse_method("nf4_copy_lora")
+
+
+# ---------------------------------------------------------------------------------------------
+# config files, snake_case and TRL's flag names
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_snake_case_and_trl_flag_names():
+    a = _args("--profile", "smoke", "--num_generations", "6", "--max-completion-length", "9", "--save_steps", "3",
+              "--per_device_train_batch_size", "5", "--lora_r", "4", "--learning_rate", "2e-4", "--report_to", "none",
+              "--reward_funcs", "math_verify", "--eval_datasets", "none")
+    assert (a.num_generations, a.max_completion_length, a.save_every, a.micro_batch_size, a.lora_rank) == (6, 9, 3, 5, 4)
+    assert a.learning_rate == 2e-4 and a.wandb_mode == "disabled" and a.reward == ("math_verify",)
+    assert a.eval_datasets == () and a.profile == "smoke"
+
+
+def test_config_file_then_flags(tmp_path):
+    from qerl.config import read_config_file
+
+    f = tmp_path / "c.yaml"
+    f.write_text("profile: smoke\nmethod: bf16_lora\nlearning_rate: 1e-5\nnum_generations: 6\nlora_r: 8\n"
+                 "arith_levels: [0, 2]\nreport_to: wandb\nper-device-train-batch-size: 4\n")
+    assert read_config_file(f)["learning_rate"] == 1e-5  # YAML reads 1e-5 as a string; qerl as the float
+    c = _args("--config", str(f), "--num-generations", "4")
+    assert (c.profile, c.method, c.learning_rate, c.num_generations, c.lora_rank, c.arith_levels,
+            c.micro_batch_size) == ("smoke", "bf16_lora", 1e-5, 4, 8, (0, 2), 4)
+    assert _args("--config", str(f), "--method", "nvfp4_lora").method == "nvfp4_lora"  # the flag's method wins
+    assert _args("--config", str(f), "--profile", "small").max_steps == make_config("small").max_steps
+    j = tmp_path / "c.json"
+    j.write_text('{"num_generations": 3, "seed": 4}')
+    assert (_args("--config", str(j)).num_generations, _args("--config", str(j)).seed) == (3, 4)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("num_generation: 4\n", r"unknown setting 'num_generation' \(did you mean 'num_generations'\?\)"),
+    ("learning_rate: fast\n", "learning_rate must be float"),
+    ("max_steps: 2.5\n", "max_steps must be int"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("a: [1,\n", r"c\.yaml:\d+: not valid YAML"),
+    ("report_to: tensorboard\n", "W&B"),
+])
+def test_bad_config_files_name_the_file(tmp_path, text, match):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        _args("--config", str(f))

@@ -316,3 +316,87 @@ def test_build_prompt_with_the_embedded_model_tokenizer():
     assert "<|im_start|>system" in prompt  # SmolLM2's template adds its default system prompt
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == prompt
+
+
+# ---------------------------------------------------------------------------------------------
+# your own data
+
+
+def _rows():
+    return [{"instruction": "What is 2 + 3?", "target": 5, "topic": "sums"},
+            {"instruction": "What is 7 - 4?", "target": "3", "topic": "differences"}]
+
+
+def test_own_data_from_jsonl_csv_parquet_and_a_folder(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = _rows()
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "d.csv").write_text("instruction,target,topic\n" + "".join(
+        f"{r['instruction']},{r['target']},{r['topic']}\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist([{**r, "target": str(r["target"])} for r in rows]), tmp_path / "d.parquet")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "train.jsonl").write_text((tmp_path / "d.jsonl").read_text())
+    for src in ("d.jsonl", "d.csv", "d.parquet", "folder"):
+        recs = load_dataset_split(str(tmp_path / src), "train", prompt_column="instruction", answer_column="target")
+        assert [r["answer"] for r in recs] == ["5", "3"], src
+        assert recs[0]["prompt"] == recs[0]["question"] == "What is 2 + 3?"
+        assert recs[1]["columns"]["topic"] == "differences" and "instruction" not in recs[1]["columns"]
+    with pytest.raises(FileNotFoundError, match="no test split.*train.jsonl"):
+        load_dataset_split(str(tmp_path / "folder"), "test", prompt_column="instruction", answer_column="target")
+
+
+def test_own_data_errors_name_file_line_and_field(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"prompt": "p1", "answer": "1"}) + "\n\n" + json.dumps({"prompt": "p2"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: no 'answer' field"):
+        load_dataset_split(str(f), "train")
+    assert [r["answer"] for r in load_dataset_split(str(f), "train", require_answer=False)] == ["1", None]
+    f.write_text('{"prompt": "p1", "answer": 1}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
+        load_dataset_split(str(f), "train")
+    f.write_text(json.dumps({"text": "p1", "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: no prompt, question or problem field.*--prompt-column"):
+        load_dataset_split(str(f), "train")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_dataset_split(str(tmp_path / "missing.jsonl"), "train")
+
+
+def test_chat_message_prompts_and_raw_text(tiny_tokenizer):
+    recs = data.user_records([{"prompt": [{"role": "user", "content": "w1 w2"}], "answer": "w3"}])
+    text = build_prompt(recs[0]["prompt"], tiny_tokenizer)
+    assert "w1 w2" in text and text.rstrip().endswith("assistant") and "think" not in text
+    assert recs[0]["question"] == "w1 w2"
+    assert data.tokenize_prompts(recs, tiny_tokenizer, 64)[0][0]["prompt_ids"]
+    assert build_prompt("w1 w2", tiny_tokenizer, suffix="", chat_template=False) == "w1 w2"
+    with pytest.raises(ValueError, match="chat messages"):
+        data.user_records([{"prompt": [{"text": "w1"}], "answer": "w3"}])
+
+
+def test_no_message_points_outside_the_repository(tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    with pytest.raises(FileNotFoundError) as info:
+        load_dataset_split("gsm8k", "train", data_dir=tmp_path)
+    assert "../" not in str(info.value) and "docs/own-task.md" in str(info.value)
+    import qerl.data
+
+    assert "../shared" not in Path(qerl.data.__file__).read_text()
+
+
+def test_own_data_from_a_hub_id(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake(name, split=None, **kw):
+        calls.append((name, split))
+        if name == "me/offline":
+            raise ConnectionError("Couldn't reach the hub")
+        return [{"question": "q1", "answer": 4}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    recs = load_dataset_split("me/task", "train")
+    assert calls == [("me/task", "train")] and recs[0]["answer"] == "4" and recs[0]["dataset"] == "me/task"
+    with pytest.raises(FileNotFoundError, match="'me/offline': no such local file or folder.*ConnectionError"):
+        load_dataset_split("me/offline", "test")

@@ -425,3 +425,15 @@ def test_link_duplicates_keeps_table1_as_owner_and_publish_keeps_linked_data(tmp
     C.unlink_into(ref, ref / "table1" / "small")
     shutil.rmtree(ref / "table1")
     assert not (f5 / "summary.json").is_symlink() and (f5 / "summary.json").read_text() == before
+
+def test_job_progress_reads_the_running_run_folder(tmp_path):
+    """`make reproduce` shows each running job's step and reward, read from its run folder."""
+    from experiments._common import job_progress
+
+    assert job_progress(tmp_path) == "starting"
+    (tmp_path / "config.json").write_text(json.dumps({"max_steps": 30}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/arith/accuracy": 0.1}) + "\n")
+    assert job_progress(tmp_path) == "evaluating"
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "reward": 0.25}) + "\n")
+    assert job_progress(tmp_path) == "step 3/30 reward 0.250"

@@ -228,3 +228,64 @@ def test_score_batch_counts_unparsed_and_sources():
 def test_score_batch_length_mismatch():
     with pytest.raises(ValueError, match="one gold per completion"):
         score_batch(["a", "b"], ["1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# reward functions as plug-ins
+
+
+def test_reward_set_calls_functions_with_columns_and_weights():
+    from qerl.rewards import RewardSet
+
+    seen = {}
+
+    def exact(prompts, completions, target, **kw):
+        seen.update(kw, prompts=prompts)
+        return [float(c == t) for c, t in zip(completions, target)]
+
+    def maybe(prompts, completions, **kw):
+        return [None, 0.5]
+
+    rs = RewardSet([exact, maybe, "math_verify"], weights=(1.0, 2.0, 0.5), format_reward_weight=0.2)
+    assert rs.names == ["exact", "maybe", "accuracy", "format"] and rs.weights == [1.0, 2.0, 0.5, 0.1]
+    assert rs.needs_answer
+    comp, unparsed = rs(["p", "p"], ["7", "<answer>8</answer>"], {"target": ["7", "x"], "answer": ["7", "8"],
+                                                                   "topic": ["a", "b"]})
+    assert comp[0][:1] == [1.0] and comp[0][1] != comp[0][1]  # None -> NaN
+    assert comp[1] == [0.0, 0.5, 1.0, 0.5] and unparsed == 0
+    assert seen["topic"] == ["a", "b"] and seen["prompts"] == ["p", "p"]
+
+
+def _boom(prompts, completions, **kw):
+    raise ZeroDivisionError("division by zero")
+
+
+def test_a_broken_reward_function_is_one_clear_error():
+    from qerl.rewards import RewardError, RewardSet
+
+    with pytest.raises(RewardError, match=r"reward function \S*:_boom raised ZeroDivisionError: division by zero"):
+        RewardSet([_boom])(["p"], ["c"], {})
+    with pytest.raises(RewardError, match=r"returned 1 values for 2 completions"):
+        RewardSet([lambda prompts, completions, **kw: [1.0]])(["p", "p"], ["a", "b"], {})
+    with pytest.raises(RewardError, match=r"returned 'high', not a number"):
+        RewardSet([lambda prompts, completions, **kw: ["high"]])(["p"], ["a"], {})
+
+
+def test_reward_names_and_references():
+    from qerl.rewards import RewardSet, check_reward_names, import_reward, reward_ref
+
+    check_reward_names(("math_verify", "pkg.mod:fn"), (1.0, 2.0))
+    for bad, match in [(("exact",), "module:function"), (("math_verify", "official_exact"), "at most one"),
+                       ((), "at least one")]:
+        with pytest.raises(ValueError, match=match):
+            check_reward_names(bad)
+    with pytest.raises(ValueError, match="2 weights for 1"):
+        check_reward_names(("math_verify",), (1.0, 2.0))
+    assert import_reward("qerl.rewards:format_reward") is format_reward
+    with pytest.raises(ValueError, match="cannot import module"):
+        import_reward("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no 'nope'"):
+        import_reward("qerl.rewards:nope")
+    assert reward_ref(format_reward) == "qerl.rewards:format_reward"
+    assert reward_ref(lambda prompts, completions: []) == "<lambda>"
+    assert RewardSet([format_reward, format_reward]).names == ["format_reward", "format_reward_2"]

@@ -72,8 +72,9 @@ def test_end_to_end_metrics_lora_and_wandb(tmp_path, text_rewards):
     assert any(torch.count_nonzero(p) > 0 for p in b), "LoRA B never moved"
     wb = read_wandb_offline(tmp_path / "a")
     assert wb["config"]["method"] == "nvfp4_lora_aqn"
-    hist = [h for h in wb["history"] if "reward" in h]
-    assert [h["reward"] for h in hist] == [r["reward"] for r in rows]
+    hist = [h for h in wb["history"] if "train/reward" in h]  # W&B: TRL's names under train/
+    assert [h["train/reward"] for h in hist] == [r["reward"] for r in rows]
+    assert [h["train/sampling/sampling_logp_difference/mean"] for h in hist] == [r["sampling/logprob_gap"] for r in rows]
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     assert "git_sha" in cfg["provenance"] and cfg["provenance"]["torch"] == torch.__version__
 

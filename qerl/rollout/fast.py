@@ -379,6 +379,10 @@ class FastEngine:
         # ---- decode
         windows = sorted({min(b.L, WINDOW * 2 ** i) for i in range(32) if WINDOW * 2 ** (i - 1) < b.L})
         steps = 1
+        from qerl.logging import progress
+
+        bar = progress(max_new_tokens, "rollout", unit="tok", unit_scale=B)  # batch tokens and tokens/s
+        bar.update(1)
         for t in range(1, max_new_tokens):
             if (not ignore_eos or stop_strings) and t % self.sync_every == 0:
                 if self._check_done(stop_strings, t):
@@ -390,6 +394,8 @@ class FastEngine:
             else:  # eager: attend over exactly the keys so far, as HF's dynamic cache does
                 self._decode_step(P + t, sampling)
             steps = t + 1
+            bar.update(1)
+        bar.close()
         if stop_strings:
             self._check_done(stop_strings, steps)
         C = steps

@@ -73,7 +73,11 @@ class GenerateEngine:
         pos = positions_from_mask(mask)
         inp, attn = ids, mask
         t = 0
+        from qerl.logging import progress
+
+        bar = progress(max_new_tokens, "rollout", unit="tok", unit_scale=B)  # batch tokens and tokens/s
         for t in range(max_new_tokens):
+            bar.update(1)
             h = dec(input_ids=inp, attention_mask=attn, position_ids=pos, past_key_values=cache,
                     use_cache=True).last_hidden_state[:, -1]
             nxt, lp, ent = sample_tokens(lm_logits(h, head_w), temperature, top_k, top_p, greedy, keys, t)
@@ -92,6 +96,7 @@ class GenerateEngine:
             inp = nxt[:, None]
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
             pos = pos[:, -1:] + 1
+        bar.close()
         C = t + 1
         ar = torch.arange(C, device=device)[None]
         cmask = (ar < lengths[:, None]).long()
