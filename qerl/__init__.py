@@ -32,8 +32,8 @@ _API = {
     "QuantizeConfig": ("qerl.quantize", "QuantizeConfig"),
     "quantize_": ("qerl.quantize", "quantize_"),
     "make_engine": ("qerl.rollout", "make_engine"),
-    "load_trained": ("qerl.export", "load_trained"),
-    "export_trained": ("qerl.export", "export_trained"),
+    "load_trained": ("qerl.trained", "load_trained"),
+    "export_trained": ("qerl.trained", "export_trained"),
 }
 
 __all__ = sorted([*_API, "train"])

@@ -50,7 +50,7 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# generate / export: a trained run's base + adapter, rebuilt in one call (qerl.export.load_trained)
+# generate / export: a trained run's base + adapter, rebuilt in one call (qerl.trained.load_trained)
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -65,8 +65,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from qerl.data import build_prompt, prompt_suffix
-    from qerl.export import load_trained
     from qerl.rollout import make_engine
+    from qerl.trained import load_trained
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -94,7 +94,7 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from qerl.export import export_trained
+    from qerl.trained import export_trained
 
     print(json.dumps(export_trained(args.adapter, args.out, merge=args.merge)))
     return 0

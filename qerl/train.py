@@ -68,13 +68,13 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
     if model is None:
         model, tokenizer = models.load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
     info = {"method": cfg.method, "fmt": cfg.fmt}
-    if not cfg.lora or (cfg.fmt == "bf16" and not lora):
+    if not cfg.lora or (formats.is_dense(cfg.fmt) and not lora):
         for p in model.parameters():
             p.requires_grad_(True)
         trainable = [p for p in model.parameters()]
     else:
         fmt = cfg.fmt
-        if fmt != "bf16" and "bitsandbytes" in formats.get(fmt).kernels and device.type == "cpu":
+        if not formats.is_dense(fmt) and "bitsandbytes" in formats.get(fmt).kernels and device.type == "cpu":
             print(f"[qerl] {fmt} on CPU: using qerl's pure-torch {fmt} (bitsandbytes-compatible codes) instead of "
                   "bitsandbytes kernels; same quantized weights, slower")
         rep = quantize_(model, cfg.quantize_config(lora=lora))
