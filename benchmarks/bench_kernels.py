@@ -777,7 +777,7 @@ def main():
             print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}")
             continue
         op, tgt = TARGETS[key]
-        met = val >= tgt if op == ">=" else val <= tgt
+        met = val is not None and (val >= tgt if op == ">=" else val <= tgt)
         status = "n/a" if val is None else ("ok" if met else "MISSED")
         print(f"{key:52s} {'-' if val is None else f'{val:.3f}':>8s}  target {op} {tgt}  {status}")
     print(json.dumps(summary))
