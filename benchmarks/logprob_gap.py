@@ -53,6 +53,7 @@ def main():
     ap.add_argument("--git-sha", default=None)
     args = ap.parse_args()
 
+    from qerl import formats
     from qerl.logprobs import sequence_logprobs
     from qerl.models import DEFAULT_MODEL, load_model
     from qerl.noise import keep_norms_fp32
@@ -71,7 +72,7 @@ def main():
     rows = []
     for fmt in args.formats:
         model = copy.deepcopy(base).to(dev)
-        if fmt != "bf16":
+        if not formats.is_dense(fmt):
             quantize_(model, QuantizeConfig(fmt=fmt, lora_rank=16))
         keep_norms_fp32(model)
         model.eval()

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import speed_common as sc  # noqa: E402
+from qerl import formats  # noqa: E402
 from qerl.config import QERL_FORMAT, QLORA_FORMAT, table_bases  # noqa: E402
 
 METHODS = table_bases() + ("hf_generate_bf16",)  # bf16, every registered format, HF generate
@@ -335,7 +336,7 @@ def run(args) -> dict:
                             rows.append({**row, **extra})
                             print_table(rows[-1:])
                             save()
-                if fmt == "bf16" and "hf_generate_bf16" in args.methods and rank == args.ranks[0]:
+                if formats.is_dense(fmt) and "hf_generate_bf16" in args.methods and rank == args.ranks[0]:
                     for b in args.hf_batch:
                         row = guarded(dict(model=mk, method="hf_generate_bf16", engine="hf_generate", batch=b,
                                            lora_rank=rank, prompt_len=args.prompt, completion_len=args.hf_completion),

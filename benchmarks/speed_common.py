@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from qerl import formats  # noqa: E402
 from qerl.arch import PAPER_MODELS
 from qerl.config import table_bases
 from qerl.logging import environment
@@ -123,7 +124,7 @@ def set_lora_rank(model, rank: int, seed: int = 0) -> None:
     for m in model.modules():
         if not isinstance(m, QuantLinear) or m.r == rank:
             continue
-        dev = (m.weight if m.fmt == "bf16" else m.weight_packed).device
+        dev = (m.weight if formats.is_dense(m.fmt) else m.weight_packed).device
         dt = m.lora_A.weight.dtype if m.r else torch.float32
         m.r, m.lora_alpha = rank, 2.0 * rank
         m.scaling = m.lora_alpha / rank

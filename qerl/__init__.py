@@ -5,7 +5,7 @@ The public API (imported lazily, so ``import qerl`` is fast and pulls in nothing
     cfg = qerl.TrainConfig(model="Qwen/Qwen2.5-0.5B-Instruct", output_dir="runs/mine")  # or make_config
     qerl.train(cfg, reward_funcs=[my_reward], train_dataset=rows)   # TRL-style rewards and data
     model, tok = qerl.load_trained("runs/mine/checkpoints/step-100")  # quantized base + adapter
-    qerl.quantize_(hf_model, qerl.QuantizeConfig(fmt="nvfp4", lora_rank=32))
+    qerl.quantize_(hf_model, qerl.QuantizeConfig(fmt=qerl.formats.QERL_FORMAT, lora_rank=32))
     engine = qerl.make_engine(model, tok)                              # the rollout engine
 
 See docs/own-task.md for config files, reward functions, datasets, W&B and adapters.

@@ -3,7 +3,7 @@ and the streaming quantizer.
 
     export_compressed_tensors(model, "out/", tokenizer=tok)          # a quantize_()d model -> vLLM
     export_peft_adapter(model, "adapter/", "Qwen/Qwen2.5-7B-Instruct")  # LoRA -> PeftModel
-    quantize_checkpoint("/data/Qwen2.5-7B-Instruct", "out/", "nvfp4")  # `python -m qerl quantize`
+    quantize_checkpoint("/data/Qwen2.5-7B-Instruct", "out/", formats.QERL_FORMAT)  # `python -m qerl quantize`
     model, tok = load_trained("runs/x/checkpoints/step-60")         # quantized base + adapter, as trained
     export_trained("runs/x/checkpoints/step-60", "served/", merge=True)  # `python -m qerl export`
 

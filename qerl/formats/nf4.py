@@ -20,6 +20,8 @@ from qerl.formats.e2m1 import pair_table
 from qerl.formats.registry import FormatSpec
 
 BLOCK_SIZE = 64
+# bitsandbytes' name for this code (its quant_type argument): the NF4 bytes are bitsandbytes' bytes
+BNB_QUANT_TYPE = "nf4"
 
 NF4_CODE = (
     -1.0,

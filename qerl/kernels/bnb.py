@@ -1,6 +1,6 @@
 """NF4 through bitsandbytes' own kernels: the honest QLoRA baseline on the GPU.
 
-qerl's NF4 buffers are byte-exact with bitsandbytes ``quantize_4bit(quant_type="nf4",
+qerl's NF4 buffers are byte-exact with bitsandbytes ``quantize_4bit(quant_type=BNB_QUANT_TYPE,
 blocksize=64, compress_statistics=False)`` (qerl/formats/nf4.py): ``weight_packed`` [out, in/2]
 holds bitsandbytes' packed bytes in the same order, ``weight_absmax`` [out*in/64] its fp32 absmax.
 So a bitsandbytes ``QuantState`` can be built AROUND qerl's buffers (no copy of the weight, no
@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from qerl.formats.nf4 import BNB_QUANT_TYPE
 
 BLOCK_SIZE = 64
 
@@ -48,7 +50,7 @@ def _nf4_code(device: torch.device) -> torch.Tensor:
     # One tensor per device: building it is a host-to-device copy (a sync if done per call).
     from bitsandbytes.functional import get_4bit_type
 
-    return get_4bit_type("nf4", device=device, blocksize=BLOCK_SIZE)
+    return get_4bit_type(BNB_QUANT_TYPE, device=device, blocksize=BLOCK_SIZE)
 
 
 def quant_state(tensors: dict, out_features: int, in_features: int, dtype: torch.dtype):
@@ -59,7 +61,7 @@ def quant_state(tensors: dict, out_features: int, in_features: int, dtype: torch
     if absmax.dtype != torch.float32:
         raise ValueError(f"weight_absmax must be float32 (bitsandbytes' absmax), got {absmax.dtype}")
     return QuantState(absmax=absmax.reshape(-1), shape=torch.Size([out_features, in_features]),
-                      code=_nf4_code(absmax.device), blocksize=BLOCK_SIZE, quant_type="nf4", dtype=dtype)
+                      code=_nf4_code(absmax.device), blocksize=BLOCK_SIZE, quant_type=BNB_QUANT_TYPE, dtype=dtype)
 
 
 def cached_quant_state(tensors: dict, out_features: int, in_features: int, dtype: torch.dtype,
