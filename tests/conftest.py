@@ -127,13 +127,8 @@ def assert_greedy_close(a, b, tol: float):
     (each path's argmax) have log-probs within tol of each other: a near tie, not a different
     distribution. Returns the per-row common-prefix lengths.
     """
-    la, lb = a.completion_mask.sum(1), b.completion_mask.sum(1)
     prefixes = []
-    for r in range(a.completion_ids.shape[0]):
-        n = int(min(la[r], lb[r]))
-        ia, ib = a.completion_ids[r, :n].cpu(), b.completion_ids[r, :n].cpu()
-        p = int((ia == ib).long().cumprod(0).sum())
-        pa, pb = a.logprobs[r].float().cpu(), b.logprobs[r].float().cpu()
+    for r, n, p, pa, pb, ia, ib in _greedy_rows(a, b):
         if p:
             d = float((pa[:p] - pb[:p]).abs().max())
             assert d < tol, f"row {r}: chosen-token log-probs differ by {d:.4f} on the common prefix ({p} tokens; tol {tol})"
@@ -151,18 +146,24 @@ def greedy_drift(a, b) -> float:
     common prefix, or between the two chosen tokens where a row parts). Tests measure it between two
     known-valid paths in the same run and bound a third path by it, instead of a fixed number for bf16
     rounding that any valid reordering of a reduction can cross."""
-    la, lb = a.completion_mask.sum(1), b.completion_mask.sum(1)
     worst = 0.0
-    for r in range(a.completion_ids.shape[0]):
-        n = int(min(la[r], lb[r]))
-        ia, ib = a.completion_ids[r, :n].cpu(), b.completion_ids[r, :n].cpu()
-        p = int((ia == ib).long().cumprod(0).sum())
-        pa, pb = a.logprobs[r].float().cpu(), b.logprobs[r].float().cpu()
+    for _, n, p, pa, pb, _, _ in _greedy_rows(a, b):
         if p:
             worst = max(worst, float((pa[:p] - pb[:p]).abs().max()))
         if p < n:
             worst = max(worst, abs(float(pa[p] - pb[p])))
     return worst
+
+
+def _greedy_rows(a, b):
+    """Per row of two greedy decodes: (row, common length, common-prefix length, the two rows' chosen-token
+    log-probs and ids on the CPU)."""
+    la, lb = a.completion_mask.sum(1), b.completion_mask.sum(1)
+    for r in range(a.completion_ids.shape[0]):
+        n = int(min(la[r], lb[r]))
+        ia, ib = a.completion_ids[r, :n].cpu(), b.completion_ids[r, :n].cpu()
+        p = int((ia == ib).long().cumprod(0).sum())
+        yield r, n, p, a.logprobs[r].float().cpu(), b.logprobs[r].float().cpu(), ia, ib
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None):

@@ -15,7 +15,7 @@ producer warp:
     weights) straight into the register A operand of the warpgroup MMA, whose B operand is the
     shared activation tile, and hands the stage back (count NWG) once its MMAs are complete. The MMA
     is waited at once: a register-A warpgroup MMA left in flight reads corrupted registers on Triton
-    3.6. The warpgroups of a CTA interleave instead (one decodes while another's MMA runs), share the
+    3.6. The warpgroups of a CTA (NWG 1 or 2) interleave instead (one decodes while another's MMA runs), share the
     activation tile, and each writes its own epilogue.
 Split-K partials are summed in a fixed order by the last program of a tile (bitwise repeatable).
 
@@ -178,31 +178,7 @@ if HAVE_WS:
             mbarrier.init(empty.index(i), count=NWG)
         row0 = pid_n * (64 * NWG)
         tile = pid0 * NWG
-        if NWG == 4:
-            gl.warp_specialize([
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0 + 64, tile + 1, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 2, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0 + 128, tile + 2, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 3, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0 + 192, tile + 3, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
-                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
-                              i0, i1, KB, NWG)),
-            ], [4, 4, 4, 1], [REGS, REGS, REGS, 24])
-        elif NWG == 3:
-            gl.warp_specialize([
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0 + 64, tile + 1, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 2, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0 + 128, tile + 2, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
-                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
-                              i0, i1, KB, NWG)),
-            ], [4, 4, 1], [REGS, REGS, 24])
-        elif NWG == 2:
+        if NWG == 2:
             gl.warp_specialize([
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                                 M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
