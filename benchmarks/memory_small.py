@@ -125,7 +125,7 @@ def run(args) -> dict:
         _, sigma = aqn.sigma_at(max(step, cfg.max_steps // cfg.num_stages), cfg.max_steps)  # a noisy stage
         with probe(f"rollout[{step}]"):
             ro, _ = qstep.rollout(cfg, engine, model, prompts, step, sigma, ignore_eos=True)
-        batch = qstep.Batch.whole(ro, torch.randn(n, generator=g))
+        batch = qstep.Batch.given(ro, torch.randn(n, generator=g), [n], 0)
         reuse = qstep.reuse_training_logprobs(cfg, n) and not args.old_logprobs
         with probe(f"old_logprobs[{step}]"):
             old, ref = qstep.logprobs(cfg, model, ro, reuse)

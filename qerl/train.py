@@ -465,9 +465,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     qdist.broadcast_params(trainable)  # every rank starts from rank 0's weights
     if opt.qerl_master is not None:
         opt.qerl_master.copy_back()
-    record = {**cfg.to_dict(), "reward": rewards.refs(), "policy": info, "prompts_skipped": skipped, "world_size": world,
-              "command": _command_line(), "data_sources": data_sources(cfg)}
-    logger = RunLogger(out, record, resume=resume is not None, **wandb_settings(cfg)) if main else _NullLogger()
+    run_config = {**cfg.to_dict(), "reward": rewards.refs(), "policy": info, "prompts_skipped": skipped, "world_size": world,
+                  "command": _command_line(), "data_sources": data_sources(cfg)}
+    logger = RunLogger(out, run_config, resume=resume is not None, **wandb_settings(cfg)) if main else _NullLogger()
     eval_kw = {**eval_settings(cfg), "seed": cfg.seed}
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
     summary.update({k: v for k, v in record.get("summary", {}).items() if k != "status"})  # eval_before/*, ...

@@ -257,8 +257,20 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, tiny_dir, refere
     rc, stdout, err = run_main(argv(tiny_dir, out, "--resume-from", "auto"))
     assert rc == 0, err[-3000:]
     got = final_state(out, done_line(stdout))
-    assert got == reference
+    assert got == reference, _differences(got, reference)
     assert not qckpt.partial_saves(out / "checkpoints")
+
+
+def _differences(got: dict, ref: dict) -> str:
+    """Where a resumed run's outcome differs from the uninterrupted one: the keys, row by row."""
+    out = [f"{k}: {got[k]!r} != {ref[k]!r}" for k in ref if k not in ("rows", "summary") and got.get(k) != ref[k]]
+    for i, (a, b) in enumerate(zip(got["rows"], ref["rows"])):
+        out += [f"row {i} {k}: {a.get(k)!r} != {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if len(got["rows"]) != len(ref["rows"]):
+        out.append(f"{len(got['rows'])} rows != {len(ref['rows'])}")
+    s, r = got["summary"], ref["summary"]
+    out += [f"summary {k}: {s.get(k)!r} != {r.get(k)!r}" for k in sorted(set(s) | set(r)) if s.get(k) != r.get(k)]
+    return "; ".join(out[:20])
 
 
 # ---------------------------------------------------------------------------------- the checkpoint folder
