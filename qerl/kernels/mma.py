@@ -285,10 +285,17 @@ def available(device: torch.device | None = None) -> bool:
 
 def _self_test(device: torch.device, M: int = 3, config: dict | None = None, what: str = "tensor-core FP4 kernel",
                instead: str = "the Triton kernels serve every 4-bit call instead") -> bool:
-    """Compile and run the kernel once on a small weight (both formats, M rows) against the fp32
-    reference. On another Triton whose Gluon API or compiler differs, a failure turns the kernel off
-    with a warning: the Triton kernels then serve the same calls (the same format and arithmetic up to
-    rounding)."""
+    """This kernel through ``self_test`` on a 40 x 192 weight at M rows (``config``: a launch config)."""
+    return self_test(device, lambda x, pc, sc, gs, n, k, nv: linear(x, pc, sc, gs, n, k, nv, config=config),
+                     what, instead, Ms=(M,))
+
+
+def self_test(device: torch.device, run, what: str, instead: str, n: int = 40, k: int = 192,
+              Ms: tuple = (3,)) -> bool:
+    """Compile and run a compute-layout kernel once, ``run(x, packed_c, scales_c, gs, N, K, is_nv) -> y``,
+    on a small [n, k] weight (both formats, each M of ``Ms``) against the fp32 reference. On another
+    Triton whose Gluon API or compiler differs, a failure turns the kernel off with a warning naming
+    ``what`` and who serves ``instead`` (the same format and arithmetic up to rounding)."""
     import warnings
 
     from qerl import formats
@@ -297,20 +304,22 @@ def _self_test(device: torch.device, M: int = 3, config: dict | None = None, wha
         g = torch.Generator(device=device).manual_seed(0)
         for fmt in formats.with_kernel("triton"):  # the formats with Triton (and this) kernels
             is_nv = common.scale_mode(fmt)
-            t = formats.quantize(torch.randn(40, 192, device=device, generator=g) * 0.02, fmt)
+            t = formats.quantize(torch.randn(n, k, device=device, generator=g) * 0.02, fmt)
             pc, sc = to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
-            x = torch.randn(M, 192, device=device, dtype=torch.bfloat16, generator=g)
-            y = linear(x, pc, sc, t.get("weight_global_scale"), 40, 192, is_nv, config=config).float()
-            ref = x.float() @ formats.dequantize(t, fmt, dtype=torch.float32).T
-            err = float((y - ref).norm() / ref.norm())
-            if not err < 1e-2:
-                raise RuntimeError(f"{fmt}: relative error {err:.2e} against the fp32 reference")
+            ref_w = formats.dequantize(t, fmt, dtype=torch.float32)
+            for M in Ms:
+                x = torch.randn(M, k, device=device, dtype=torch.bfloat16, generator=g)
+                y = run(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv).float()
+                ref = x.float() @ ref_w.T
+                err = float((y - ref).norm() / ref.norm())
+                if not err < 1e-2:
+                    raise RuntimeError(f"{fmt} M={M}: relative error {err:.2e} against the fp32 reference")
         return True
     except Exception as e:  # noqa: BLE001 - any failure: off, said once
         msg = str(e)  # a CompilationError starts with the source context; its cause is at the end
         msg = msg if len(msg) <= 500 else f"{msg[:150]} ... {msg[-350:]}"
         warnings.warn(f"qerl: the {what} failed its self-test on {device} ({type(e).__name__}: "
-                      f"{msg}); {instead}", stacklevel=2)
+                      f"{msg}); {instead}", stacklevel=3)
         return False
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from qerl.kernels import common, layout, mma
+from qerl.kernels import common, mma
 
 try:
     from triton.experimental import gluon
@@ -299,27 +299,7 @@ def available(device: torch.device) -> bool:
 
 
 def _self_test(device: torch.device) -> bool:
-    import warnings
-
-    from qerl import formats
-
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        for fmt in formats.with_kernel("triton"):
-            t = formats.quantize(torch.randn(200, 320, device=device, generator=g) * 0.02, fmt)
-            is_nv = common.scale_mode(fmt)
-            pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
-            for M in (5, 70):
-                x = torch.randn(M, 320, device=device, dtype=torch.bfloat16, generator=g)
-                y = linear(x, pc, sc, t.get("weight_global_scale"), 200, 320, is_nv).float()
-                ref = x.float() @ formats.dequantize(t, fmt, dtype=torch.float32).T
-                err = float((y - ref).norm() / ref.norm())
-                if not err < 1e-2:
-                    raise RuntimeError(f"{fmt} M={M}: relative error {err:.2e} against the fp32 reference")
-        return True
-    except Exception as e:  # noqa: BLE001 - any failure: off, said once
-        msg = str(e)
-        msg = msg if len(msg) <= 500 else f"{msg[:150]} ... {msg[-350:]}"
-        warnings.warn(f"qerl: the warp-specialised fp4 kernel failed its self-test on {device} "
-                      f"({type(e).__name__}: {msg}); the other kernels serve its calls", stacklevel=2)
-        return False
+    """The kernel against the fp32 reference on a ragged 200 x 320 weight, at 5 and 70 rows (one and
+    several row tiles), both formats (mma.self_test)."""
+    return mma.self_test(device, lambda x, pc, sc, gs, n, k, nv: linear(x, pc, sc, gs, n, k, nv),
+                         "warp-specialised fp4 kernel", "the other kernels serve its calls", n=200, k=320, Ms=(5, 70))
