@@ -32,7 +32,7 @@ from qerl.models import model_config
 
 CATEGORIES = (  # first match wins; names as the profiler reports the kernels
     # qerl's Triton fp4 kernels, bitsandbytes' 4-bit kernels, and any kernel named after a registered format
-    ("4-bit linear", ("_mma_kernel", "_fwd_gemv_kernel", "_fwd_dot_kernel", "_decode_kernel", "_decode_pairs_kernel",
+    ("4-bit linear", ("_mma_kernel", "_ws_kernel", "_fwd_gemv_kernel", "_fwd_dot_kernel", "_decode_kernel", "_decode_pairs_kernel",
                       "_bwd_dot_kernel", "kgemm_4bit", "gemv_4bit", *formats.names())),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
     ("qerl fused", ("_add_rmsnorm", "_rmsnorm", "_rope", "_silu", "_lora", "fused")),

@@ -9,6 +9,7 @@ Public API (see CONTRACTS.md):
     make_plan(weight, device)        -> Plan (per-weight launch state) or None off the Triton backend
     decode(fmt, tensors, dtype, rows=None, cols=None, out=None) -> W (or a block of it), dense
     linear_tuned, grad_input_tuned, kernel_name   heuristics overridden / named (benchmarks)
+    lora_a_tuned, lora_out_tuned, lora_a_config   the same for the decode step's LoRA kernels
     scratch_bytes(device=None), buffer_bytes(), release_scratch(), resolve_backend(backend, fmt, device)
     rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
     lora_silu_mul                    the fused decode step's ops (qerl.kernels.fused)
@@ -347,6 +348,30 @@ def kernel_name(op: str, x: torch.Tensor, in_features: int, cached: bool = True)
     return ops.kernel_name(op, x, in_features, cached)
 
 
+def lora_a_config(M: int, K: int, n: int, device: torch.device) -> dict:
+    """The launch config ``lora_a`` takes from LORA_A_DOT_MIN_M rows (the tiled kernel)."""
+    from qerl.kernels import common, fused
+
+    return fused.lora_a_tiled_config(M, K, n, common.num_sms(device))
+
+
+def lora_a_tuned(x: torch.Tensor, As: list, config: dict) -> torch.Tensor:
+    """``lora_a`` by the tiled kernel with an explicit ``config`` (BLOCK_M, BLOCK_K, K_CHUNK, num_warps,
+    num_stages): h [1, M, n r], final sums."""
+    from qerl.kernels import fused
+
+    return fused._lora_a_tiled(x, As, **config)
+
+
+def lora_out_tuned(ys: list, h: torch.Tensor | None, Bs: list, biases: list, scaling: float,
+                   out: torch.Tensor | None = None, config: dict | None = None) -> None:
+    """``lora_out`` (``out`` given: ``lora_silu_mul`` into it) with its launch rule overridden by
+    ``config`` (BLOCK_N, ROWS, num_warps)."""
+    from qerl.kernels import fused
+
+    fused._lora_out_launch(ys, h, Bs, biases, scaling, out=out, **(config or {}))
+
+
 # Names the door serves from the Triton modules, imported on first use.
 _LAZY = {
     "Plan": "plan",
@@ -364,6 +389,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["linear", "grad_input", "grouped_linear", "make_plan", "decode", "Weight", "resolve_backend",
-           "linear_tuned", "grad_input_tuned", "kernel_name",
+           "linear_tuned", "grad_input_tuned", "kernel_name", "lora_a_config", "lora_a_tuned", "lora_out_tuned",
            "scratch_bytes", "buffer_bytes", "release_scratch", "linear_reference", "grad_input_reference", "dequantize_fp32",
            "triton_available", "BACKENDS", "M32", "fmix32", "uniform_noise", "gumbel_argmax_torch", *_LAZY]

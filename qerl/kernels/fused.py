@@ -36,10 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.kernels.common import num_sms, splitk_epilogue, workspace
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-LORA_A_K_CHUNK = 1024  # K elements per lora_a program from LORA_A_DOT_MIN_M rows (the tl.dot path)
-# Below that (decode batches), shorter chunks: at most LORA_A_MAX_SPLITS partial sums, at least 256
+# lora_a below LORA_A_DOT_MIN_M rows (decode batches): short K chunks, at most LORA_A_MAX_SPLITS partial sums, at least 256
 # elements each, so that a program streams its slice of A in one or two loads rather than four
 # dependent ones (lora_out then sums the partials in one vector load).
 LORA_A_MIN_CHUNK = 256
@@ -49,9 +50,7 @@ LORA_OUT_H_BLOCK = 4096
 
 
 def lora_a_chunk(M: int, K: int) -> int:
-    """K elements a lora_a program sums (its partial sums: cdiv(K, chunk))."""
-    if M >= LORA_A_DOT_MIN_M:
-        return LORA_A_K_CHUNK
+    """K elements a lora_a program sums below LORA_A_DOT_MIN_M rows (its partial sums: cdiv(K, chunk))."""
     return max(LORA_A_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(K, LORA_A_MAX_SPLITS)))
 
 
@@ -274,10 +273,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """Partial sum s = program_id(1) (a K chunk) of rows program_id(2) of h for rows rr of adapter i's A
-    (program_id(0)). USE_DOT (many rows): tl.dot in near-fp32 precision (tf32x3: bf16 activations are
-    exact in tf32, A's fp32 in two parts) on 16 x 16 tiles; else a broadcast product in fp32."""
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decode batches: partial sum s = program_id(1) (a K chunk) of rows program_id(2) of h for rows
+    rr of adapter i's A (program_id(0)), a broadcast product in fp32."""
     nrb = tl.cdiv(R, BLOCK_R)
     i = tl.program_id(0) // nrb  # adapter i, rows rr of its A
     rr = (tl.program_id(0) % nrb) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -293,40 +291,93 @@ def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr,
                     other=0.0).to(tl.float32)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=mm[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
-        if USE_DOT:
-            acc = tl.dot(x, tl.trans(a), acc, input_precision="tf32x3")
-        else:
-            acc += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
+        acc += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
     tl.store(h_ptr + (s * M + rows[:, None]).to(tl.int64) * NR + i * R + rr[None, :], acc,
              mask=mm[:, None] & mr[None, :])
 
 
-# lora_a takes the tl.dot kernel from this many rows (a decode batch of 64: 2.0 ms of the 7B step in
+@triton.jit
+def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR, K_CHUNK,
+                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Many rows: rows program_id(0) x all r columns of adapter program_id(2), over the K chunk
+    program_id(1), in near-fp32 tl.dot (tf32x3: bf16 activations are exact in tf32, A's fp32 in two
+    parts). The K chunks are summed in this launch, in a fixed order (common.splitk_epilogue), so h is
+    final: lora_out reads each h element once instead of every chunk's partial in every column tile."""
+    mt, s, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    rr = tl.arange(0, BLOCK_R)
+    mm, mr = rows < M, rr < R
+    a_ptr = _pick(i, a0, a1, a2)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    k_hi = tl.minimum(s * K_CHUNK + K_CHUNK, K)
+    for k0 in range(s * K_CHUNK, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mk = ks < k_hi
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=mm[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + rr[:, None].to(tl.int64) * K + ks[None, :], mask=mr[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(x, tl.trans(a), acc, input_precision="tf32x3")
+    # adapter i's partials in their own [S, M, R] slice of the workspace, its tiles' counters after the others'
+    ws_i = ws_ptr + i.to(tl.int64) * tl.num_programs(1) * M * R
+    splitk_epilogue(acc, h_ptr + i * R, ws_i, cnt_ptr, rows, rr, M, R, NR, i * tl.num_programs(0) + mt)
+
+
+# lora_a takes the tiled kernel from this many rows (a decode batch of 64: 2.0 ms of the 7B step in
 # the broadcast kernel, which re-reads x for every two rows of A; results/decode_profile/)
 LORA_A_DOT_MIN_M = 16
+# The tiled kernel: rows a program (up to), K elements a loop step, and about this many programs
+# (K chunks x row tiles x adapters) for the K split: measured on an H100 (results/decode_profile/NOTES.md).
+LORA_A_TILE_M = 64
+LORA_A_TILE_K = 64
+LORA_A_PROGRAMS = 128
+
+
+def lora_a_tiled_config(M: int, K: int, n: int, sms: int = 132) -> dict:
+    """Launch config of the tiled lora_a: row tile, K step, K chunk (a multiple of the step)."""
+    BM = min(LORA_A_TILE_M, max(16, triton.next_power_of_2(M)))
+    BK = LORA_A_TILE_K
+    tiles = n * triton.cdiv(M, BM)
+    splits = max(1, min(triton.cdiv(K, BK), round(LORA_A_PROGRAMS * sms / 132 / tiles)))
+    chunk = triton.cdiv(triton.cdiv(K, splits), BK) * BK
+    return dict(BLOCK_M=BM, BLOCK_K=BK, K_CHUNK=chunk)
+
+
+def _lora_a_tiled(x: torch.Tensor, As: list[torch.Tensor], BLOCK_M: int, BLOCK_K: int, K_CHUNK: int,
+                  num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """h [1, M, n*r] (final sums) by the tiled kernel with an explicit config (benchmarks sweep it)."""
+    M, K = x.shape
+    R, n = As[0].shape[0], len(As)
+    S, mt = triton.cdiv(K, K_CHUNK), triton.cdiv(M, BLOCK_M)
+    ws, cnt = workspace(x.device, n * S * M * R if S > 1 else 1, n * mt)
+    h = torch.empty((1, M, n * R), dtype=torch.float32, device=x.device)
+    a = list(As) + [As[0]] * (3 - n)
+    _lora_a_tiled_kernel[(mt, S, n)](x, a[0], a[1], a[2], h, ws, cnt, M, K, R, n * R, K_CHUNK,
+                                     BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_K=BLOCK_K,
+                                     num_warps=num_warps, num_stages=num_stages)
+    return h
 
 
 @torch.library.custom_op("qerl::lora_a", mutates_args=())
 def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
     """Partial sums [S, M, n*r] of x [M, K] times each A_i^T ([r, K], 1 <= n <= 3, equal r):
-    h = partial.sum(0) = cat(x A_0^T, x A_1^T, ...), summed by ``lora_out``. fp32."""
+    h = partial.sum(0) = cat(x A_0^T, x A_1^T, ...), summed by ``lora_out`` (S = 1 from
+    LORA_A_DOT_MIN_M rows: the sums are final). fp32."""
     M, K = x.shape
+    if M >= LORA_A_DOT_MIN_M:
+        return _lora_a_tiled(x, As, **lora_a_tiled_config(M, K, len(As), num_sms(x.device)))
     R = As[0].shape[0]
     n = len(As)
     chunk = lora_a_chunk(M, K)
     S = triton.cdiv(K, chunk)
-    dot = M >= LORA_A_DOT_MIN_M
-    if dot:  # 16 x 16 tiles of h: many programs (a 64-row q/k/v call: 96), each streaming its slices of x, A
-        BLOCK_M, BLOCK_R, BLOCK_K = 16, 16, 128
-    else:
-        BLOCK_M = min(16, triton.next_power_of_2(M))
-        BLOCK_R = triton.next_power_of_2(R) if INTERPRETED else 2  # GPU: many small programs; interpreter: few
-        BLOCK_K = min(chunk, triton.next_power_of_2(K))
+    BLOCK_M = min(16, triton.next_power_of_2(M))
+    BLOCK_R = triton.next_power_of_2(R) if INTERPRETED else 2  # GPU: many small programs; interpreter: few
+    BLOCK_K = min(chunk, triton.next_power_of_2(K))
     h = torch.empty((S, M, n * R), dtype=torch.float32, device=x.device)
     a = list(As) + [As[0]] * (3 - n)
     grid = (n * triton.cdiv(R, BLOCK_R), S, triton.cdiv(M, BLOCK_M))
     _lora_a_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=chunk, BLOCK_M=BLOCK_M,
-                         BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, USE_DOT=dot)
+                         BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
     return h
 
 
@@ -404,16 +455,19 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
 # 5.4 ms with 4-row programs (h100_profile_decode_0f3b7a2.log: lora_out 3.2 ms).
 LORA_OUT_ROWS = 4
 LORA_OUT_DOT_ROWS = 64
+LORA_OUT_BLOCK_N = 64
 
 
-def _lora_out_launch(ys, h, Bs, biases, scaling, out=None):
+def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=None, num_warps=4):
+    """The lora_out / lora_silu_mul launch; BLOCK_N / ROWS / num_warps override the rule (benchmarks sweep them)."""
     n, M = len(ys), ys[0].shape[0]
     has_lora, has_bias = h is not None, len(biases) > 0
     R = Bs[0].shape[1] if has_lora else 1
-    BLOCK_N = 64
-    ROWS = min(LORA_OUT_ROWS, triton.next_power_of_2(max(M, 1)))
-    if M >= 16 and R >= 16:
-        ROWS = min(LORA_OUT_DOT_ROWS, triton.next_power_of_2(M))
+    if ROWS is None:
+        ROWS = min(LORA_OUT_ROWS, triton.next_power_of_2(max(M, 1)))
+        if M >= 16 and R >= 16:
+            ROWS = min(LORA_OUT_DOT_ROWS, triton.next_power_of_2(M))
+    BLOCK_N = BLOCK_N or LORA_OUT_BLOCK_N
     y = list(ys) + [ys[0]] * (3 - n)
     b = (list(Bs) + [Bs[0]] * (3 - n)) if has_lora else y
     c = (list(biases) + [biases[0]] * (3 - n)) if has_bias else y
@@ -428,7 +482,7 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None):
     _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0],
                            out if out is not None else y[0], M, Ns[0], Ns[1], Ns[2], R, NR, S, scaling,
                            HAS_LORA=has_lora, HAS_BIAS=has_bias, SILU_MUL=out is not None, BLOCK_N=BLOCK_N,
-                           BLOCK_R=BLOCK_R, ROWS=ROWS, SB=SB)
+                           BLOCK_R=BLOCK_R, ROWS=ROWS, SB=SB, num_warps=num_warps)
 
 
 @torch.library.custom_op("qerl::lora_out", mutates_args=("ys",))
