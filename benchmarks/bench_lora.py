@@ -25,8 +25,8 @@ from benchmarks import speed_common as sc
 from qerl import kernels
 from qerl.models import model_config
 
-LORA_A_SWEEP = dict(BLOCK_M=(16, 32, 64), BLOCK_K=(32, 64, 128), programs=(32, 64, 128, 256), num_warps=(4, 8))
-LORA_OUT_SWEEP = dict(BLOCK_N=(32, 64, 128, 256), ROWS=(16, 32, 64), num_warps=(4, 8))
+LORA_A_SWEEP = dict(BLOCK_M=(16, 32, 64), BLOCK_K=(64, 128), programs=(16, 32, 64, 128, 256), num_warps=(4,))
+LORA_OUT_SWEEP = dict(BLOCK_N=(32, 64, 128), ROWS=(16, 32, 64), num_warps=(4,))
 
 
 def groups(cfg, rank: int, layers: int, device) -> list[dict]:

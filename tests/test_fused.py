@@ -144,6 +144,25 @@ def test_lora_a_and_out(n, bias, K, M, R, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_lora_a_tiled_sums_many_chunks(device):
+    """The tiled lora_a at an explicit config with more K chunks than one summing load holds (10 chunks,
+    4 a load: three loads, the last one ragged), two adapters, rank 8 padded to 16: the reference sums,
+    and bitwise the same on a repeat (which needs the tile counters reset by the launch before)."""
+    from qerl import kernels
+
+    torch.manual_seed(0)
+    M, K, R = 70, 300, 8
+    x = torch.randn(M, K, dtype=BF, device=device)
+    As = [torch.randn(R, K, device=device) / K ** 0.5 for _ in range(2)]
+    conf = dict(BLOCK_M=64, BLOCK_K=32, K_CHUNK=32)
+    h = kernels.lora_a_tuned(x, As, conf)
+    ref = torch.cat([(x.double() @ a.double().t()).float() for a in As], 1)
+    torch.testing.assert_close(h[0], ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(kernels.lora_a_tuned(x, As, conf), h)
+    assert torch.equal(kernels.lora_a_tuned(x, As, dict(conf, K_CHUNK=320)), kernels.lora_a_tuned(x, As, dict(conf, K_CHUNK=320)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_lora_silu_mul(bias, device):
     """gate/up epilogues and SiLU(gate) * up in one launch = lora_out on each, then silu_mul."""

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.common import num_sms, splitk_epilogue, workspace
+from qerl.kernels.common import num_sms, workspace
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -298,12 +298,16 @@ def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr,
 
 @triton.jit
 def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR, K_CHUNK,
-                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SB: tl.constexpr):
     """Many rows: rows program_id(0) x all r columns of adapter program_id(2), over the K chunk
     program_id(1), in near-fp32 tl.dot (tf32x3: bf16 activations are exact in tf32, A's fp32 in two
-    parts). The K chunks are summed in this launch, in a fixed order (common.splitk_epilogue), so h is
-    final: lora_out reads each h element once instead of every chunk's partial in every column tile."""
+    parts). The K chunks are summed in this launch, in a fixed order, so h is final: lora_out reads
+    each h element once instead of every chunk's partial in every column tile. Each chunk stores its
+    partial tile in its own slice of the workspace and bumps the tile's counter; the last to arrive
+    sums the slices, SB of them a load (one [SB, BLOCK_M, BLOCK_R] block, not S dependent loads), and
+    resets the counter."""
     mt, s, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    S = tl.num_programs(1)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     mm, mr = rows < M, rr < R
@@ -318,25 +322,45 @@ def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR,
         a = tl.load(a_ptr + rr[:, None].to(tl.int64) * K + ks[None, :], mask=mr[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
         acc = tl.dot(x, tl.trans(a), acc, input_precision="tf32x3")
-    # adapter i's partials in their own [S, M, R] slice of the workspace, its tiles' counters after the others'
-    ws_i = ws_ptr + i.to(tl.int64) * tl.num_programs(1) * M * R
-    splitk_epilogue(acc, h_ptr + i * R, ws_i, cnt_ptr, rows, rr, M, R, NR, i * tl.num_programs(0) + mt)
+    msk = mm[:, None] & mr[None, :]
+    out = h_ptr + rows[:, None].to(tl.int64) * NR + i * R + rr[None, :]
+    if S == 1:
+        tl.store(out, acc, mask=msk)
+    else:
+        # adapter i's partials: its own [S, M, R] slice of the workspace; its tiles' counters after the others'
+        ws_i = ws_ptr + i.to(tl.int64) * S * M * R
+        tile = i * tl.num_programs(0) + mt
+        tl.store(ws_i + (s.to(tl.int64) * M + rows[:, None]) * R + rr[None, :], acc, mask=msk)
+        tl.debug_barrier()  # every thread's partial is stored before the one counter update releases them
+        count = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if count == S - 1:
+            sb = tl.arange(0, SB)
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for s0 in range(0, S, SB):  # fixed order: bitwise the same h whoever arrives last
+                ss = s0 + sb
+                p = tl.load(ws_i + (ss[:, None, None].to(tl.int64) * M + rows[None, :, None]) * R + rr[None, None, :],
+                            mask=(ss[:, None, None] < S) & msk[None, :, :], other=0.0, cache_modifier=".cg")
+                total += tl.sum(p, axis=0)
+            tl.store(out, total, mask=msk)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 # lora_a takes the tiled kernel from this many rows (a decode batch of 64: 2.0 ms of the 7B step in
 # the broadcast kernel, which re-reads x for every two rows of A; results/decode_profile/)
 LORA_A_DOT_MIN_M = 16
-# The tiled kernel: rows a program (up to), K elements a loop step, and about this many programs
-# (K chunks x row tiles x adapters) for the K split: measured on an H100 (results/decode_profile/NOTES.md).
-LORA_A_TILE_M = 64
-LORA_A_TILE_K = 64
+# The tiled kernel (an H100 sweep over the 7B groups at M = 16-256, results/decode_profile/NOTES.md):
+# 16-row tiles up to LORA_A_SMALL_TILE_MAX_M rows (K steps of 128), 64-row tiles above (K steps of 64),
+# K split for about LORA_A_PROGRAMS programs (K chunks x row tiles x adapters) on 132 SMs; the last
+# program of a tile sums up to LORA_A_SUM_FLOATS partial floats a load.
+LORA_A_SMALL_TILE_MAX_M = 128
 LORA_A_PROGRAMS = 128
+LORA_A_SUM_FLOATS = 4096
 
 
 def lora_a_tiled_config(M: int, K: int, n: int, sms: int = 132) -> dict:
     """Launch config of the tiled lora_a: row tile, K step, K chunk (a multiple of the step)."""
-    BM = min(LORA_A_TILE_M, max(16, triton.next_power_of_2(M)))
-    BK = LORA_A_TILE_K
+    BM = 16 if M <= LORA_A_SMALL_TILE_MAX_M else 64
+    BK = 128 if BM == 16 else 64
     tiles = n * triton.cdiv(M, BM)
     splits = max(1, min(triton.cdiv(K, BK), round(LORA_A_PROGRAMS * sms / 132 / tiles)))
     chunk = triton.cdiv(triton.cdiv(K, splits), BK) * BK
@@ -349,11 +373,13 @@ def _lora_a_tiled(x: torch.Tensor, As: list[torch.Tensor], BLOCK_M: int, BLOCK_K
     M, K = x.shape
     R, n = As[0].shape[0], len(As)
     S, mt = triton.cdiv(K, K_CHUNK), triton.cdiv(M, BLOCK_M)
+    BLOCK_R = max(16, triton.next_power_of_2(R))
     ws, cnt = workspace(x.device, n * S * M * R if S > 1 else 1, n * mt)
     h = torch.empty((1, M, n * R), dtype=torch.float32, device=x.device)
     a = list(As) + [As[0]] * (3 - n)
+    SB = max(1, min(triton.next_power_of_2(S), LORA_A_SUM_FLOATS // (BLOCK_M * BLOCK_R)))
     _lora_a_tiled_kernel[(mt, S, n)](x, a[0], a[1], a[2], h, ws, cnt, M, K, R, n * R, K_CHUNK,
-                                     BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_K=BLOCK_K,
+                                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SB=SB,
                                      num_warps=num_warps, num_stages=num_stages)
     return h
 
@@ -453,9 +479,10 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
 # not once per 4 rows). Before: one program looped over all M rows; at M = 64 the 7B decode step
 # spent 9.8 ms in qerl's fused kernels (results/decode_profile/h100_profile_decode_69e04ba.log),
 # 5.4 ms with 4-row programs (h100_profile_decode_0f3b7a2.log: lora_out 3.2 ms).
+# From 16 rows at rank >= 16 (an H100 sweep over the 7B groups, results/decode_profile/NOTES.md): 16-row
+# tiles up to 32 rows, 64 above; 32 columns a program up to 128 rows, 64 otherwise.
 LORA_OUT_ROWS = 4
 LORA_OUT_DOT_ROWS = 64
-LORA_OUT_BLOCK_N = 64
 
 
 def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=None, num_warps=4):
@@ -466,8 +493,9 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=No
     if ROWS is None:
         ROWS = min(LORA_OUT_ROWS, triton.next_power_of_2(max(M, 1)))
         if M >= 16 and R >= 16:
-            ROWS = min(LORA_OUT_DOT_ROWS, triton.next_power_of_2(M))
-    BLOCK_N = BLOCK_N or LORA_OUT_BLOCK_N
+            ROWS = 16 if M <= 32 else LORA_OUT_DOT_ROWS
+    if BLOCK_N is None:
+        BLOCK_N = 32 if 16 <= M <= 128 and R >= 16 else 64
     y = list(ys) + [ys[0]] * (3 - n)
     b = (list(Bs) + [Bs[0]] * (3 - n)) if has_lora else y
     c = (list(biases) + [biases[0]] * (3 - n)) if has_bias else y
