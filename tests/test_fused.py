@@ -145,8 +145,8 @@ def test_lora_a_and_out(n, bias, K, M, R, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_lora_a_tiled_sums_many_chunks(device):
-    """The tiled lora_a at an explicit config with more K chunks than one summing load holds (10 chunks,
-    4 a load: three loads, the last one ragged), two adapters, rank 8 padded to 16: the reference sums,
+    """The tiled lora_a at an explicit config: 10 K chunks summed by the last to arrive, two adapters
+    (their own workspace slices and counters), two row tiles, rank 8 padded to 16: the reference sums,
     and bitwise the same on a repeat (which needs the tile counters reset by the launch before)."""
     from qerl import kernels
 

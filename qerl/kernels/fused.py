@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.common import num_sms, workspace
+from qerl.kernels.common import num_sms, splitk_epilogue, workspace
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -298,16 +298,12 @@ def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr,
 
 @triton.jit
 def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR, K_CHUNK,
-                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SB: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Many rows: rows program_id(0) x all r columns of adapter program_id(2), over the K chunk
     program_id(1), in near-fp32 tl.dot (tf32x3: bf16 activations are exact in tf32, A's fp32 in two
-    parts). The K chunks are summed in this launch, in a fixed order, so h is final: lora_out reads
-    each h element once instead of every chunk's partial in every column tile. Each chunk stores its
-    partial tile in its own slice of the workspace and bumps the tile's counter; the last to arrive
-    sums the slices, SB of them a load (one [SB, BLOCK_M, BLOCK_R] block, not S dependent loads), and
-    resets the counter."""
+    parts). The K chunks are summed in this launch, in a fixed order (common.splitk_epilogue), so h is
+    final: lora_out reads each h element once instead of every chunk's partial in every column tile."""
     mt, s, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    S = tl.num_programs(1)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     mm, mr = rows < M, rr < R
@@ -322,27 +318,9 @@ def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR,
         a = tl.load(a_ptr + rr[:, None].to(tl.int64) * K + ks[None, :], mask=mr[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
         acc = tl.dot(x, tl.trans(a), acc, input_precision="tf32x3")
-    msk = mm[:, None] & mr[None, :]
-    out = h_ptr + rows[:, None].to(tl.int64) * NR + i * R + rr[None, :]
-    if S == 1:
-        tl.store(out, acc, mask=msk)
-    else:
-        # adapter i's partials: its own [S, M, R] slice of the workspace; its tiles' counters after the others'
-        ws_i = ws_ptr + i.to(tl.int64) * S * M * R
-        tile = i * tl.num_programs(0) + mt
-        tl.store(ws_i + (s.to(tl.int64) * M + rows[:, None]) * R + rr[None, :], acc, mask=msk)
-        tl.debug_barrier()  # every thread's partial is stored before the one counter update releases them
-        count = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if count == S - 1:
-            sb = tl.arange(0, SB)
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for s0 in range(0, S, SB):  # fixed order: bitwise the same h whoever arrives last
-                ss = s0 + sb
-                p = tl.load(ws_i + (ss[:, None, None].to(tl.int64) * M + rows[None, :, None]) * R + rr[None, None, :],
-                            mask=(ss[:, None, None] < S) & msk[None, :, :], other=0.0, cache_modifier=".cg")
-                total += tl.sum(p, axis=0)
-            tl.store(out, total, mask=msk)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+    # adapter i's partials in their own [S, M, R] slice of the workspace, its tiles' counters after the others'
+    ws_i = ws_ptr + i.to(tl.int64) * tl.num_programs(1) * M * R
+    splitk_epilogue(acc, h_ptr + i * R, ws_i, cnt_ptr, rows, rr, M, R, NR, i * tl.num_programs(0) + mt)
 
 
 # lora_a takes the tiled kernel from this many rows (a decode batch of 64: 2.0 ms of the 7B step in
@@ -350,11 +328,10 @@ def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR,
 LORA_A_DOT_MIN_M = 16
 # The tiled kernel (an H100 sweep over the 7B groups at M = 16-256, results/decode_profile/NOTES.md):
 # 16-row tiles up to LORA_A_SMALL_TILE_MAX_M rows (K steps of 128), 64-row tiles above (K steps of 64),
-# K split for about LORA_A_PROGRAMS programs (K chunks x row tiles x adapters) on 132 SMs; the last
-# program of a tile sums up to LORA_A_SUM_FLOATS partial floats a load.
+# K split for about LORA_A_PROGRAMS programs (K chunks x row tiles x adapters) on 132 SMs. Summing a
+# tile's partials SB at a load after a CTA barrier was slower (about 1 us a launch).
 LORA_A_SMALL_TILE_MAX_M = 128
 LORA_A_PROGRAMS = 128
-LORA_A_SUM_FLOATS = 4096
 
 
 def lora_a_tiled_config(M: int, K: int, n: int, sms: int = 132) -> dict:
@@ -374,12 +351,12 @@ def _lora_a_tiled(x: torch.Tensor, As: list[torch.Tensor], BLOCK_M: int, BLOCK_K
     R, n = As[0].shape[0], len(As)
     S, mt = triton.cdiv(K, K_CHUNK), triton.cdiv(M, BLOCK_M)
     BLOCK_R = max(16, triton.next_power_of_2(R))
-    ws, cnt = workspace(x.device, n * S * M * R if S > 1 else 1, n * mt)
+    # its own workspace: the decode step runs lora_a on a side stream beside the GEMMs' split-K
+    ws, cnt = workspace(x.device, n * S * M * R if S > 1 else 1, n * mt, owner="lora")
     h = torch.empty((1, M, n * R), dtype=torch.float32, device=x.device)
     a = list(As) + [As[0]] * (3 - n)
-    SB = max(1, min(triton.next_power_of_2(S), LORA_A_SUM_FLOATS // (BLOCK_M * BLOCK_R)))
     _lora_a_tiled_kernel[(mt, S, n)](x, a[0], a[1], a[2], h, ws, cnt, M, K, R, n * R, K_CHUNK,
-                                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SB=SB,
+                                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
                                      num_warps=num_warps, num_stages=num_stages)
     return h
 
