@@ -129,18 +129,16 @@ _WORKSPACE: dict = {}
 RETIRED: list = []
 
 
-def workspace(device: torch.device, n_out: int, n_tiles: int, owner: str = "gemm") -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 split-K workspace and (zeroed) tile counters for this device and ``owner``.
+def workspace(device: torch.device, n_out: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 split-K workspace and (zeroed) tile counters for this device.
 
     split * M * N floats (one slice per split, overwritten each call). One pair per device, not per
     stream, so that a CUDA graph captured on a side stream reuses the one allocated during
     warm-up; split-K launches must therefore not run concurrently on two streams of one device
     (qerl runs everything on one stream). A buffer that is outgrown is retired, not freed
-    (``RETIRED``); growth doubles, so the retired ones sum to less than the live one. ``owner``
-    "lora" is the LoRA-A kernel's own pair: the fused decode step runs it on a side stream beside
-    the 4-bit GEMMs (qerl.rollout.fused_linear).
+    (``RETIRED``); growth doubles, so the retired ones sum to less than the live one.
     """
-    key = str(device) if owner == "gemm" else f"{device}/{owner}"
+    key = str(device)
     ws, cnt = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < n_out:
         if ws is not None:

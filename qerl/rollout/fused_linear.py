@@ -4,8 +4,7 @@
 matmuls (4-bit weights of one format at decode batches on the GPU: ONE launch of
 qerl.kernels.grouped_linear for the group; else each module's 4-bit kernel or F.linear), then ONE
 ``lora_a`` launch for the adapters of the group (stacked A, read live from the parameters) and ONE
-``lora_out`` launch that adds bias and ``scaling * h B^T`` to every base output in place (inside a
-CUDA graph, the lora_a runs on a side stream beside the base matmuls: ``_SideLoraA``). A QuantLinear
+``lora_out`` launch that adds bias and ``scaling * h B^T`` to every base output in place. A QuantLinear
 with LoRA thus costs its base GEMV plus 2/n kernels instead of base + 5 (bias add, two casts, the
 A GEMM, the B addmm). Modules the group cannot take (another Linear type, LoRA dropout in training
 mode) run their own forward.
@@ -73,59 +72,33 @@ def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
     return [p.A for p in parts]
 
 
-_SIDE_STREAMS: dict = {}
-
-
-class _SideLoraA:
-    """``lora_a`` launches that overlap the base matmuls. While a CUDA graph is being captured they are
-    recorded on a side stream forked from the current one, and ``join`` makes the current stream wait
-    for them, so the replayed graph runs each lora_a beside its group's 4-bit GEMM (both read only x)
-    instead of after it: a launch-latency-bound kernel off the decode step's critical path. Eagerly
-    (CPU, no graph) they run in order on the current stream."""
-
-    def __init__(self, device: torch.device):
-        self.side = None
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self.main = torch.cuda.current_stream(device)
-            self.side = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
-            self.side.wait_stream(self.main)
-
-    def __call__(self, x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
-        if self.side is None:
-            return lora_a(x, As)
-        with torch.cuda.stream(self.side):
-            return lora_a(x, As)
-
-    def join(self) -> None:
-        if self.side is not None:
-            self.main.wait_stream(self.side)
-
-
 def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor | None = None) -> list[torch.Tensor]:
     """[m(x) for m in modules] for x [M, K] (outputs [M, N_i]), grouped as the module docstring says.
     ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``)."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
-    if h is not None:  # one LoRA group (stacked_A)
-        launches = [(list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, h)]
-    else:
-        groups: dict = {}
-        for i, p in enumerate(parts):
-            if p is not None and (p.A is not None or p.bias is not None):
-                groups.setdefault(p.key(), []).append(i)
-        side = _SideLoraA(x.device)
-        launches = [(members[j:j + 3], has_lora, has_bias, scaling,  # the kernels take up to three outputs
-                     side(x, [parts[i].A for i in members[j:j + 3]]) if has_lora else None)
-                    for (has_lora, has_bias, _, scaling), members in groups.items() for j in range(0, len(members), 3)]
     ys = _mma_group(x, modules) if all(p is not None for p in parts) else None  # one launch for the group
     if ys is None:
         ys = [(p.base(x) if p is not None else m(x)).contiguous() for p, m in zip(parts, modules)]  # rows of stride N
-    if h is None:
-        side.join()
-    for idx, has_lora, has_bias, scaling, hh in launches:
-        lora_out([ys[i] for i in idx], hh, [parts[i].B for i in idx] if has_lora else [],
-                 [parts[i].bias for i in idx] if has_bias else [], float(scaling))
+    if h is not None:  # one LoRA group (stacked_A)
+        _epilogue(x, ys, parts, list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, h)
+        return ys
+    groups: dict = {}
+    for i, p in enumerate(parts):
+        if p is not None and (p.A is not None or p.bias is not None):
+            groups.setdefault(p.key(), []).append(i)
+    for (has_lora, has_bias, _, scaling), members in groups.items():
+        for j in range(0, len(members), 3):  # the kernels take up to three outputs
+            _epilogue(x, ys, parts, members[j:j + 3], has_lora, has_bias, scaling)
     return ys
+
+
+def _epilogue(x, ys, parts, idx, has_lora, has_bias, scaling, h=None):
+    """One lora_a (if LoRA and no h given) and one lora_out launch for the outputs ``idx`` (<= 3)."""
+    if has_lora and h is None:
+        h = lora_a(x, [parts[i].A for i in idx])
+    lora_out([ys[i] for i in idx], h, [parts[i].B for i in idx] if has_lora else [],
+                   [parts[i].bias for i in idx] if has_bias else [], float(scaling))
 
 
 def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,11 +108,9 @@ def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Ten
     pg, pu = _parts(gate), _parts(up)
     if pg is None or pu is None or pg.key() != pu.key() or (pg.A is None and pg.bias is None):
         return silu_mul(*grouped_linears(x, [gate, up], h))
-    side = _SideLoraA(x.device)
-    if pg.A is not None and h is None:
-        h = side(x, [pg.A, pu.A])
     gu = _mma_group(x, [gate, up])
     g, u = gu if gu is not None else (pg.base(x).contiguous(), pu.base(x).contiguous())
-    side.join()
+    if pg.A is not None and h is None:
+        h = lora_a(x, [pg.A, pu.A])
     return lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
                                [pg.bias, pu.bias] if pg.bias is not None else [], float(pg.scaling))
