@@ -168,7 +168,7 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--layers", type=int, default=None, help="layers of adapters to rotate through (default: the model's)")
     ap.add_argument("--sweep", action="store_true", help="also time every launch config of the tiled kernels")
-    sc.add_run_args(ap, "results/decode_profile")
+    sc.add_run_args(ap, "results/decode_profile/lora")
     args = ap.parse_args(argv)
     if args.merge:
         raise SystemExit("bench_lora writes one file a run; nothing to merge")
