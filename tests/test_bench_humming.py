@@ -45,6 +45,17 @@ def test_humming_summary_keys_are_humming_over_qerl():
     assert "qwen2.5-7b/layer/M16/nvfp4_over_humming_batch_invariant" not in s
 
 
+def test_min_over_every_m_to_64_names_the_worst_m():
+    rows = layer_rows(range(1, 65), {"nvfp4": 0.01, "bf16": 0.02})
+    rows = [dict(r, ms=0.012) if r["M"] == 37 and r["method"] == "bf16" else r for r in rows]
+    s = bk.summarize(rows, copy_tbps=3.0)
+    assert s["qwen2.5-7b/layer/min_M1-64/nvfp4_over_bf16"] == pytest.approx(1.2)
+    assert s["qwen2.5-7b/layer/min_M1-64/at_M"] == 37
+    # a gap in 1..64 leaves the key out (a minimum over the powers of two alone would hide M = 33)
+    s = bk.summarize([r for r in rows if r["M"] != 33], copy_tbps=3.0)
+    assert "qwen2.5-7b/layer/min_M1-64/nvfp4_over_bf16" not in s
+
+
 def test_nvrtc_builtins_folder_goes_first_on_ld_library_path(tmp_path, monkeypatch):
     lib = tmp_path / "nvidia" / "cu13" / "lib"
     lib.mkdir(parents=True)
