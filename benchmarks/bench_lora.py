@@ -114,7 +114,7 @@ def time_group(M: int, g: dict, args, rows: list, summary: dict, scaling: float 
     base = dict(model=args.model, M=M, group=g["name"], K=g["K"], Ns=g["Ns"], rank=args.rank)
     rule_a, rule_out = graph_us(a_fn, len(layers)), graph_us(out_fn, len(layers))
     rows.append(dict(base, op="lora_a", config="rule", us=rule_a,
-                     rule_config=kernels.lora_a_config(M, g["K"], len(g["Ns"]), x.device)))
+                     rule_config=kernels.lora_a_config(M, g["K"], len(g["Ns"]), x.device, args.rank)))
     rows.append(dict(base, op="lora_out", config="rule", us=rule_out))
     summary[f"{args.model}/M{M}/{g['name']}/lora_a_us"] = rule_a
     summary[f"{args.model}/M{M}/{g['name']}/lora_out_us"] = rule_out

@@ -162,6 +162,29 @@ def test_lora_a_tiled_sums_many_chunks(device):
     assert torch.equal(kernels.lora_a_tuned(x, As, dict(conf, K_CHUNK=320)), kernels.lora_a_tuned(x, As, dict(conf, K_CHUNK=320)))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("R", [8, 64, 128, 256])
+def test_lora_a_tiled_any_rank_gpu(R):
+    """Ranks other than the benchmarked 32: the rule shortens the K step as r grows, so that the tile
+    fits shared memory (r = 256 at the 32-rank step would not); lora_a's sums match fp64 and lora_out
+    adds them through B, at the decode step's 64 rows and at 256."""
+    torch.manual_seed(0)
+    K, Ns = 3584, [3584, 512, 512]
+    for M in (64, 256):
+        x = torch.randn(M, K, dtype=BF, device="cuda")
+        As = [torch.randn(R, K, device="cuda") / K ** 0.5 for _ in Ns]
+        Bs = [torch.randn(N, R, device="cuda") / R ** 0.5 for N in Ns]
+        ys = [torch.randn(M, N, dtype=BF, device="cuda") for N in Ns]
+        h = fused.lora_a(x, As)
+        ref = torch.cat([(x.double() @ a.double().t()).float() for a in As], 1)
+        torch.testing.assert_close(h.sum(0), ref, rtol=1e-4, atol=1e-4)
+        want = [(y.float() + 2.0 * (ref[:, i * R:(i + 1) * R] @ Bs[i].t())).to(BF) for i, y in enumerate(ys)]
+        fused.lora_out(ys, h, Bs, [], 2.0)
+        for y, w in zip(ys, want):
+            _close_bf16(y, w, atol=1e-4)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_lora_silu_mul(bias, device):

@@ -348,11 +348,11 @@ def kernel_name(op: str, x: torch.Tensor, in_features: int, cached: bool = True)
     return ops.kernel_name(op, x, in_features, cached)
 
 
-def lora_a_config(M: int, K: int, n: int, device: torch.device) -> dict:
+def lora_a_config(M: int, K: int, n: int, device: torch.device, rank: int = 32) -> dict:
     """The launch config ``lora_a`` takes from LORA_A_DOT_MIN_M rows (the tiled kernel)."""
     from qerl.kernels import common, fused
 
-    return fused.lora_a_tiled_config(M, K, n, common.num_sms(device))
+    return fused.lora_a_tiled_config(M, K, n, common.num_sms(device), rank)
 
 
 def lora_a_tuned(x: torch.Tensor, As: list, config: dict) -> torch.Tensor:

@@ -332,12 +332,14 @@ LORA_A_DOT_MIN_M = 16
 # tile's partials SB at a load after a CTA barrier was slower (about 1 us a launch).
 LORA_A_SMALL_TILE_MAX_M = 128
 LORA_A_PROGRAMS = 128
+LORA_A_TILE_FLOATS = 8192
 
 
-def lora_a_tiled_config(M: int, K: int, n: int, sms: int = 132) -> dict:
+def lora_a_tiled_config(M: int, K: int, n: int, sms: int = 132, R: int = 32) -> dict:
     """Launch config of the tiled lora_a: row tile, K step, K chunk (a multiple of the step)."""
     BM = 16 if M <= LORA_A_SMALL_TILE_MAX_M else 64
-    BK = 128 if BM == 16 else 64
+    # at most LORA_A_TILE_FLOATS of A a K step, so that high ranks keep a pipelined tile in shared memory
+    BK = min(128 if BM == 16 else 64, max(16, LORA_A_TILE_FLOATS // max(16, triton.next_power_of_2(R))))
     tiles = n * triton.cdiv(M, BM)
     splits = max(1, min(triton.cdiv(K, BK), round(LORA_A_PROGRAMS * sms / 132 / tiles)))
     chunk = triton.cdiv(triton.cdiv(K, splits), BK) * BK
@@ -367,7 +369,7 @@ def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
     LORA_A_DOT_MIN_M rows: the sums are final). fp32."""
     M, K = x.shape
     if M >= LORA_A_DOT_MIN_M:
-        return _lora_a_tiled(x, As, **lora_a_tiled_config(M, K, len(As), num_sms(x.device)))
+        return _lora_a_tiled(x, As, **lora_a_tiled_config(M, K, len(As), num_sms(x.device), As[0].shape[0]))
     R = As[0].shape[0]
     n = len(As)
     chunk = lora_a_chunk(M, K)
