@@ -461,6 +461,7 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
 # tiles up to 32 rows, 64 above; 32 columns a program up to 128 rows, 64 otherwise.
 LORA_OUT_ROWS = 4
 LORA_OUT_DOT_ROWS = 64
+LORA_OUT_H_FLOATS = 8192
 
 
 def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=None, num_warps=4):
@@ -470,8 +471,8 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=No
     R = Bs[0].shape[1] if has_lora else 1
     if ROWS is None:
         ROWS = min(LORA_OUT_ROWS, triton.next_power_of_2(max(M, 1)))
-        if M >= 16 and R >= 16:
-            ROWS = 16 if M <= 32 else LORA_OUT_DOT_ROWS
+        if M >= 16 and R >= 16:  # at most LORA_OUT_H_FLOATS of h a tile (rank 256 at 64 rows overflowed smem)
+            ROWS = min(16 if M <= 32 else LORA_OUT_DOT_ROWS, max(16, LORA_OUT_H_FLOATS // triton.next_power_of_2(R)))
     if BLOCK_N is None:
         BLOCK_N = 32 if 16 <= M <= 128 and R >= 16 else 64
     y = list(ys) + [ys[0]] * (3 - n)
