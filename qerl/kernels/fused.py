@@ -13,8 +13,9 @@ graph captured once sees every later update:
     cache write at the slot read from a device tensor (no host sync), one kernel for all heads.
   - ``silu_mul``: SiLU(gate) * up.
   - ``lora_a``: h = x A^T for up to three adapters that share the input x (q/k/v, gate/up), one
-    kernel, split over K (partial sums, added by ``lora_out`` in a fixed order: deterministic, no
-    atomics).
+    kernel, split over K: at decode batches partial sums that ``lora_out`` adds in a fixed order;
+    from 16 rows a tiled tl.dot kernel that sums its K chunks itself, in a fixed order (the last
+    program of a tile, found by a counter; no float atomics). Deterministic either way.
   - ``lora_out``: y += bias + scaling * h B^T in place on up to three base outputs, one kernel;
     ``lora_silu_mul``: the same for gate and up, then SiLU(gate) * up, one kernel.
 
