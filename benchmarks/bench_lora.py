@@ -25,8 +25,8 @@ from benchmarks import speed_common as sc
 from qerl import kernels
 from qerl.models import model_config
 
-LORA_A_SWEEP = dict(BLOCK_M=(16, 32, 64), BLOCK_K=(64, 128), programs=(16, 32, 64, 128, 256), num_warps=(4,))
-LORA_OUT_SWEEP = dict(BLOCK_N=(32, 64, 128), ROWS=(16, 32, 64), num_warps=(4,))
+LORA_A_SWEEP = dict(BLOCK_M=(16, 64), BLOCK_K=(64, 128), programs=(64, 128, 256), num_warps=(2, 4), num_stages=(1, 2, 3, 4))
+LORA_OUT_SWEEP = dict(BLOCK_N=(32, 64), ROWS=(16, 32, 64), num_warps=(1, 2, 4))
 
 
 def groups(cfg, rank: int, layers: int, device) -> list[dict]:
@@ -126,7 +126,8 @@ def time_group(M: int, g: dict, args, rows: list, summary: dict, scaling: float 
         tiles = len(As) * cdiv(M, c["BLOCK_M"])
         splits = max(1, min(cdiv(g["K"], c["BLOCK_K"]), round(c["programs"] / tiles)))
         chunk = cdiv(cdiv(g["K"], splits), c["BLOCK_K"]) * c["BLOCK_K"]
-        conf = dict(BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"], K_CHUNK=chunk, num_warps=c["num_warps"])
+        conf = dict(BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"], K_CHUNK=chunk, num_warps=c["num_warps"],
+                    num_stages=c["num_stages"])
         ok = check_a(kernels.lora_a_tuned(x, As, conf), x, As)
         rows.append(dict(base, op="lora_a", config=dict(c, K_CHUNK=chunk), ok=ok,
                          us=graph_us(lambda conf=conf: a_fn(conf), len(layers)) if ok else None))
