@@ -299,11 +299,14 @@ def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr,
 
 @triton.jit
 def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR, K_CHUNK,
-                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BF16_DOT: tl.constexpr):
     """Many rows: rows program_id(0) x all r columns of adapter program_id(2), over the K chunk
-    program_id(1), in near-fp32 tl.dot (tf32x3: bf16 activations are exact in tf32, A's fp32 in two
-    parts). The K chunks are summed in this launch, in a fixed order (common.splitk_epilogue), so h is
-    final: lora_out reads each h element once instead of every chunk's partial in every column tile."""
+    program_id(1), on the tensor cores in fp32 precision. bf16 activations: A's fp32 split exactly into
+    three bf16 parts (8 significant bits each), three bf16 products with the activations as they are,
+    each product exact and summed in fp32; other activations: tf32x3. The K chunks are summed in this
+    launch, in a fixed order (common.splitk_epilogue), so h is final: lora_out reads each h element
+    once instead of every chunk's partial in every column tile."""
     mt, s, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
@@ -315,10 +318,26 @@ def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR,
         ks = k0 + tl.arange(0, BLOCK_K)
         mk = ks < k_hi
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=mm[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         a = tl.load(a_ptr + rr[:, None].to(tl.int64) * K + ks[None, :], mask=mr[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
-        acc = tl.dot(x, tl.trans(a), acc, input_precision="tf32x3")
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            # a = p1 + p2 + p3 exactly (each remainder is exact in fp32; either rounding of the casts works)
+            p1 = a.to(tl.bfloat16)
+            r1 = a - p1.to(tl.float32)
+            p2 = r1.to(tl.bfloat16)
+            p3 = (r1 - p2.to(tl.float32)).to(tl.bfloat16)
+            if BF16_DOT:
+                acc = tl.dot(x, tl.trans(p1), acc)
+                acc = tl.dot(x, tl.trans(p2), acc)
+                acc = tl.dot(x, tl.trans(p3), acc)
+            else:  # the interpreter's bf16 dot is wrong: the same exact products in fp32
+                xf = x.to(tl.float32)
+                acc = tl.dot(xf, tl.trans(p1.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(xf, tl.trans(p2.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(xf, tl.trans(p3.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(a), acc, input_precision="tf32x3")
     # adapter i's partials in their own [S, M, R] slice of the workspace, its tiles' counters after the others'
     ws_i = ws_ptr + i.to(tl.int64) * tl.num_programs(1) * M * R
     splitk_epilogue(acc, h_ptr + i * R, ws_i, cnt_ptr, rows, rr, M, R, NR, i * tl.num_programs(0) + mt)
@@ -358,7 +377,7 @@ def _lora_a_tiled(x: torch.Tensor, As: list[torch.Tensor], BLOCK_M: int, BLOCK_K
     h = torch.empty((1, M, n * R), dtype=torch.float32, device=x.device)
     a = list(As) + [As[0]] * (3 - n)
     _lora_a_tiled_kernel[(mt, S, n)](x, a[0], a[1], a[2], h, ws, cnt, M, K, R, n * R, K_CHUNK,
-                                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+                                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BF16_DOT=not INTERPRETED,
                                      num_warps=num_warps, num_stages=num_stages)
     return h
 
