@@ -302,9 +302,11 @@ def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR,
                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                          BF16_DOT: tl.constexpr):
     """Many rows: rows program_id(0) x all r columns of adapter program_id(2), over the K chunk
-    program_id(1), on the tensor cores in fp32 precision. bf16 activations: A's fp32 split exactly into
-    three bf16 parts (8 significant bits each), three bf16 products with the activations as they are,
-    each product exact and summed in fp32; other activations: tf32x3. The K chunks are summed in this
+    program_id(1), on the tensor cores in fp32 precision. bf16 activations in row tiles of up to 32: A's
+    fp32 split exactly into three bf16 parts (8 significant bits each), three bf16 products with the
+    activations as they are, each product exact and summed in fp32 (7B bs64 step: lora_a 0.90 -> 0.79
+    ms); otherwise tf32x3 (at 64-row tiles the three bf16 products were slower: o at M = 256 8.2 -> 11.7
+    us; results/decode_profile/NOTES.md). The K chunks are summed in this
     launch, in a fixed order (common.splitk_epilogue), so h is final: lora_out reads each h element
     once instead of every chunk's partial in every column tile."""
     mt, s, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -321,7 +323,7 @@ def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR,
                     other=0.0)
         a = tl.load(a_ptr + rr[:, None].to(tl.int64) * K + ks[None, :], mask=mr[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
-        if x_ptr.dtype.element_ty == tl.bfloat16:
+        if x_ptr.dtype.element_ty == tl.bfloat16 and BLOCK_M <= 32:
             # a = p1 + p2 + p3 exactly (each remainder is exact in fp32; either rounding of the casts works)
             p1 = a.to(tl.bfloat16)
             r1 = a - p1.to(tl.float32)
