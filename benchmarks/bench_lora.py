@@ -25,8 +25,8 @@ from benchmarks import speed_common as sc
 from qerl import kernels
 from qerl.models import model_config
 
-LORA_A_SWEEP = dict(BLOCK_M=(16, 64), BLOCK_K=(64, 128), programs=(64, 128, 256), num_warps=(2, 4), num_stages=(1, 2, 3, 4))
-LORA_OUT_SWEEP = dict(BLOCK_N=(32, 64), ROWS=(16, 32, 64), num_warps=(1, 2, 4))
+LORA_A_SWEEP = dict(BLOCK_M=(16, 32, 64), BLOCK_K=(64, 128), programs=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3))
+LORA_OUT_SWEEP = dict(BLOCK_N=(32, 64), ROWS=(16, 32, 64), num_warps=(4,))
 
 
 def groups(cfg, rank: int, layers: int, device) -> list[dict]:
