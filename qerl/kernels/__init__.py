@@ -221,9 +221,7 @@ def _mma_linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     w = layout.weight_args(cache, tensors, is_nv, out_features)
     if w is None:
         return None
-    x2 = x.reshape(-1, in_features)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = common.as_rows(x, in_features)
     if warpspec.serves(x2):  # 17-32 rows: the warp-specialised Hopper kernel
         y = warpspec.linear(x2, w[0], w[1], w[2], out_features, in_features, is_nv, cache=cache)
     else:

@@ -158,6 +158,12 @@ def workspace(device: torch.device, n_out: int, n_tiles: int) -> tuple[torch.Ten
 # argument checks and views
 
 
+def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x as [M, n] with contiguous rows, the layout every kernel takes (a view when x already has it)."""
+    x2 = x.reshape(-1, n)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def check_input(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
            is_nv: bool, k_dim: int) -> None:
     if x.device.type != "cuda" and not INTERPRETED:

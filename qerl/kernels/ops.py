@@ -14,7 +14,7 @@ import torch
 import triton
 
 from qerl.kernels import common, scratch
-from qerl.kernels.common import INTERPRETED, check_input, int32_words, scale_bytes, scale_mode
+from qerl.kernels.common import INTERPRETED, as_rows, check_input, int32_words, scale_bytes, scale_mode
 from qerl.kernels.dot import _bwd_dot_kernel, _fwd_dot_kernel
 from qerl.kernels.gemv import _fwd_gemv_kernel
 
@@ -150,9 +150,7 @@ def launch_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs
     K = 2 * KH
     check_input(x, packed, scale, gs, is_nv, K)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = as_rows(x, K)
     M = x2.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
@@ -175,9 +173,7 @@ def launch_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     K = 2 * KH
     check_input(dy, packed, scale, gs, is_nv, N)
     lead = dy.shape[:-1]
-    dy2 = dy.reshape(-1, N)
-    if dy2.stride(-1) != 1:
-        dy2 = dy2.contiguous()
+    dy2 = as_rows(dy, N)
     M = dy2.shape[0]
     dx = torch.empty((M, K), dtype=dy.dtype, device=dy.device)
     if M == 0:

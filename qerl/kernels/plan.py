@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 
 from qerl.kernels import layout, mma, scratch, warpspec
-from qerl.kernels.common import DirectLaunch, aligned, check_input, check_weight, int32_words, scale_bytes, workspace
+from qerl.kernels.common import (
+    DirectLaunch,
+    aligned,
+    as_rows,
+    check_input,
+    check_weight,
+    int32_words,
+    scale_bytes,
+    workspace,
+)
 from qerl.kernels.ops import launch_grad_input, linear_call, linear_launch
 
 
@@ -111,9 +120,7 @@ class Plan:
         K, N = self.K, self.N
         if x.shape[-1] != K or x.dtype not in (torch.bfloat16, torch.float32) or x.device != self.device:
             check_input(x, self.packed, self.scale, self.gs, self.is_nv, K)  # raises with the reason
-        x2 = x.reshape(-1, K)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = as_rows(x, K)
         M = x2.shape[0]
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         if M == 0:
@@ -159,9 +166,7 @@ class Plan:
         N = self.N
         if dy.shape[-1] == N and dy.dtype in (torch.bfloat16, torch.float32) and dy.device == self.device \
                 and self._one_chunk():
-            dy2 = dy.reshape(-1, N)
-            if dy2.stride(-1) != 1:
-                dy2 = dy2.contiguous()
+            dy2 = as_rows(dy, N)
             if scratch.use_scratch("grad_input", dy2.shape[0]):
                 dx = torch.empty((dy2.shape[0], self.K), dtype=dy.dtype, device=dy.device)
                 torch.mm(dy2, self.decoded(dy2.dtype), out=dx)
