@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from benchmarks import speed_common as sc
+from benchmarks.bench_kernels import time_graph
 from qerl import kernels
 from qerl.models import model_config
 
@@ -48,31 +48,6 @@ def groups(cfg, rank: int, layers: int, device) -> list[dict]:
     return out
 
 
-def graph_us(fn, calls: int, reps: int = 15) -> float:
-    """Median us a call of the CUDA graph that runs ``fn`` (``calls`` launches)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up: compiles, grows the split-K workspace before capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
 def check_a(h, x, As) -> bool:
     ref = torch.cat([(x.double() @ a.double().t()) for a in As], 1)
     return bool(torch.allclose(h.sum(0).double(), ref, rtol=1e-4, atol=1e-4))
@@ -89,8 +64,9 @@ def check_out(ys_after, ys_before, h, Bs, bs, scaling, silu_out=None) -> bool:
     return all(torch.allclose(y.double(), w, rtol=1e-2, atol=2e-2) for y, w in zip(ys_after, want))
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def graph_us(fn, calls: int) -> float:
+    """Median us a launch of ``fn`` (``calls`` launches), from CUDA-graph replays (bench_kernels.time_graph)."""
+    return time_graph([fn], min_reps=1)[0] * 1e6 / calls
 
 
 def time_group(M: int, g: dict, args, rows: list, summary: dict, scaling: float = 2.0) -> None:
@@ -123,13 +99,11 @@ def time_group(M: int, g: dict, args, rows: list, summary: dict, scaling: float 
     As, Bs, bs = layers[0]
     for vals in itertools.product(*LORA_A_SWEEP.values()):
         c = dict(zip(LORA_A_SWEEP, vals))
-        tiles = len(As) * cdiv(M, c["BLOCK_M"])
-        splits = max(1, min(cdiv(g["K"], c["BLOCK_K"]), round(c["programs"] / tiles)))
-        chunk = cdiv(cdiv(g["K"], splits), c["BLOCK_K"]) * c["BLOCK_K"]
-        conf = dict(BLOCK_M=c["BLOCK_M"], BLOCK_K=c["BLOCK_K"], K_CHUNK=chunk, num_warps=c["num_warps"],
-                    num_stages=c["num_stages"])
+        conf = dict(kernels.lora_a_config(M, g["K"], len(As), x.device, args.rank, BLOCK_M=c["BLOCK_M"],
+                                          BLOCK_K=c["BLOCK_K"], programs=c["programs"]),
+                    num_warps=c["num_warps"], num_stages=c["num_stages"])
         ok = check_a(kernels.lora_a_tuned(x, As, conf), x, As)
-        rows.append(dict(base, op="lora_a", config=dict(c, K_CHUNK=chunk), ok=ok,
+        rows.append(dict(base, op="lora_a", config=dict(c, K_CHUNK=conf["K_CHUNK"]), ok=ok,
                          us=graph_us(lambda conf=conf: a_fn(conf), len(layers)) if ok else None))
     for vals in itertools.product(*LORA_OUT_SWEEP.values()):
         conf = dict(zip(LORA_OUT_SWEEP, vals))

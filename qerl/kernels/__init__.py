@@ -346,11 +346,12 @@ def kernel_name(op: str, x: torch.Tensor, in_features: int, cached: bool = True)
     return ops.kernel_name(op, x, in_features, cached)
 
 
-def lora_a_config(M: int, K: int, n: int, device: torch.device, rank: int = 32) -> dict:
-    """The launch config ``lora_a`` takes from LORA_A_DOT_MIN_M rows (the tiled kernel)."""
+def lora_a_config(M: int, K: int, n: int, device: torch.device, rank: int = 32, **override) -> dict:
+    """The launch config ``lora_a`` takes from LORA_A_DOT_MIN_M rows (the tiled kernel); ``override``
+    (BLOCK_M, BLOCK_K, programs) replaces parts of the rule (benchmark sweeps)."""
     from qerl.kernels import common, fused
 
-    return fused.lora_a_tiled_config(M, K, n, common.num_sms(device), rank)
+    return fused.lora_a_tiled_config(M, K, n, common.num_sms(device), rank, **override)
 
 
 def lora_a_tuned(x: torch.Tensor, As: list, config: dict) -> torch.Tensor:

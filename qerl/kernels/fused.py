@@ -357,13 +357,15 @@ LORA_A_PROGRAMS = 128
 LORA_A_TILE_FLOATS = 8192
 
 
-def lora_a_tiled_config(M: int, K: int, n: int, sms: int = 132, R: int = 32) -> dict:
-    """Launch config of the tiled lora_a: row tile, K step, K chunk (a multiple of the step)."""
-    BM = 16 if M <= LORA_A_SMALL_TILE_MAX_M else 64
+def lora_a_tiled_config(M: int, K: int, n: int, sms: int = 132, R: int = 32, BLOCK_M: int | None = None,
+                        BLOCK_K: int | None = None, programs: int | None = None) -> dict:
+    """Launch config of the tiled lora_a: row tile, K step, K chunk (a multiple of the step). BLOCK_M,
+    BLOCK_K and programs (about how many programs on 132 SMs) override the rule (benchmark sweeps)."""
+    BM = BLOCK_M or (16 if M <= LORA_A_SMALL_TILE_MAX_M else 64)
     # at most LORA_A_TILE_FLOATS of A a K step, so that high ranks keep a pipelined tile in shared memory
-    BK = min(128 if BM == 16 else 64, max(16, LORA_A_TILE_FLOATS // max(16, triton.next_power_of_2(R))))
+    BK = BLOCK_K or min(128 if BM == 16 else 64, max(16, LORA_A_TILE_FLOATS // max(16, triton.next_power_of_2(R))))
     tiles = n * triton.cdiv(M, BM)
-    splits = max(1, min(triton.cdiv(K, BK), round(LORA_A_PROGRAMS * sms / 132 / tiles)))
+    splits = max(1, min(triton.cdiv(K, BK), round((programs or LORA_A_PROGRAMS) * sms / 132 / tiles)))
     chunk = triton.cdiv(triton.cdiv(K, splits), BK) * BK
     return dict(BLOCK_M=BM, BLOCK_K=BK, K_CHUNK=chunk)
 
