@@ -743,12 +743,12 @@ def main():
 
     rows = []
     t_start = time.time()
+    ms = sorted(set(args.m) | set(range(1, args.every_m + 1)))  # humming is timed at args.m only
     for model in args.models:
         uniq = {}
         for p, s in linear_shapes(model).items():
             uniq.setdefault(s, []).append(p)
         for (n, k), names in uniq.items():
-            ms = sorted(set(args.m) | set(range(1, args.every_m + 1)))
             bench_shape(model, names, n, k, ms, args.grad_m, l2, bnb_version is not None, rows)
             if hum is not None and model in args.humming_models:
                 hum_notes += bench_humming_shape(hum, model, names, n, k, args.m, l2, rows)
