@@ -1,7 +1,0 @@
-# Nsight Compute stall reasons and pipe use of qerl.kernels.ssmma's eight-warp kernel, two tile shapes.
-export PYTHONPATH=$PWD
-M=smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_membar.ratio,smsp__average_warp_latency_issue_stalled_sleeping.ratio,smsp__average_warp_latency_issue_stalled_dispatch_stall.ratio,smsp__average_warp_latency_issue_stalled_selected.ratio,smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_no_instruction.ratio,smsp__average_warp_latency_issue_stalled_misc.ratio,smsp__average_warp_latency_issue_stalled_branch_resolving.ratio,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,gpu__time_duration.sum,sm__cycles_elapsed.avg
-for C in '{"SP":1,"BMT":256,"BN":128,"STAGES":4}' '{"SP":1,"BN":256,"STAGES":4}'; do
-  echo "== $C"
-  CFG="$C" timeout 200 ncu --kernel-name regex:_sp_kernel --launch-skip 2 --launch-count 1 --metrics $M python -m benchmarks.ssmma_ncu_one 2>&1 | grep -E "stalled|inst_executed|hmma|wavefronts|throughput|duration|elapsed" | sed 's/ \+/ /g'
-done
