@@ -106,40 +106,6 @@ def test_rope_cache_write(qk_norm, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qk_norm,bias", [(False, True), (True, False)])
-def test_lora_rope_cache_write_equals_its_two_launches(qk_norm, bias, device):
-    """From LORA_ROPE_MIN_M rows the q/k/v epilogue and the rotary are one launch: the same rotated q,
-    cache rows and values as lora_out then rope_cache_write (20 rows: a full and a ragged 16-row tile);
-    q / k / v themselves stay the base outputs."""
-    torch.manual_seed(0)
-    B, NH, NKV, D, L, R = (70, 28, 4, 128, 8, 32) if device == "cuda" else (20, 4, 2, 16, 8, 16)
-    K = 3584 if device == "cuda" else 64
-    x = torch.randn(B, K, dtype=BF, device=device)
-    q, k, v = (torch.randn(B, n * D, dtype=BF, device=device) for n in (NH, NKV, NKV))
-    As = [torch.randn(R, K, device=device) / K ** 0.5 for _ in range(3)]
-    Bs = [torch.randn(n * D, R, device=device) * 0.1 for n in (NH, NKV, NKV)]
-    bs = [torch.randn(n * D, dtype=BF, device=device) for n in (NH, NKV, NKV)] if bias else []
-    ang = torch.rand(B, D // 2, device=device) * 6
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(BF), torch.cat([ang.sin()] * 2, -1).to(BF)
-    kc, vc = (torch.randn(B, NKV, L, D, dtype=BF, device=device) for _ in range(2))
-    kc2, vc2 = kc.clone(), vc.clone()
-    qn, kn = ((1 + 0.1 * torch.randn(D, device=device)).to(BF) for _ in range(2)) if qk_norm else (None, None)
-    cpos = torch.tensor([5], device=device)
-    h = fused.lora_a(x, As)
-    base = [t.clone() for t in (q, k, v)]
-    qo = fused.lora_rope_cache_write(q, k, v, h, Bs, bs, 2.0, cos, sin, kc, vc, cpos, qn, kn, 1e-6)
-    assert all(torch.equal(a, b) for a, b in zip((q, k, v), base))
-    fused.lora_out([q, k, v], h, Bs, bs, 2.0)
-    want = fused.rope_cache_write(q, k, v, cos, sin, kc2, vc2, cpos, qn, kn, 1e-6)
-    assert torch.equal(vc, vc2)  # values: lora_out's arithmetic and rounding, bitwise
-    if qk_norm:  # the head norm's sums in another layout
-        _close_bf16(qo, want)
-        _close_bf16(kc, kc2)
-    else:
-        assert torch.equal(qo, want) and torch.equal(kc, kc2)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_silu_mul(device):
     torch.manual_seed(0)
     g, u = torch.randn(3, 1500, dtype=BF, device=device), torch.randn(3, 1500, dtype=BF, device=device)
@@ -264,18 +230,13 @@ def _lora_model(model_type, fmt="nvfp4", dtype=torch.float32, **kw):
     return model
 
 
-@pytest.mark.parametrize("model_type,norm_lora_max_m,lora_rope_min_m",
-                         [("llama", 16, 16), ("qwen2", 16, 16), ("qwen3", 16, 16), ("qwen2", 0, 16), ("qwen2", 0, 0),
-                          ("qwen3", 16, 0)])
-def test_fused_engine_equals_unfused(model_type, norm_lora_max_m, lora_rope_min_m, monkeypatch):
+@pytest.mark.parametrize("model_type,norm_lora_max_m", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("qwen2", 0)])
+def test_fused_engine_equals_unfused(model_type, norm_lora_max_m, monkeypatch):
     """fp32 tiny models with NVFP4 + LoRA: the same sampled tokens, log-probs within fp32 rounding.
-    norm_lora_max_m 0: the large-batch step (plain norm, then a tiled lora_a launch per group);
-    lora_rope_min_m 0: q/k/v's bias and LoRA inside the rotary launch (lora_rope_cache_write), with h
-    from the norm kernel (qwen3, its head norms too) or from a tiled lora_a launch (qwen2, its biases)."""
+    norm_lora_max_m 0: the large-batch step (plain norm, then a tiled lora_a launch per group)."""
     import qerl.rollout.fast as fast
 
     monkeypatch.setattr(fast, "NORM_LORA_A_MAX_M", norm_lora_max_m)
-    monkeypatch.setattr(fast, "LORA_ROPE_MIN_M", lora_rope_min_m)
     model = _lora_model(model_type)
     kw = dict(temperature=1.0, top_k=40, seed=3)
     a = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=False).generate(PROMPTS, 10, **kw)

@@ -12,8 +12,7 @@ Public API (see CONTRACTS.md):
     lora_a_tuned, lora_out_tuned, lora_a_config   the same for the decode step's LoRA kernels
     scratch_bytes(device=None), buffer_bytes(), release_scratch(), resolve_backend(backend, fmt, device)
     rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
-    lora_silu_mul, lora_rope_cache_write (from LORA_ROPE_MIN_M rows: the q/k/v lora_out and
-    rope_cache_write in one launch)  the fused decode step's ops (qerl.kernels.fused)
+    lora_silu_mul                    the fused decode step's ops (qerl.kernels.fused)
     gumbel_argmax(x, keys, t)        the rollout's Gumbel-max draw in one kernel; uniform_noise,
                                      fmix32, gumbel_argmax_torch its torch reference (no Triton)
 
@@ -377,7 +376,7 @@ _LAZY = {
     "Plan": "plan",
     "gumbel_argmax": "sampling",
     **{name: "fused" for name in ("rmsnorm", "add_rmsnorm", "add_rmsnorm_lora_a", "rope_cache_write", "silu_mul",
-                                  "lora_a", "lora_out", "lora_silu_mul", "lora_rope_cache_write", "LORA_ROPE_MIN_M")},
+                                  "lora_a", "lora_out", "lora_silu_mul")},
 }
 
 

@@ -51,15 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.arch import FUSED_GROUPS, SUPPORTED_MODEL_TYPES
-from qerl.kernels import (
-    LORA_ROPE_MIN_M,
-    add_rmsnorm,
-    add_rmsnorm_lora_a,
-    lora_a,
-    lora_rope_cache_write,
-    rmsnorm,
-    rope_cache_write,
-)
+from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, rmsnorm, rope_cache_write
 from qerl.rollout.common import (
     RolloutOutput,
     apply_stop_strings,
@@ -70,7 +62,7 @@ from qerl.rollout.common import (
     positions_from_mask,
     sample_tokens,
 )
-from qerl.rollout.fused_linear import grouped_linears, lora_group, silu_mlp_input, stacked_A
+from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input, stacked_A
 
 SUPPORTED = SUPPORTED_MODEL_TYPES  # qerl.arch: every family qerl loads
 WINDOW = 256  # cache length granularity and the smallest attention window
@@ -248,18 +240,11 @@ class FastEngine:
             attn = layer.self_attn
             qkv, gate_up = _fused_groups(layer)
             res, x, ha = self._fused_norm(res, delta, layer.input_layernorm, qkv)
+            q, k, v = grouped_linears(x, qkv, ha)
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            norms = (None if qn is None else qn.weight, None if kn is None else kn.weight,
-                     1e-6 if qn is None else qn.variance_epsilon)
-            grp = lora_group(qkv) if B >= LORA_ROPE_MIN_M else None
-            if grp is not None:  # q/k/v's bias + LoRA with the rotary and the cache write: one launch
-                As, Bs, biases, scaling = grp
-                q, k, v = grouped_linears(x, qkv, epilogue=False)
-                q = lora_rope_cache_write(q, k, v, ha if ha is not None else lora_a(x, As), Bs, biases, scaling,
-                                          cos, sin, b.k[i], b.v[i], b.cpos, *norms)
-            else:
-                q, k, v = grouped_linears(x, qkv, ha)
-                q = rope_cache_write(q, k, v, cos, sin, b.k[i], b.v[i], b.cpos, *norms)
+            q = rope_cache_write(q, k, v, cos, sin, b.k[i], b.v[i], b.cpos,
+                                       None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                       1e-6 if qn is None else qn.variance_epsilon)
             # one query token: the G = n_heads / n_kv query heads of a KV head are G query rows of it
             # (HF's repeat_kv order), so no copy of K/V per query head (enable_gqa's math path makes one)
             o = F.scaled_dot_product_attention(q.view(B, self.n_kv, -1, self.head_dim), b.k[i][:, :, :window],

@@ -72,28 +72,14 @@ def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
     return [p.A for p in parts]
 
 
-def lora_group(modules: list[nn.Module]) -> tuple | None:
-    """(As, Bs, biases, scaling) of ``modules`` if they form one LoRA group (``stacked_A``'s
-    conditions; biases [] when they have none), so that a fused kernel can apply their epilogue; else None."""
-    As = stacked_A(modules)
-    if As is None:
-        return None
-    parts = [_parts(m) for m in modules]
-    return As, [p.B for p in parts], [p.bias for p in parts] if parts[0].bias is not None else [], float(parts[0].scaling)
-
-
-def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor | None = None,
-                    epilogue: bool = True) -> list[torch.Tensor]:
+def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor | None = None) -> list[torch.Tensor]:
     """[m(x) for m in modules] for x [M, K] (outputs [M, N_i]), grouped as the module docstring says.
-    ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``).
-    ``epilogue`` False (a ``lora_group``): the base outputs only, for a kernel that adds bias and LoRA itself."""
+    ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``)."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
     ys = _mma_group(x, modules) if all(p is not None for p in parts) else None  # one launch for the group
     if ys is None:
         ys = [(p.base(x) if p is not None else m(x)).contiguous() for p, m in zip(parts, modules)]  # rows of stride N
-    if not epilogue:
-        return ys
     if h is not None:  # one LoRA group (stacked_A)
         _epilogue(x, ys, parts, list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, h)
         return ys
