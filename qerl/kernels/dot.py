@@ -97,6 +97,16 @@ def _alpha_bf16(gs_ptr, IS_NV: tl.constexpr):
 
 
 @triton.jit
+def _grouped_tile(pid, num_m, num_c, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid in grouped order: GROUP_M row tiles share each column
+    tile of the weight while it is in L2."""
+    width = GROUP_M * num_c
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_size, (pid % width) // group_size
+
+
+@triton.jit
 def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                     M, N, K, stride_xm, stride_om, tiles_per_split,
                     IS_NV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -113,14 +123,7 @@ def _fwd_dot_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
     NBK: tl.constexpr = BKH // HB
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering: GROUP_M row-tiles share each weight column-tile while it is in L2.
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_size
-    pid_n = (pid % width) // group_size
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     KH = K // 2
     NB = KH // HB
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -182,13 +185,7 @@ def _bwd_dot_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, dx_ptr,
     HB: tl.constexpr = 8 if IS_NV else 16
     BKH: tl.constexpr = BLOCK_K // 2
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_k = tl.cdiv(K, BLOCK_K)
-    width = GROUP_M * num_k
-    first_m = (pid // width) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_size
-    pid_k = (pid % width) // group_size
+    pid_m, pid_k = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
     KH = K // 2
     NB = KH // HB
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
