@@ -133,7 +133,10 @@ def linear_call(x2, packed, w32, scale_u8, gs_arg, out, launch) -> tuple:
         return _fwd_gemv_kernel, grid, args, dict(meta, ACC_F32=acc_f32, USE_ASM=not INTERPRETED,
                                                    num_warps=warps, num_stages=stages)
     args = (x2, packed, scale_u8, gs_arg, out, ws, cnt, M, N, K, x2.stride(0), out.stride(0), tps)
-    return _fwd_dot_kernel, grid, args, dict(meta, num_warps=warps, num_stages=stages)
+    # fp32 activations never take the swapped (register-A) order: Triton leaves a split tf32
+    # register-A MMA in flight with its A registers unprotected (qerl.kernels.dot, "Operand order").
+    swap = bool(meta["SWAP_AB"]) and x2.dtype != torch.float32
+    return _fwd_dot_kernel, grid, args, dict(meta, SWAP_AB=swap, num_warps=warps, num_stages=stages)
 
 
 def _run_linear(x2, packed, w32, scale_u8, gs_arg, is_nv, out, launch) -> None:

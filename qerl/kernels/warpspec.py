@@ -55,6 +55,20 @@ except ImportError:  # pragma: no cover - older triton
 
 BK = 64  # columns a K step (one compute-layout block)
 
+
+def _triton_version() -> tuple[int, int]:
+    try:
+        major, minor = (int("".join(c for c in p if c.isdigit()) or 0) for p in triton.__version__.split(".")[:2])
+    except ValueError:  # pragma: no cover - an unparsable version: assume the older compiler
+        return (0, 0)
+    return major, minor
+
+
+# Whether the installed Triton keeps a register-A warpgroup MMA's operand intact while the MMA is in
+# flight: Triton <= 3.6 could hand those registers to later code before the MMA read them (triton issue
+# #9433); the fix (PR #9514) shipped in Triton 3.7. With it the consumers keep one MMA in flight.
+MMA_IN_FLIGHT = _triton_version() >= (3, 7)
+
 if HAVE_WS:
 
     @gluon.jit
@@ -107,10 +121,28 @@ if HAVE_WS:
         return gl.convert_layout(gl.reshape(wv, [64, 64]), a_l)
 
     @gluon.jit
+    def _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, j, acc, a_prev, wg: gl.constexpr, KB: gl.constexpr,
+                  NWG: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr):
+        """Ring stage j of a consumer warpgroup with its MMAs left in flight: (acc, A of the MMA in flight)."""
+        STAGES: gl.constexpr = ready.type.shape[0]
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        for kb in gl.static_range(KB):
+            idx = (s * KB + kb) * NWG + wg
+            a = _ws_decode(w_bufs.index(idx), s_bufs.index(idx), ASM, a_l)
+            acc = warpgroup_mma(a, x_bufs.index(s * KB + kb).permute((1, 0)), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
+            a_prev = a
+            if kb == 0:
+                if j > 0:  # the previous stage's last MMA has completed
+                    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
+        return acc, a_prev
+
+    @gluon.jit
     def _ws_consumer(x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, wg: gl.constexpr,
                      gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, m0, row0, tile, pid_k, n_split,
                      KB: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, IS_NV: gl.constexpr,
-                     ASM: gl.constexpr):
+                     ASM: gl.constexpr, IN_FLIGHT: gl.constexpr):
         """One consumer warpgroup: 64 weight rows (from row0) x BM rows of x. Per stage it decodes its
         blocks into registers and multiplies them with the shared activation tiles (register-A
         warpgroup MMA, waited at once: left in flight, its register operand is not safe on Triton 3.6);
@@ -120,17 +152,31 @@ if HAVE_WS:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
         acc = gl.zeros([64, BM], gl.float32, layout=mma)
-        for it in range(i0, i1):
-            j = it - i0
-            s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            for kb in gl.static_range(KB):
-                idx = (s * KB + kb) * NWG + wg
-                a = _ws_decode(w_bufs.index(idx), s_bufs.index(idx), ASM, a_l)
-                acc = warpgroup_mma(a, x_bufs.index(s * KB + kb).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-            # every warp of this warpgroup issued (so had decoded) the MMAs that have now completed
-            mbarrier.arrive(empty.index(s), count=1)
+        if IN_FLIGHT:
+            # Each MMA stays in flight while the next block is decoded: wait(1) after issuing block b
+            # completes block b - 1, so a stage goes back to the producer one block late (at the first
+            # wait of the next stage). The in-flight MMA's A operand is named in that wait, which keeps
+            # its registers live (unwritten) until the MMA has read them. The first stage is peeled (a
+            # split has at least one): no path then reaches the final wait without an MMA, which ptxas
+            # would otherwise answer by serialising every MMA (its C7515).
+            a_prev = gl.zeros([64, 64], gl.bfloat16, layout=a_l)
+            acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, 0, acc, a_prev, wg, KB, NWG, ASM, a_l)
+            for it in range(i0 + 1, i1):
+                acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, it - i0, acc, a_prev, wg, KB, NWG,
+                                        ASM, a_l)
+            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+        else:
+            for it in range(i0, i1):
+                j = it - i0
+                s = j % STAGES
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                for kb in gl.static_range(KB):
+                    idx = (s * KB + kb) * NWG + wg
+                    a = _ws_decode(w_bufs.index(idx), s_bufs.index(idx), ASM, a_l)
+                    acc = warpgroup_mma(a, x_bufs.index(s * KB + kb).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                # every warp of this warpgroup issued (so had decoded) the MMAs that have now completed
+                mbarrier.arrive(empty.index(s), count=1)
         if IS_NV:
             alpha = 128.0 / gl.load(gs_ptr)
         else:
@@ -157,7 +203,8 @@ if HAVE_WS:
     @gluon.jit
     def _ws_kernel(x_desc, w_desc, s_desc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NB_K, iters_per_split, MT,
                    IS_NV: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-                   KB: gl.constexpr, ASM: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                   KB: gl.constexpr, ASM: gl.constexpr, REGS: gl.constexpr, IN_FLIGHT: gl.constexpr,
+                   num_warps: gl.constexpr):
         """out[M, N] = x W^T. Grid (N tiles * MT, split): the MT row tiles of x for one weight tile next
         to each other (they share it in L2). A CTA: NWG consumer warpgroups of 64 weight rows each
         and one producer warp."""
@@ -181,16 +228,16 @@ if HAVE_WS:
         if NWG == 2:
             gl.warp_specialize([
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM, IN_FLIGHT)),
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0 + 64, tile + 1, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                                M, N, m0, row0 + 64, tile + 1, pid_k, n_split, KB, NWG, BM, IS_NV, ASM, IN_FLIGHT)),
                 (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
                               i0, i1, KB, NWG)),
             ], [4, 1], [REGS, 24])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM)),
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM, IN_FLIGHT)),
                 (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
                               i0, i1, KB, NWG)),
             ], [1], [24])
@@ -206,7 +253,7 @@ def pick_config(M: int, N: int, K: int) -> dict:
     blocks a ring stage."""
     BM = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
     KB = 2 if BM <= 64 else 1
-    return dict(BM=BM, NWG=2, KB=KB, STAGES=4, REGS=232, maxnreg=None, waves=1)
+    return dict(BM=BM, NWG=2, KB=KB, STAGES=4, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT)
 
 
 def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM: int, cache: dict | None):
@@ -262,7 +309,7 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     _ws_kernel[(n_tiles * mt, split)](
         x_desc, w_desc, s_desc, gs if gs is not None else scales_c, out, ws, cnt, M, N, nbk, ips, mt,
         IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=mma._ASM_NV if is_nv else mma._ASM_MX,
-        REGS=cfg["REGS"], num_warps=4, **launch)
+        REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, **launch)
     return out
 
 

@@ -200,3 +200,18 @@ def test_triton_rejects_fp16_activations():
     t, _ = quantized("nvfp4", 16, 32)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         kernels.linear(torch.randn(1, 32, dtype=torch.float16), "nvfp4", t, 16, 32, backend="triton")
+
+
+def test_fp32_activations_never_take_the_register_a_order():
+    """The swapped (register-A) tile is for 16-bit activations only: with fp32 x Triton leaves a split
+    tf32 register-A MMA in flight with its operand registers unprotected (qerl.kernels.dot)."""
+    from qerl.kernels import ops
+
+    t = formats.quantize(torch.randn(64, 128) * 0.02, "nvfp4")
+    packed, scale_u8 = t["weight_packed"], ops.scale_bytes(t["weight_scale"])
+    cfg = dict(ops.pick_config("dot", 64, 64, 128, True), SWAP_AB=True)
+    for dtype, swap in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+        x = torch.zeros(64, 128, dtype=dtype)
+        launch = ops.linear_launch(64, 64, 128, True, x.device, "dot", cfg, None, False)
+        _, _, _, kw = ops.linear_call(x, packed, None, scale_u8, t["weight_global_scale"], torch.empty(64, 64), launch)
+        assert kw["SWAP_AB"] is swap, dtype

@@ -15,6 +15,15 @@ def test_pick_config_covers_every_m():
         assert cfg["BM"] in (16, 32, 64, 128)
         assert cfg["BM"] >= min(M, 128)
         assert cfg["NWG"] in (1, 2) and cfg["KB"] >= 1 and cfg["STAGES"] >= 2
+        assert cfg["in_flight"] is warpspec.MMA_IN_FLIGHT
+
+
+def test_mma_in_flight_follows_the_installed_triton():
+    """MMAs stay in flight exactly on Triton >= 3.7 (the register-A fix), whatever the environment says."""
+    import triton
+
+    major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    assert warpspec.MMA_IN_FLIGHT is ((major, minor) >= (3, 7))
 
 
 def test_refuses_what_the_bulk_copies_cannot_take():
@@ -43,7 +52,11 @@ sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and Gluon's wa
 @sm90
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("n,k", [(200, 320), (1000, 1088), (512, 3584), (3584, 1024)])
-def test_matches_the_reference_and_repeats_bitwise_gpu(fmt, n, k):
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_matches_the_reference_and_repeats_bitwise_gpu(fmt, n, k, in_flight):
+    """Both forms of the consumer loop: MMAs waited at once (any Triton) and left in flight (Triton >= 3.7)."""
+    if in_flight and not warpspec.MMA_IN_FLIGHT:
+        pytest.skip("MMAs in flight need Triton >= 3.7")
     dev = torch.device("cuda")
     assert warpspec.available(dev)
     g = torch.Generator(device=dev).manual_seed(n + k)
@@ -51,14 +64,15 @@ def test_matches_the_reference_and_repeats_bitwise_gpu(fmt, n, k):
     is_nv = common.scale_mode(fmt)
     pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
     w = formats.dequantize(t, fmt, dtype=torch.float32)
-    for M in (1, 7, 16, 17, 24, 31, 32, 33, 100, 129, 300):
+    cfg = {"in_flight": in_flight}
+    for M in (1, 7, 9, 16, 17, 24, 31, 32, 33, 64, 65, 100, 128, 129, 256, 300):
         x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
         ref = x.float() @ w.T
         for split in (None, 3):
-            y = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split)
+            y = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split, config=cfg)
             err = float((y.float() - ref).norm() / ref.norm())
             assert err < 5e-3, (fmt, n, k, M, split, err)
-            again = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split)
+            again = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split, config=cfg)
             assert torch.equal(y, again), (fmt, n, k, M, split)
 
 

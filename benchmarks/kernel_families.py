@@ -1,0 +1,180 @@
+"""Which 4-bit kernel family wins at which M: every family the door can pick, timed on one model's
+decoder layer at every M of a range, side by side in one run (GPU).
+
+The door (``qerl.kernels.linear``) picks a family by M and GPU (its docstring). This tool times each
+family on its own, so the thresholds can be re-derived on another GPU, model or Triton:
+
+  - ``door``: what ``kernels.linear`` runs today (with a kernel cache, as a QuantLinear calls it);
+  - ``mma``: the tensor-core kernel on the compute layout (mma.sync up to 32 rows, its warpgroup-MMA
+    variant above on sm_90);
+  - ``ws``: the warp-specialised kernel with its MMAs in flight where the installed Triton allows
+    it (``warpspec.MMA_IN_FLIGHT``), ``ws_waited`` the same kernel with each MMA waited at once;
+    ``ws_bm64``: in flight with 64-row activation tiles above 64 rows (each weight tile decoded once a
+    64-row tile, against 128-row tiles that hold twice the accumulators);
+  - ``bf16``: cuBLAS on the bf16 weight.
+
+Before timing, every family's output at every M is checked against the fp32 reference (relative
+error < 2e-2, NVFP4 and MXFP4); a family that fails is reported and not timed. Timing as in
+``benchmarks.bench_kernels`` (CUDA graphs over weight copies larger than 3x L2, median of replays).
+Writes results/kernels/<gpu>_families.json (env: torch, Triton, GPU, git sha, date) with per-M layer
+times and the winner at each M; the last stdout line is its summary.
+
+Run:   python -m benchmarks.kernel_families                      (qwen2.5-7b, M = 9..256)
+       python -m benchmarks.kernel_families --m 16 32 64 --families door ws bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_kernels import n_copies, time_graph
+from qerl import formats, kernels
+from qerl.arch import LAYER_CONFIGS, linear_shapes
+
+FAMILIES = ("bf16", "door", "mma", "ws", "ws_waited", "ws_bm64")
+TOL = 2e-2
+
+
+def _git_sha() -> str:
+    sha = os.environ.get("QERL_GIT_SHA")
+    if sha:
+        return sha
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _family_fn(family: str, fmt: str, t: dict, cache: dict, w: torch.Tensor, n: int, k: int):
+    """x -> y for one family on one weight copy, or None where the family cannot run this weight."""
+    from qerl.kernels import common, layout, mma, warpspec
+
+    if family == "bf16":
+        return lambda x: F.linear(x, w)
+    if family == "door":
+        return lambda x: kernels.linear(x, fmt, t, n, k, backend="triton", cache=cache)
+    is_nv = common.scale_mode(fmt)
+    args = layout.weight_args(cache, t, is_nv, n)
+    if args is None:
+        return None
+    pc, sc, gs, _ = args
+    if family == "mma":
+        return lambda x: mma.grouped_linear(x, [args], k, is_nv)[0]
+    if not warpspec.HAVE_WS:
+        return None
+    if family == "ws":
+        return lambda x: warpspec.linear(x, pc, sc, gs, n, k, is_nv, cache=cache)
+    if family == "ws_waited":
+        return lambda x: warpspec.linear(x, pc, sc, gs, n, k, is_nv, cache=cache, config={"in_flight": False})
+    if family == "ws_bm64":
+        return lambda x: warpspec.linear(x, pc, sc, gs, n, k, is_nv, cache=cache,
+                                         config={"BM": min(64, warpspec.pick_config(x.shape[0], n, k)["BM"]), "KB": 2})
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+
+
+def check(families, ms, n=1000, k=4096) -> dict:
+    """{family: [M that failed]} against the fp32 reference, both Triton formats, fresh inputs per M."""
+    bad = {f: [] for f in families}
+    w = torch.randn(n, k, device="cuda") * 0.02
+    for fmt in formats.with_kernel("triton"):
+        t = formats.quantize(w, fmt)
+        wd = formats.dequantize(t, fmt, dtype=torch.float32)
+        cache = {}
+        for f in families:
+            fn = _family_fn(f, fmt, t, cache, wd.to(torch.bfloat16), n, k)
+            if fn is None:
+                continue
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ wd.T
+                try:
+                    y = fn(x)
+                    err = ((y.float() - ref).norm() / ref.norm()).item()
+                except Exception as e:  # noqa: BLE001 - a family that cannot run an M is reported, not timed
+                    print(f"  {f} {fmt} M={m}: {type(e).__name__}: {str(e)[:100]}")
+                    err = float("inf")
+                if f == "bf16":
+                    continue  # bf16 of the dequantized weight: the timing baseline, not a 4-bit kernel
+                if not err < TOL:
+                    bad[f].append(m)
+                    print(f"  {f} {fmt} M={m}: rel err {err:.3g}")
+    return bad
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", default="qwen2.5-7b", choices=list(LAYER_CONFIGS))
+    ap.add_argument("--m", nargs="+", type=int, default=list(range(9, 257)), help="rows M (default 9..256)")
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--fmt", default="nvfp4", choices=formats.with_kernel("triton"))
+    ap.add_argument("--out", default="results/kernels")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("error: kernel_families needs a CUDA GPU")
+    import triton
+
+    from qerl.kernels import warpspec
+
+    dev = torch.cuda.get_device_properties(0)
+    bad = check(args.families, args.m)
+    timed = [f for f in args.families if not bad[f]]
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for proj, nk in linear_shapes(args.model).items():
+        shapes.setdefault(nk, []).append(proj)
+    layer = {f: {m: 0.0 for m in args.m} for f in timed}
+    for (n, k), projs in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        t = formats.quantize(w.float(), args.fmt)
+        copies = {f: n_copies(n * k * (2.0 if f == "bf16" else formats.bits_per_weight(args.fmt) / 8), dev.L2_cache_size)
+                  for f in timed}
+        ws = [w.clone() for _ in range(copies["bf16"])] if "bf16" in timed else []
+        tc = [{kk: v.clone() for kk, v in t.items()} for _ in range(max(copies.values()))]
+        caches = [{} for _ in tc]
+        for m in args.m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for f in timed:
+                if f == "bf16":
+                    fns = [lambda wi=wi, x=x: F.linear(x, wi) for wi in ws]
+                else:
+                    fns = [lambda fn=_family_fn(f, args.fmt, ti, ci, w, n, k), x=x: fn(x)
+                           for ti, ci in zip(tc[:copies[f]], caches)]
+                sec, _ = time_graph(fns)
+                layer[f][m] += sec * 1e6 * len(projs)
+        del ws, tc, caches
+        torch.cuda.empty_cache()
+    winners = {m: min((f for f in timed if f != "bf16"), key=lambda f: layer[f][m]) for m in args.m}
+    summary = {f"{args.model}/layer/M{m}/{f}_over_bf16": round(layer["bf16"][m] / layer[f][m], 3)
+               for m in args.m for f in timed if f != "bf16"} if "bf16" in timed else {}
+    out = dict(
+        what=f"{args.model} decoder layer (sum of its seven linears), {args.fmt}, microseconds a layer per family",
+        command="python -m benchmarks.kernel_families " + " ".join(argv if argv is not None else sys.argv[1:]),
+        git_sha=_git_sha(), gpu=dev.name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        env=dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                 cuda=torch.version.cuda, mma_in_flight=warpspec.MMA_IN_FLIGHT),
+        failed_check={f: v for f, v in bad.items() if v},
+        layer_us={f: {str(m): round(v, 2) for m, v in layer[f].items()} for f in timed},
+        winner={str(m): f for m, f in winners.items()}, summary=summary)
+    os.makedirs(args.out, exist_ok=True)
+    name = dev.name.split()[1].lower() if len(dev.name.split()) > 1 else "gpu"
+    path = os.path.join(args.out, f"{name}_families.json")
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"{'M':>4} " + " ".join(f"{f:>10}" for f in timed) + "  winner")
+    for m in args.m:
+        print(f"{m:>4} " + " ".join(f"{layer[f][m]:10.1f}" for f in timed) + f"  {winners[m]}")
+    print(f"wrote {path}")
+    print(json.dumps(dict(winner=out["winner"], failed_check=out["failed_check"], env=out["env"])))
+    return out
+
+
+if __name__ == "__main__":
+    main()
