@@ -11,20 +11,23 @@ producer warp:
     completing on its own mbarrier. It waits only on the ring's "empty" barriers: no CTA barrier in
     the loop.
   - each consumer warpgroup (the default partition and NWG - 1 worker partitions) waits for a
-    stage, decodes its 64 rows in registers (the ``qerl.kernels.mma`` decode: exact, 20 instructions per 8
-    weights) straight into the register A operand of the warpgroup MMA, whose B operand is the
-    shared activation tile, and hands the stage back (count NWG) once its MMAs are complete. The MMA
-    is waited at once: a register-A warpgroup MMA left in flight reads corrupted registers on Triton
-    3.6. The warpgroups of a CTA (NWG 1 or 2) interleave instead (one decodes while another's MMA runs), share the
-    activation tile, and each writes its own epilogue.
+    stage, decodes its 64 rows in registers (the ``qerl.kernels.mma`` decode: exact, 20 instructions
+    per 8 weights) straight into the register A operand of the warpgroup MMA, whose B operand is the
+    shared activation tile. Two forms of this loop, chosen by the installed Triton (MMA_IN_FLIGHT):
+      - in flight (Triton >= 3.7): each MMA runs while the next block is decoded (wait(1)), and a
+        stage goes back to the producer one block late;
+      - waited (Triton 3.6): each MMA is waited at once and the stage handed back after its blocks,
+        because Triton 3.6 could reuse the registers of a register-A MMA left in flight (triton issue
+        #9433, fixed in 3.7).
+    The warpgroups of a CTA (NWG 1 or 2) share the activation tile, interleave (one decodes while
+    another's MMA runs), and each writes its own epilogue.
 Split-K partials are summed in a fixed order by the last program of a tile (bitwise repeatable).
 
-Where it serves: 17 <= M <= 32 (the M range between the mma.sync kernel's 16-row and 32-row
-tiles, where that kernel was slowest). H200, layer sums, CUDA-graph replay (results/kernels/NOTES.md):
-Qwen2.5-7B 1.16-1.41x the mma.sync kernel at M = 17-32, Llama-3-8B 1.40-1.76x, a 5120-wide layer
-1.13-1.32x; at M <= 16 and M >= 33 the existing kernels stay faster. Measured and not kept: decoding
-into shared memory for a shared-operand MMA left in flight (the shared-memory traffic of the decoded
-tile bounded it near half the bf16 rate), three or four consumer warpgroups (register spills).
+Where it serves (SERVED_M): 17 <= M <= 32, and with MMAs in flight also 65 <= M <= 256 in 64-row
+activation tiles; the mma kernel serves M <= 16 and 33-64 (results/kernels/NOTES.md has the per-M
+measurements, kernel_families.json the run behind them). Measured and not kept: decoding into shared
+memory for a shared-operand MMA (the decoded tile's shared-memory traffic bounded it near half the
+bf16 rate), three or four consumer warpgroups and 128-row tiles (register spills).
 
 Requires Gluon with warp_specialize, TMA and mbarriers (Triton >= 3.6) and an sm_90 GPU;
 ``available()`` says whether it can run (a self-test against the fp32 reference at the first call).
@@ -145,9 +148,9 @@ if HAVE_WS:
                      ASM: gl.constexpr, IN_FLIGHT: gl.constexpr):
         """One consumer warpgroup: 64 weight rows (from row0) x BM rows of x. Per stage it decodes its
         blocks into registers and multiplies them with the shared activation tiles (register-A
-        warpgroup MMA, waited at once: left in flight, its register operand is not safe on Triton 3.6);
-        two warpgroups share a CTA so that one decodes while the other's MMA runs. Then its own
-        epilogue (split-K partials summed in a fixed order by the last program of the tile)."""
+        warpgroup MMA, left in flight with IN_FLIGHT, else waited at once); two warpgroups share a CTA
+        so that one decodes while the other's MMA runs. Then its own epilogue (split-K partials summed
+        in a fixed order by the last program of the tile)."""
         STAGES: gl.constexpr = ready.type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -249,9 +252,11 @@ if HAVE_WS:
 
 def pick_config(M: int, N: int, K: int) -> dict:
     """Launch config by rule. BM: the activation rows of a CTA, a power of two from 16 holding M up to
-    128, above that 128-row tiles. NWG: consumer warpgroups (64 weight rows each) of a CTA. KB: 64-column
+    64; above that 64-row tiles with MMAs in flight (128-row tiles hold twice the accumulators, which
+    spill under the 168-register cap of 12 warps, and measured slower: results/kernels/NOTES.md), else
+    128-row tiles. NWG: consumer warpgroups (64 weight rows each) of a CTA. KB: 64-column
     blocks a ring stage."""
-    BM = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    BM = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 or MMA_IN_FLIGHT else 128
     KB = 2 if BM <= 64 else 1
     return dict(BM=BM, NWG=2, KB=KB, STAGES=4, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT)
 
@@ -313,16 +318,18 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     return out
 
 
-# The M range this kernel serves in the dispatch (the door, Plan, grouped launches): where it beat the
-# mma.sync kernel on every layer family measured (results/kernels/NOTES.md).
-MIN_M, MAX_M = 17, 32
+# The M ranges this kernel serves in the dispatch (the door, Plan, one-weight grouped launches): where it
+# beat the other kernels on the layers measured (results/kernels/NOTES.md). 17-32 rows in either form;
+# 65-256 rows only with its MMAs in flight (64-row tiles), where the waited form lost to the mma kernel.
+SERVED_M = ((17, 32), (65, 256)) if MMA_IN_FLIGHT else ((17, 32),)
 
 
 def serves(x2: torch.Tensor) -> bool:
-    """Whether the dispatch sends this bf16 activation block [M, K] here: MIN_M <= M <= MAX_M on an
-    sm_90 GPU where the kernel passed its self-test (the caller has checked what the mma kernel's
-    ``applies`` checks: dtype, alignment, no autograd)."""
-    return MIN_M <= x2.shape[0] <= MAX_M and x2.is_cuda and available(x2.device)
+    """Whether the dispatch sends this bf16 activation block [M, K] here: M in SERVED_M on an sm_90 GPU
+    where the kernel passed its self-test (the caller has checked what the mma kernel's ``applies``
+    checks: dtype, alignment, no autograd)."""
+    M = x2.shape[0]
+    return any(lo <= M <= hi for lo, hi in SERVED_M) and x2.is_cuda and available(x2.device)
 
 
 _AVAILABLE: dict = {}
