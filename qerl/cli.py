@@ -344,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     else, 130 for Ctrl-C."""
     argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
     working_dir_on_path()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's parser says it: its prog (`qerl train`) and its nearest flag
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "_unavailable", None):
         print(f"error: {args._unavailable}", file=sys.stderr)
         return 2

@@ -125,11 +125,29 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                           method=getattr(args, "method", None), **flags)
 
 
+def check_writable(path, option: str, file: bool = False) -> None:
+    """A ValueError naming ``option`` when ``path`` (a folder to create or fill; ``file``: a file to write)
+    cannot be written: under a file, or on a read-only file system or without permission. Checked before
+    any model loads."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser().absolute()
+    q = p.parent if file else p
+    while not q.exists() and q != q.parent:  # a path under a file does not "exist" either
+        q = q.parent
+    if not q.is_dir():
+        raise ValueError(f"{option} {path}: {q} is a file, not a folder")
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: cannot write in {q} (a read-only file system, or no permission)")
+
+
 def run_train(args: argparse.Namespace) -> int:
     from qerl.train import NonFiniteError, RolloutGapError, train
 
     try:
         cfg = config_from_args(args)
+        check_writable(cfg.output_dir, "--output-dir")
         from qerl.rewards import RewardSet
 
         RewardSet.from_config(cfg)  # a module:function that does not import fails here, before the model loads
@@ -266,12 +284,16 @@ def _policy_of(method: str) -> tuple:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from qerl.evaluate import evaluate_datasets, write_results
+    from qerl.evaluate import eval_records, evaluate_datasets, write_results
     from qerl.logging import environment
     from qerl.train import build_policy, load_trainable, read_checkpoint_config
 
     check_eval_ranges(args)
     base, settings = eval_settings_of(args)  # bad settings and config files fail before any model loads
+    if args.out:
+        check_writable(args.out, "--out", file=True)
+    keys = ("limit", "data_dir", "arith_levels", "prompt_column", "answer_column")
+    records = {d: eval_records(d, seed=args.seed, **{k: settings[k] for k in keys}) for d in settings["datasets"]}
     ck = read_checkpoint_config(args.adapter) if args.adapter else {}
     if args.adapter and not (args.method or ck.get("method")):
         raise ValueError(f"{args.adapter} does not record its method (a PEFT adapter folder): pass --method, "
@@ -292,7 +314,7 @@ def run_eval(args: argparse.Namespace) -> int:
     model, tok, _, info = build_policy(cfg, lora=not bare)
     if args.adapter:
         load_trainable(args.adapter, model)
-    res = evaluate_datasets(model, tok, seed=args.seed, **settings)
+    res = evaluate_datasets(model, tok, seed=args.seed, records=records, **settings)
     for d, r in res.items():
         se = f" +- {r['accuracy_stderr']:.4f} (s.e. over problems)" if r["accuracy_stderr"] is not None else ""
         print(f"{d}: pass@1 {r['accuracy']:.4f}{se}, {r['num_problems']} problems x {r['samples']} samples")

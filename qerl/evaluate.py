@@ -83,20 +83,29 @@ def summary_entries(prefix: str, results: dict[str, dict]) -> dict:
     return {f"{prefix}/{d}/{k}": r[k] for d, r in results.items() for k in keys if k in r}
 
 
-def evaluate_datasets(model, tokenizer, datasets, limit: int = 0, data_dir=None, seed: int = 0,
-                      arith_levels=None, prompt_column: str | None = None, answer_column: str | None = None,
-                      **kw) -> dict[str, dict]:
-    """Evaluate on the test split of each dataset; returns {dataset: result}. Built-in names, or your own
-    files, folders and hub ids (qerl.data.load_user_split), whose fields ``prompt_column`` and
-    ``answer_column`` name (the gold answer is needed: the built-in reward scores them)."""
+def eval_records(name: str, limit: int = 0, data_dir=None, seed: int = 0, arith_levels=None,
+                 prompt_column: str | None = None, answer_column: str | None = None) -> list[dict]:
+    """The test split of one evaluation dataset: a built-in name, or your own file, folder or hub id
+    (qerl.data.load_user_split), whose fields ``prompt_column`` and ``answer_column`` name (the gold answer
+    is needed: the built-in reward scores it)."""
     from qerl.config import TrainConfig
 
     arith_levels = arith_levels if arith_levels is not None else TrainConfig.arith_levels
+    extra = ({"levels": tuple(arith_levels)} if name == "arith" else {} if name in qdata.DATASETS
+             else {"prompt_column": prompt_column, "answer_column": answer_column})
+    return qdata.load_dataset_split(name, "test", data_dir=data_dir, seed=seed, limit=limit or None, **extra)
+
+
+def evaluate_datasets(model, tokenizer, datasets, limit: int = 0, data_dir=None, seed: int = 0,
+                      arith_levels=None, prompt_column: str | None = None, answer_column: str | None = None,
+                      records: dict[str, list[dict]] | None = None, **kw) -> dict[str, dict]:
+    """Evaluate on the test split of each dataset (``eval_records``; ``records``: {name: records} read
+    already, e.g. before the model loaded); returns {dataset: result}."""
     out = {}
     for name in datasets:
-        extra = ({"levels": tuple(arith_levels)} if name == "arith" else {} if name in qdata.DATASETS
-                 else {"prompt_column": prompt_column, "answer_column": answer_column})
-        recs = qdata.load_dataset_split(name, "test", data_dir=data_dir, seed=seed, limit=limit or None, **extra)
+        recs = (records or {}).get(name)
+        if recs is None:
+            recs = eval_records(name, limit, data_dir, seed, arith_levels, prompt_column, answer_column)
         out[name] = evaluate(model, tokenizer, recs, seed=seed, desc=f"eval {name}", **kw)
     return out
 
