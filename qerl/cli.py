@@ -338,6 +338,20 @@ def _command_words(command: str, line: str) -> str:
     return line
 
 
+def _refuse_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An unknown --flag (a typo, an abbreviation) is the error, named by its command's parser (`qerl train`,
+    with the nearest real flag), before argparse would report the required flag the typo left out."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    i = next((i for i, tok in enumerate(argv) if tok in sub.choices), None)
+    if i is None:
+        return
+    command = sub.choices[argv[i]]
+    known = {s for p in (parser, command) for a in p._actions for s in a.option_strings}
+    unknown = [tok for tok in argv[i + 1:] if tok.startswith("--") and tok.split("=", 1)[0] not in known]
+    if unknown and "--" not in argv:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status. Every error prints one line on stderr (no traceback
     unless --debug) and exits non-zero: 2 for bad input (a missing package included), 1 for anything
@@ -345,10 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
     working_dir_on_path()
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # the command's parser says it: its prog (`qerl train`) and its nearest flag
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    _refuse_unknown_flags(parser, argv)
+    args = parser.parse_args(argv)
     if getattr(args, "_unavailable", None):
         print(f"error: {args._unavailable}", file=sys.stderr)
         return 2
