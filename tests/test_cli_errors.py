@@ -249,6 +249,12 @@ def _parsers():
 
 def test_no_parser_takes_abbreviations():
     assert all(p.allow_abbrev is False for p in _parsers())
+    # the experiment and benchmark scripts too: every ArgumentParser( in the repository says allow_abbrev=False
+    import re
+
+    calls = [(f, m.group(0)) for d in ("qerl", "experiments", "benchmarks") for f in sorted((ROOT / d).rglob("*.py"))
+             for m in re.finditer(r"ArgumentParser\([^)]*", f.read_text())]
+    assert calls and not [(str(f), c) for f, c in calls if "allow_abbrev=False" not in c]
 
 
 @pytest.mark.parametrize("argv,flag,near", [
