@@ -151,6 +151,13 @@ def run_train(args: argparse.Namespace) -> int:
         from qerl.rewards import RewardSet
 
         RewardSet.from_config(cfg)  # a module:function that does not import fails here, before the model loads
+        from qerl.data import DATASETS
+        from qerl.evaluate import eval_records
+
+        settings = eval_settings(cfg)
+        for d in (d for d in cfg.eval_datasets if d not in DATASETS):  # so does your own evaluation file
+            eval_records(d, settings["limit"], cfg.data_dir, cfg.seed, cfg.arith_levels, cfg.prompt_column,
+                         cfg.answer_column)
         summary = train(cfg)
     except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)

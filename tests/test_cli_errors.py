@@ -367,3 +367,11 @@ def test_eval_of_a_truncated_checkpoint_points_at_adapter(capsys, tmp_path, tiny
     rc, _, err = run_cli(capsys, "eval", "--adapter", f.parent, "--limit", "1", "--engine", "hf")
     line = assert_one_line_error(rc, err, str(f), "truncated or corrupt", f"(--adapter {f.parent.parent}/step-N)")
     assert "--resume-from" not in line
+
+
+def test_a_bad_evaluation_file_fails_before_the_model_loads(capsys, tmp_path):
+    bad = tmp_path / "held_out.jsonl"
+    bad.write_text('{"question_text": "w1 w2", "vowel_count": 2}\n')
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--model", tmp_path / "no-such-model",
+                         "--eval-datasets", bad, "--prompt-column", "question_text", "--output-dir", tmp_path / "r")
+    assert_one_line_error(rc, err, f"{bad}:1", "no 'answer' field", "--answer-column")
