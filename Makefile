@@ -17,7 +17,7 @@ endef
 	train-ddp dist-check aqn-paired
 
 help:
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+	@grep -E '^[a-z0-9%-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 setup: ## install torch (CPU build without CUDA; it says which), the requirements, the embedded model, qerl
 	PY=$(PY) sh scripts/install_torch.sh
@@ -66,7 +66,7 @@ lint: ## ruff
 quickstart: setup ## install, then the main job: GRPO (bf16 LoRA) on the embedded model, ~6 min on 2 CPU cores -> runs/quickstart
 	$(PY) -m qerl train --profile quickstart --output-dir runs/quickstart --overwrite $(ARGS)
 
-train-smoke: ## a full RL run on the embedded model, on the CPU, in minutes
+train-smoke: ## one 3-step RL run (NVFP4 + LoRA + AQN) on the embedded model, CPU, minutes (ARGS="--method M": another)
 	$(PY) -m qerl train --profile smoke --output-dir runs/smoke --overwrite $(ARGS)
 
 reproduce-table1: ## the paper's Table 1 at PROFILE=smoke|small|paper (auto: small on a GPU, smoke otherwise)

@@ -670,7 +670,7 @@ def summarize(rows, copy_tbps, extra=None):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(LAYER_CONFIGS), choices=list(LAYER_CONFIGS),
                     help="models whose linear shapes to time")
     ap.add_argument("--m", nargs="+", type=int, default=list(M_VALUES), help="rows M of the forward")

@@ -137,7 +137,7 @@ def run(args) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-7b", choices=sorted(sc.MODELS))
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--rank", type=int, default=32)

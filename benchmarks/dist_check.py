@@ -207,7 +207,7 @@ def print_table(res: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="result JSON (default results/dist/<gpu>.json)")
     p.add_argument("--gpu", default=None, help="short GPU name for the file (default from torch, e.g. h200)")
     p.add_argument("--nproc", type=int, default=2, help="GPUs of the data-parallel run")

@@ -42,7 +42,7 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))

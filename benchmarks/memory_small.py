@@ -172,7 +172,7 @@ def print_table(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--settings", choices=("lean", "before"), default="lean")
     ap.add_argument("--method", default="nvfp4_lora_aqn")
     ap.add_argument("--steps", type=int, default=3)

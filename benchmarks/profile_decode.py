@@ -76,7 +76,7 @@ def profile(fn, device_type: str) -> dict[str, tuple[float, int]]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b", choices=list(sc.MODELS))
     ap.add_argument("--layers", type=int, default=0, help="decoder layers kept (0: all)")
     ap.add_argument("--methods", nargs="+", default=["nvfp4", "bf16"])

@@ -35,7 +35,7 @@ def train_phases(cfg, model, ro, adv, opt, sched, timer) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b", choices=list(sc.MODELS))
     ap.add_argument("--layers", type=int, default=4, help="decoder layers kept (the rest is per layer anyway)")
     ap.add_argument("--methods", nargs="+", default=["nvfp4", "bf16"])

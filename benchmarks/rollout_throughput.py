@@ -358,7 +358,7 @@ def run(args) -> dict:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(SUMMARY_MODELS), choices=list(sc.MODELS),
                     help="architectures (random weights)")
     ap.add_argument("--methods", nargs="+", default=["bf16", QLORA_FORMAT, QERL_FORMAT, "hf_generate_bf16"], choices=METHODS,

@@ -31,7 +31,7 @@ def run(path, timeout=300, write=True):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("notebooks", nargs="*", help="default: notebooks/*.ipynb")
     p.add_argument("--timeout", type=int, default=300, help="seconds per cell")
     p.add_argument("--check", action="store_true", help="execute only: leave the notebook files as they are")

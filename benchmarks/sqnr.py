@@ -44,7 +44,7 @@ COLUMNS = tuple(col for f in formats.names() for col in (
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="local HF folder, a .gguf file, or the embedded 'smollm2-135m-instruct'")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),

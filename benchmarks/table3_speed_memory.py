@@ -413,7 +413,7 @@ def run(args) -> dict:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-14b"], choices=list(sc.MODELS))
     ap.add_argument("--methods", nargs="+", default=[QERL_FORMAT, "bf16", QLORA_FORMAT], choices=METHODS,
                     help="base formats (LoRA on top of each), run in this order; nf4 runs bitsandbytes' kernels")

@@ -369,7 +369,7 @@ def experiment_args(exp: Experiment, shared: argparse.Namespace) -> argparse.Nam
     """The shared flags plus `exp`'s own flags (their defaults when absent) and its default seeds / models."""
     args = argparse.Namespace(**vars(shared))
     if exp.add_args:
-        ap = argparse.ArgumentParser(add_help=False)
+        ap = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
         exp.add_args(ap)
         for k, v in vars(ap.parse_args([])).items():
             if not hasattr(args, k):
@@ -382,7 +382,7 @@ def experiment_args(exp: Experiment, shared: argparse.Namespace) -> argparse.Nam
 
 
 def parse_args(exp: Experiment, argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=exp.doc.strip().split("\n\n")[0],
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=exp.doc.strip().split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)
     if exp.add_args:

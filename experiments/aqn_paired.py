@@ -461,7 +461,7 @@ def archive(out: Path, dest: Path) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.strip().split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="small", choices=("small", "smoke"), help="small: the plan's; smoke: a CPU check")
     ap.add_argument("--out", default=None, help="default: results/aqn_paired/<profile>")

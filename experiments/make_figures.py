@@ -18,7 +18,7 @@ from qerl import plots
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--results", default=str(plots.RESULTS), help="results/ folder to read")
     p.add_argument("--out", default=None, help="where PNGs go (default <results>/figures)")
     args = p.parse_args(argv)

@@ -24,7 +24,7 @@ DEFAULT = ("table1", "fig4", "fig5", "fig8")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.strip().split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_common_args(ap)
     ap.add_argument("--experiments", nargs="+", default=list(DEFAULT), metavar="NAME",

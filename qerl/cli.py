@@ -54,13 +54,43 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
+    from qerl.cli_train import add_data_args
+
     p.add_argument("--adapter", required=True,
                    help="a qerl checkpoint folder (checkpoints/step-N) or the adapter folder qerl exported there")
-    p.add_argument("--prompt", required=True, nargs="+", help="one or more prompts (each gets the chat template)")
+    p.add_argument("--prompt", nargs="+", default=None, help="one or more prompts (each gets the chat template)")
+    p.add_argument("--dataset", default=None,
+                   help="instead of --prompt: the prompts of a dataset (a built-in name, your own file or folder, "
+                        "or a hub id), read with --prompt-column")
+    p.add_argument("--split", default="test", help="the split of --dataset (default: test; a file is every split)")
+    p.add_argument("--limit", type=int, default=4, help="prompts taken from --dataset, the first N (default: 4)")
+    add_data_args(p, datasets=False)
+    p.add_argument("--suffix", dest="prompt_suffix", default=None,
+                   help="= --prompt-suffix (default here: the config file's, else \"\", nothing)")
     p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--suffix", default="", help="text appended to each prompt (\"paper\": the paper's instruction)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _generate_prompts(args: argparse.Namespace) -> tuple[list, str, bool]:
+    """(the prompts, the prompt suffix setting, the chat template setting) of a generate command."""
+    from qerl.config import resolve_config
+    from qerl.data import DATASETS, load_dataset_split
+
+    if (args.prompt is None) == (args.dataset is None):
+        raise ValueError("give the prompts with --prompt TEXT ... or --dataset FILE (one of the two)")
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    cfg = resolve_config(args.config) if args.config else None
+    suffix = args.prompt_suffix if args.prompt_suffix is not None else (cfg.prompt_suffix if cfg else "")
+    template = args.chat_template if args.chat_template is not None else (cfg.chat_template if cfg else True)
+    if args.prompt is not None:
+        return list(args.prompt), suffix, template
+    data_dir = args.data_dir or (cfg.data_dir if cfg else None)
+    own = {} if args.dataset in DATASETS else {
+        "prompt_column": args.prompt_column or (cfg.prompt_column if cfg else None), "require_answer": False}
+    recs = load_dataset_split(args.dataset, args.split, data_dir=data_dir, limit=args.limit, **own)
+    return [r.get("prompt", r["question"]) for r in recs], suffix, template
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -70,16 +100,17 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts, suffix, template = _generate_prompts(args)  # bad options and data fail before the model loads
     model, tok = load_trained(args.adapter)
     engine = make_engine(model, tok)
-    ids = [tok(build_prompt(p, tok, suffix=prompt_suffix(args.suffix)), add_special_tokens=False)["input_ids"]
-           for p in args.prompt]
+    ids = [tok(build_prompt(p, tok, suffix=prompt_suffix(suffix), chat_template=template),
+               add_special_tokens=not template)["input_ids"] for p in prompts]
     greedy = args.temperature <= 0
     ro = engine.generate(ids, args.max_new_tokens, temperature=args.temperature if not greedy else 1.0,
                          greedy=greedy, seed=args.seed)
     texts = tok.batch_decode(ro.completion_ids * ro.completion_mask + engine.pad_id * (1 - ro.completion_mask),
                              skip_special_tokens=True)
-    for p, t in zip(args.prompt, texts):
+    for p, t in zip(prompts, texts):
         print(f">>> {p}\n{t.strip()}\n")
     print(json.dumps({"completions": texts}))
     return 0
@@ -128,10 +159,32 @@ COMMANDS = {
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with a usage mistake as one `error:` line (exit 2): an unknown --method names the valid ones
-    instead of printing the whole usage of a command with 60 flags; --help still shows everything."""
+    instead of printing the whole usage of a command with 60 flags; --help still shows everything.
+
+    Abbreviations are refused (allow_abbrev=False): `--max-step 3` is an unknown flag (with the nearest
+    real one named), never a silent `--max-steps 3`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"error: {message.strip().splitlines()[0]} (see: {self.prog} --help)\n")
+        message = message.strip().splitlines()[0]
+        if message.startswith("unrecognized arguments:"):
+            message += self._nearest(message.split(":", 1)[1].split())
+        self.exit(2, f"error: {message} (see: {self.prog} --help)\n")
+
+    def _nearest(self, tokens: list[str]) -> str:
+        """" (did you mean --max-steps?)" for the first unknown flag close to a real one, else ""."""
+        import difflib
+
+        known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        for tok in tokens:
+            if tok.startswith("--"):
+                near = difflib.get_close_matches(tok.split("=", 1)[0], known, n=1, cutoff=0.75)
+                if near:
+                    return f" (did you mean {near[0]}?)"
+        return ""
 
 
 # import name -> pip name, where they differ: the install command of a missing package
@@ -150,11 +203,29 @@ def missing_package(exc: ImportError) -> str | None:
     return f"the Python package {pip!r} is not installed (import {name}): pip install {pip}"
 
 
+def prog_name() -> str:
+    """How the user started qerl: `qerl` (the installed command) or `python -m qerl`."""
+    import os
+
+    return "qerl" if os.path.basename(sys.argv[0] or "") == "qerl" else "python -m qerl"
+
+
+def working_dir_on_path() -> None:
+    """Put the working directory on sys.path (last: it shadows no installed package), so that a reward
+    module:function in the folder qerl runs from imports under every entry point. `python -m qerl` has it
+    already; the installed `qerl` command and `torchrun --no-python qerl` start with the script's folder."""
+    import os
+
+    cwd = os.getcwd()
+    if not any(p in ("", ".", cwd) or (p and os.path.abspath(p) == cwd) for p in sys.path):
+        sys.path.append(cwd)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m qerl", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=prog_name(), description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_, add_args, _) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_, description=help_)  # an OneLineParser too: no abbreviations
         sp.add_argument("--debug", action="store_true", help="show the full traceback of an error")
         try:
             add_args(sp)
@@ -211,11 +282,74 @@ def _interrupted(args: argparse.Namespace, argv: list[str]) -> str:
             skip = "=" not in tok and name == "--resume-from"
             continue
         keep.append(tok)
-    resume = "python -m qerl " + shlex.join(keep + ["--resume-from", "auto"])
+    resume = f"{prog_name()} " + shlex.join(keep + ["--resume-from", "auto"])
     if ck is None:
         return (f"interrupted: no checkpoint in {out} yet (--save-every N saves one every N steps); "
                 f"{resume} starts it again")
     return f"interrupted: the last checkpoint is {ck}; resume with: {resume}"
+
+
+def _path_options(args: argparse.Namespace) -> dict[str, str]:
+    """{flag: value} of the command's options that hold paths (for train: also what --config set)."""
+    out = {}
+    values = dict(vars(args))
+    if args.command == "train":
+        try:
+            from qerl.cli_train import config_from_args
+
+            cfg = config_from_args(args).to_dict()
+            values.update({k: v for k, v in cfg.items() if values.get(k) is None})
+        except Exception:  # noqa: BLE001 - a config that does not resolve names no paths
+            pass
+    for dest, v in values.items():
+        for item in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(item, str) and item and not dest.startswith("_"):
+                out.setdefault(f"--{dest.replace('_', '-')}", item)
+    return out
+
+
+def _os_option(exc: BaseException, args: argparse.Namespace) -> str:
+    """"--output-dir runs/x: " for an OSError about a path at or under that option's value (the option that
+    names it, so an `[Errno 30] Read-only file system` says which setting to change); else ""."""
+    import os
+
+    if not isinstance(exc, OSError):
+        return ""
+    text = str(exc)
+    names = [f for f in (exc.filename, exc.filename2) if isinstance(f, (str, os.PathLike))]
+    best = None
+    for flag, value in _path_options(args).items():
+        root = os.path.abspath(os.path.expanduser(value))
+        for f in names:
+            f = os.path.abspath(os.path.expanduser(os.fspath(f)))
+            if f == root or f.startswith(root.rstrip(os.sep) + os.sep):
+                if best is None or len(root) > len(best[2]):
+                    best = (flag, value, root)
+    if best is None or best[0] in text:
+        return ""
+    return f"{best[0]} {best[1]}: "
+
+
+def _command_words(command: str, line: str) -> str:
+    """Errors of code shared with training name train's --resume-from for a checkpoint; eval, generate
+    and export take the checkpoint with --adapter."""
+    if command in ("eval", "generate", "export"):
+        line = line.replace("(--resume-from ", "(--adapter ")
+    return line
+
+
+def _refuse_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An unknown --flag (a typo, an abbreviation) is the error, named by its command's parser (`qerl train`,
+    with the nearest real flag), before argparse would report the required flag the typo left out."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    i = next((i for i, tok in enumerate(argv) if tok in sub.choices), None)
+    if i is None:
+        return
+    command = sub.choices[argv[i]]
+    known = {s for p in (parser, command) for a in p._actions for s in a.option_strings}
+    unknown = [tok for tok in argv[i + 1:] if tok.startswith("--") and tok.split("=", 1)[0] not in known]
+    if unknown and "--" not in argv:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     unless --debug) and exits non-zero: 2 for bad input (a missing package included), 1 for anything
     else, 130 for Ctrl-C."""
     argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    working_dir_on_path()
+    parser = build_parser()
+    _refuse_unknown_flags(parser, argv)
+    args = parser.parse_args(argv)
     if getattr(args, "_unavailable", None):
         print(f"error: {args._unavailable}", file=sys.stderr)
         return 2
@@ -244,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {missing}", file=sys.stderr)
             return 2
         hint = "" if isinstance(exc, (ValueError, OSError)) else " (rerun with --debug for the traceback)"
-        print(f"error: {_one_line(exc)}{hint}", file=sys.stderr)
+        print(f"error: {_command_words(args.command, _os_option(exc, args) + _one_line(exc))}{hint}", file=sys.stderr)
         return 2 if isinstance(exc, (ValueError, OSError)) else 1
 
 

@@ -25,7 +25,6 @@ from qerl.config import (
     TRL_ALIASES,
     TrainConfig,
     eval_settings,
-    make_config,
     method_name,
     methods,
     parse_method,
@@ -126,14 +125,39 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                           method=getattr(args, "method", None), **flags)
 
 
+def check_writable(path, option: str, file: bool = False) -> None:
+    """A ValueError naming ``option`` when ``path`` (a folder to create or fill; ``file``: a file to write)
+    cannot be written: under a file, or on a read-only file system or without permission. Checked before
+    any model loads."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser().absolute()
+    q = p.parent if file else p
+    while not q.exists() and q != q.parent:  # a path under a file does not "exist" either
+        q = q.parent
+    if not q.is_dir():
+        raise ValueError(f"{option} {path}: {q} is a file, not a folder")
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: cannot write in {q} (a read-only file system, or no permission)")
+
+
 def run_train(args: argparse.Namespace) -> int:
     from qerl.train import NonFiniteError, RolloutGapError, train
 
     try:
         cfg = config_from_args(args)
+        check_writable(cfg.output_dir, "--output-dir")
         from qerl.rewards import RewardSet
 
         RewardSet.from_config(cfg)  # a module:function that does not import fails here, before the model loads
+        from qerl.data import DATASETS
+        from qerl.evaluate import eval_records
+
+        settings = eval_settings(cfg)
+        for d in (d for d in cfg.eval_datasets if d not in DATASETS):  # so does your own evaluation file
+            eval_records(d, settings["limit"], cfg.data_dir, cfg.seed, cfg.arith_levels, cfg.prompt_column,
+                         cfg.answer_column)
         summary = train(cfg)
     except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
@@ -146,21 +170,46 @@ def run_train(args: argparse.Namespace) -> int:
     return 0 if summary.get("status") == "ok" else 1
 
 
+def add_data_args(p: argparse.ArgumentParser, datasets: bool = True) -> None:
+    """The dataset options `train` has, for `eval` and `generate`: --config (a training config file: its columns,
+    prompt suffix, chat template and evaluation settings), --dataset, --prompt-column, --answer-column,
+    --prompt-suffix, --chat-template, --data-dir. Each defaults to the config file's value (else the profile's)."""
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a training config file (YAML or JSON, or a run's config.json): its model, dataset columns, "
+                        "prompt suffix, chat template and evaluation settings are the defaults (default: none)")
+    if datasets:
+        p.add_argument("--datasets", "--dataset", dest="datasets", nargs="+", default=None, metavar="DATASET",
+                       help="built-in names (arith, gsm8k, ...), your own .jsonl/.json/.parquet/.csv files, folders "
+                            "(<split>.jsonl) or hub ids (owner/name) (default: the config's eval_datasets)")
+    p.add_argument(*_spellings("prompt_column"), dest="prompt_column", default=None, metavar="FIELD",
+                   help="your data's prompt field (default: the config's, else prompt, question or problem)")
+    p.add_argument(*_spellings("answer_column"), dest="answer_column", default=None, metavar="FIELD",
+                   help="your data's gold-answer field (default: the config's, else answer, else solution)")
+    p.add_argument(*_spellings("prompt_suffix"), dest="prompt_suffix", default=None, metavar="TEXT",
+                   help="text appended to text prompts: paper = the paper's think/answer instruction, \"\" = nothing "
+                        "(default: the config's, else paper)")
+    p.add_argument(*_spellings("chat_template"), dest="chat_template", type=_bool, nargs="?", const=True, default=None,
+                   metavar="BOOL", help="render prompts with the tokenizer's chat template (default: the config's, "
+                                        "else true)")
+    p.add_argument(*_spellings("data_dir"), dest="data_dir", default=None,
+                   help="local copies of the built-in datasets (default: the config's, else $QERL_DATA_DIR, else the hub)")
+
+
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """Evaluation flags; each defaults to the chosen profile's evaluation settings
-    (qerl.config.eval_settings), so `eval --profile small` evaluates as `train --profile small` does."""
-    p.add_argument("--profile", default="small", choices=tuple(PROFILES),
-                   help="the profile whose evaluation settings (and model) are the defaults below")
+    """Evaluation flags; each defaults to the config file's evaluation settings (--config), else the chosen
+    profile's (qerl.config.eval_settings), so `eval --profile small` evaluates as `train --profile small` does."""
+    p.add_argument("--profile", default=None, choices=tuple(PROFILES),
+                   help="the profile whose evaluation settings (and model) are the defaults below "
+                        "(default: the config file's, else small)")
     p.add_argument("--model", default=None, help="hub id, local folder, .gguf, or the embedded default "
-                                                 "(default: the checkpoint's model, else the profile's)")
+                                                 "(default: the checkpoint's model, else the config's or profile's)")
     p.add_argument("--method", default=None, choices=methods() + table_bases(),
                    help="base format: a method name, or a bare format for the untrained rows "
-                        "(default: the checkpoint's method, else bf16)")
+                        "(default: the checkpoint's method, else the config file's, else bf16)")
     p.add_argument("--adapter", default=None,
                    help="a qerl checkpoint folder (checkpoints/step-N) or a PEFT adapter folder it exported; "
                         "LoRA rank/alpha/targets and trained norms are read from it")
-    p.add_argument("--datasets", nargs="+", default=None)
-    p.add_argument("--data-dir", default=None)
+    add_data_args(p)
     p.add_argument("--limit", type=int, default=None, help="problems per dataset (0 = all)")
     p.add_argument("--samples", type=int, default=None, help="samples per problem; pass@1 is their mean accuracy")
     p.add_argument("--temperature", type=float, default=None)
@@ -176,11 +225,16 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write results JSON here")
 
 
+# eval_settings values the eval CLI takes by default (from the profile or --config): left out of eval_flags,
+# so that the experiments' eval commands stay as they were
+_EVAL_DEFAULTS = {"prompt_suffix": "paper", "chat_template": True}
+
+
 def eval_flags(settings: dict) -> list[str]:
     """`python -m qerl eval` flags for a qerl.config.eval_settings dict (experiment scripts use this)."""
     out = []
     for k, v in settings.items():
-        if v is None or (k == "greedy" and not v):
+        if v is None or (k == "greedy" and not v) or (k in _EVAL_DEFAULTS and v == _EVAL_DEFAULTS[k]):
             continue
         flag = "--" + k.replace("_", "-")
         if k == "greedy":
@@ -190,6 +244,28 @@ def eval_flags(settings: dict) -> list[str]:
         else:
             out += [flag, str(v)]
     return out
+
+
+def eval_settings_of(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
+    """(the config the eval defaults come from, the evaluation settings): the config file's (--config) over
+    the profile's, then the flags. A greedy evaluation takes one sample per problem and says so in its
+    settings; --samples above 1 with --greedy is refused."""
+    base = resolve_config(getattr(args, "config", None), getattr(args, "profile", None))
+    settings = eval_settings(base)
+    for k in settings:
+        v = getattr(args, k, None)
+        if v is not None:
+            settings[k] = tuple(v) if isinstance(v, list) else v
+    if settings["greedy"]:
+        if getattr(args, "samples", None) not in (None, 1):
+            raise ValueError(f"--samples {args.samples} with --greedy: a greedy evaluation has one sample per problem "
+                             f"(drop --greedy to sample)")
+        settings["samples"] = 1
+    settings["datasets"] = tuple(d for d in settings["datasets"] if d not in ("none", ""))
+    if not settings["datasets"]:
+        where = f"{args.config} sets no eval_datasets" if getattr(args, "config", None) else "no datasets"
+        raise ValueError(f"nothing to evaluate: {where}; pass --dataset (a built-in name or your own file)")
+    return base, settings
 
 
 # eval flag -> (lowest value, inclusive): checked before any model is loaded
@@ -215,11 +291,16 @@ def _policy_of(method: str) -> tuple:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from qerl.evaluate import evaluate_datasets, write_results
+    from qerl.evaluate import eval_records, evaluate_datasets, write_results
     from qerl.logging import environment
     from qerl.train import build_policy, load_trainable, read_checkpoint_config
 
     check_eval_ranges(args)
+    base, settings = eval_settings_of(args)  # bad settings and config files fail before any model loads
+    if args.out:
+        check_writable(args.out, "--out", file=True)
+    keys = ("limit", "data_dir", "arith_levels", "prompt_column", "answer_column")
+    records = {d: eval_records(d, seed=args.seed, **{k: settings[k] for k in keys}) for d in settings["datasets"]}
     ck = read_checkpoint_config(args.adapter) if args.adapter else {}
     if args.adapter and not (args.method or ck.get("method")):
         raise ValueError(f"{args.adapter} does not record its method (a PEFT adapter folder): pass --method, "
@@ -229,23 +310,18 @@ def run_eval(args: argparse.Namespace) -> int:
                          f"{ck['method']}: drop --method to evaluate it as {ck['method']}")
     if args.adapter and not args.method:
         print(f"[qerl] method {ck['method']}: the checkpoint's ({args.adapter})")
-    method = args.method or ck.get("method") or "bf16"
+    method = args.method or ck.get("method") or (base.method if args.config else "bf16")
     bare = method in table_bases()
     if bare and args.adapter:
         raise ValueError(f"--method {method} is a bare base format (no adapter); to load --adapter give a method "
                          f"such as {method}_lora")
     policy = {k: ck[k] for k in ("lora_rank", "lora_alpha", "lora_dropout", "train_norms") if k in ck}
-    base = make_config(args.profile)
-    settings = eval_settings(base)
     model = args.model or ck.get("model") or base.model
-    for k in settings:
-        if getattr(args, k, None) is not None:
-            settings[k] = getattr(args, k)
     cfg = TrainConfig(model=model, **parse_method(method_name(method) if bare else method), **policy)
     model, tok, _, info = build_policy(cfg, lora=not bare)
     if args.adapter:
         load_trainable(args.adapter, model)
-    res = evaluate_datasets(model, tok, seed=args.seed, **settings)
+    res = evaluate_datasets(model, tok, seed=args.seed, records=records, **settings)
     for d, r in res.items():
         se = f" +- {r['accuracy_stderr']:.4f} (s.e. over problems)" if r["accuracy_stderr"] is not None else ""
         print(f"{d}: pass@1 {r['accuracy']:.4f}{se}, {r['num_problems']} problems x {r['samples']} samples")

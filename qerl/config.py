@@ -197,7 +197,7 @@ class TrainConfig:
     output_dir: str = "runs/default"  # run folder: config.json, metrics.jsonl, summary.json, checkpoints/, reward.png, wandb/
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
     save_total_limit: int = 0  # keep at most N checkpoints, the newest (0 = all); the last complete one is never deleted
-    resume_from: str | None = None  # a checkpoint folder, or "auto" = the latest in output_dir
+    resume_from: str | None = None  # a checkpoint folder, or "auto" = the latest in output_dir (none there: starts at step 1 and says so)
     wandb_mode: str | None = None  # offline | online | disabled (None: $WANDB_MODE, else offline)
     wandb_project: str | None = None  # W&B project (None: $WANDB_PROJECT, else qerl)
     wandb_entity: str | None = None  # W&B entity (None: $WANDB_ENTITY, else your default)
@@ -384,12 +384,16 @@ TABLE4_BIGMATH = dict(dataset="bigmath", num_generations=16, prompts_per_step=8,
 
 def eval_settings(cfg) -> dict:
     """The evaluation settings of a run config (``evaluate_datasets`` keywords, also the ``eval`` CLI's
-    flag names): the trainer, ``python -m qerl eval --profile P`` and the experiment scripts use these."""
-    return dict(datasets=tuple(cfg.eval_datasets), limit=cfg.eval_limit, samples=cfg.eval_samples,
+    flag names): the trainer, ``python -m qerl eval --profile P`` and the experiment scripts use these.
+    Your own evaluation files are read with the run's prompt_column / answer_column, and every prompt gets
+    the run's prompt_suffix and chat template, as in training. Greedy: one sample per problem."""
+    return dict(datasets=tuple(cfg.eval_datasets), limit=cfg.eval_limit, samples=1 if cfg.eval_greedy else cfg.eval_samples,
                 temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, greedy=cfg.eval_greedy,
                 max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
                 batch_size=cfg.eval_batch_size or max(cfg.micro_batch_size, 8), engine=cfg.engine, data_dir=cfg.data_dir,
-                arith_levels=tuple(cfg.arith_levels), max_prompt_length=cfg.max_prompt_length)
+                arith_levels=tuple(cfg.arith_levels), max_prompt_length=cfg.max_prompt_length,
+                prompt_column=cfg.prompt_column, answer_column=cfg.answer_column, prompt_suffix=cfg.prompt_suffix,
+                chat_template=cfg.chat_template)
 
 
 def make_config(profile: str = "small", method: str | None = None, **overrides) -> TrainConfig:
@@ -529,6 +533,14 @@ def read_config_file(path) -> dict:
         k = TRL_ALIASES.get(k, k)
         if k in ("profile", "method"):
             out[k] = None if value is None else str(value)
+            if k == "method" and out[k] is not None:
+                try:
+                    parse_method(out[k])
+                except ValueError as exc:
+                    raise ValueError(f"{p}: method: {exc}") from None
+            if k == "profile" and out[k] is not None and out[k] not in (*PROFILES, "custom"):
+                raise ValueError(f"{p}: profile: unknown profile {out[k]!r}; expected one of "
+                                 f"{(*PROFILES, 'custom')}")
             continue
         if k not in fields:
             near = difflib.get_close_matches(k, sorted(fields | set(TRL_ALIASES)), n=1)
@@ -555,6 +567,13 @@ def resolve_config(config_file=None, profile: str | None = None, method: str | N
     flags = {k: v for k, v in flags.items() if v is not None}
     if "reward" in flags and "reward_weights" not in flags:  # new reward functions: the file's weights were for others
         file.pop("reward_weights", None)
-    if method is not None:
+    try:
         return make_config(profile, method=method, **{**file, **flags})
-    return make_config(profile, **{**file, **flags})
+    except ValueError as exc:
+        if not file:
+            raise
+        try:  # the file's settings on their own: when they fail too, the file is what to fix
+            make_config(profile, **file)
+        except ValueError as own:
+            raise ValueError(f"{config_file}: {own}") from None
+        raise exc from None

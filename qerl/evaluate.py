@@ -28,15 +28,18 @@ from qerl.rollout import make_engine
 @torch.no_grad()
 def evaluate(model, tokenizer, records: list[dict], samples: int = 1, temperature: float = 0.6, top_p: float = 0.95,
              greedy: bool = False, max_new_tokens: int = 512, batch_size: int = 32, seed: int = 0,
-             max_prompt_length: int = 1024, desc: str = "eval", engine: str = "auto") -> dict:
-    """pass@1 over ``samples`` samples per problem (greedy: one deterministic sample)."""
+             max_prompt_length: int = 1024, desc: str = "eval", engine: str = "auto", prompt_suffix: str = "paper",
+             chat_template: bool = True) -> dict:
+    """pass@1 over ``samples`` samples per problem (greedy: one deterministic sample). Prompts are built as
+    in training: ``prompt_suffix`` (TrainConfig.prompt_suffix: "paper", "" or a text) and ``chat_template``."""
     if samples < 1:
         raise ValueError("samples must be >= 1")
     samples = 1 if greedy else samples
     engine = make_engine(model, tokenizer, kind=engine)
     was_training = model.training
     model.eval()
-    kept, skipped = qdata.tokenize_prompts(records, tokenizer, max_prompt_length)
+    kept, skipped = qdata.tokenize_prompts(records, tokenizer, max_prompt_length, chat_template,
+                                           qdata.prompt_suffix(prompt_suffix))
     items = [(r["prompt_ids"], r["answer"]) for r in kept for _ in range(samples)]
     acc, fmt, lens, unparsed = [], [], [], 0
     for s in tqdm(range(0, len(items), batch_size), desc=desc, leave=False):
@@ -80,16 +83,29 @@ def summary_entries(prefix: str, results: dict[str, dict]) -> dict:
     return {f"{prefix}/{d}/{k}": r[k] for d, r in results.items() for k in keys if k in r}
 
 
-def evaluate_datasets(model, tokenizer, datasets, limit: int = 0, data_dir=None, seed: int = 0,
-                      arith_levels=None, **kw) -> dict[str, dict]:
-    """Evaluate on the test split of each dataset; returns {dataset: result}."""
+def eval_records(name: str, limit: int = 0, data_dir=None, seed: int = 0, arith_levels=None,
+                 prompt_column: str | None = None, answer_column: str | None = None) -> list[dict]:
+    """The test split of one evaluation dataset: a built-in name, or your own file, folder or hub id
+    (qerl.data.load_user_split), whose fields ``prompt_column`` and ``answer_column`` name (the gold answer
+    is needed: the built-in reward scores it)."""
     from qerl.config import TrainConfig
 
     arith_levels = arith_levels if arith_levels is not None else TrainConfig.arith_levels
+    extra = ({"levels": tuple(arith_levels)} if name == "arith" else {} if name in qdata.DATASETS
+             else {"prompt_column": prompt_column, "answer_column": answer_column})
+    return qdata.load_dataset_split(name, "test", data_dir=data_dir, seed=seed, limit=limit or None, **extra)
+
+
+def evaluate_datasets(model, tokenizer, datasets, limit: int = 0, data_dir=None, seed: int = 0,
+                      arith_levels=None, prompt_column: str | None = None, answer_column: str | None = None,
+                      records: dict[str, list[dict]] | None = None, **kw) -> dict[str, dict]:
+    """Evaluate on the test split of each dataset (``eval_records``; ``records``: {name: records} read
+    already, e.g. before the model loaded); returns {dataset: result}."""
     out = {}
     for name in datasets:
-        extra = {"levels": tuple(arith_levels)} if name == "arith" else {}
-        recs = qdata.load_dataset_split(name, "test", data_dir=data_dir, seed=seed, limit=limit or None, **extra)
+        recs = (records or {}).get(name)
+        if recs is None:
+            recs = eval_records(name, limit, data_dir, seed, arith_levels, prompt_column, answer_column)
         out[name] = evaluate(model, tokenizer, recs, seed=seed, desc=f"eval {name}", **kw)
     return out
 

@@ -182,6 +182,33 @@ class RunLogger:
                 self.wandb = wandb.init(project=project, entity=entity, group=group, name=name or self.dir.name,
                                         tags=list(tags) or None, dir=str(wdir), mode=wandb_mode, config=self.config,
                                         reinit="finish_previous", id=run_id, resume="allow" if resume else None)
+                if resume:
+                    self._relog_missing(wdir / "wandb", run_id)
+
+    def _relog_missing(self, wandb_root: Path, run_id: str) -> None:
+        """A resumed run: log again into this W&B segment the metrics.jsonl rows (already cut back to the
+        checkpoint) that the earlier segments' W&B files lack. A killed process loses the steps W&B had not
+        yet written; without this the W&B history of the run would have a gap there. W&B takes steps in
+        increasing order only, so rows at or below the last step W&B holds cannot be logged again: one line
+        names them (their values stay in metrics.jsonl)."""
+        try:
+            current = Path(self.wandb.dir).resolve().parent
+        except (AttributeError, TypeError):
+            current = None
+        logged = wandb_logged_steps(wandb_root, run_id, exclude=current)
+        rows = read_metrics(self.metrics_path) if self.metrics_path.is_file() else []
+        last = max(logged, default=-1)
+        again = [r for r in rows if r["step"] > last]
+        lost = sorted({r["step"] for r in rows if r["step"] <= last and r["step"] not in logged})
+        for r in again:
+            self.wandb.log({wandb_key(k): v for k, v in r.items() if v is not None and k != "step"}, step=r["step"])
+        if again:
+            steps = sorted({r["step"] for r in again})
+            print(f"[qerl] W&B: steps {_ranges(steps)} were in metrics.jsonl but not in the W&B files of the stopped "
+                  f"run; logged them again")
+        if lost:
+            print(f"[qerl] W&B: steps {_ranges(lost)} are in metrics.jsonl but not in the W&B history (W&B takes "
+                  f"steps in order only)")
 
     def log(self, metrics: dict, step: int):
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -245,7 +272,7 @@ def run_report(run_dir: str | os.PathLike) -> str:
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     parts = []
     for key in sorted(k for k in summary if k.startswith("eval/") and k.endswith("/accuracy")):
-        d = key.split("/")[1]
+        d = key.removeprefix("eval/").removesuffix("/accuracy")  # your own files may have "/" in their names
         before = summary.get(f"eval_before/{d}/accuracy")
         n = summary.get(f"eval/{d}/num_problems")
         parts.append(f"{d} accuracy {before:.3f} -> {summary[key]:.3f}" if before is not None
@@ -292,6 +319,64 @@ def _wandb_records(path: Path) -> list[bytes]:
             payloads.append(buf)
             buf = b""
     return payloads
+
+
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    out, start = [], None
+    for i, s in enumerate(steps):
+        if start is None:
+            start = s
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(f"{start}-{s}" if s != start else f"{s}")
+            start = None
+    return ", ".join(out)
+
+
+def wandb_logged_steps(wandb_root: str | os.PathLike, run_id: str, exclude: Path | None = None) -> set[int]:
+    """The steps of W&B run ``run_id`` in its run files under ``wandb_root`` (<dir>/wandb: one folder per
+    segment, offline-run-* or run-*), read as they are: a file cut off by a killed process gives the
+    records it holds."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    steps: set[int] = set()
+    for f in Path(wandb_root).glob(f"*-{run_id}/run-{run_id}.wandb"):
+        if exclude is not None and f.parent.resolve() == exclude:
+            continue
+        try:
+            payloads = _wandb_records(f)
+        except (OSError, ValueError):
+            continue
+        for raw in payloads:
+            try:
+                rec = pb.Record.FromString(raw)
+            except Exception:  # noqa: BLE001 - the record a kill cut in half
+                continue
+            if rec.WhichOneof("record_type") == "history":
+                items = {i.key: i.value_json for i in rec.history.item}
+                steps.add(int(json.loads(items["_step"])) if "_step" in items else rec.history.step.num)
+    return steps
+
+
+def read_wandb_history(run_dir: str | os.PathLike) -> list[dict]:
+    """The W&B history of a run folder over all its segments (a resumed run writes one W&B run file per
+    process, all with the id in <run_dir>/wandb_run_id), in step order; each step's entries merged."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    run_dir = Path(run_dir)
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    by_step: dict[int, dict] = {}
+    for f in sorted((run_dir / "wandb").glob(f"*-{run_id}/run-{run_id}.wandb")):
+        for raw in _wandb_records(f):
+            try:
+                rec = pb.Record.FromString(raw)
+            except Exception:  # noqa: BLE001 - the record a kill cut in half
+                continue
+            if rec.WhichOneof("record_type") == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                step = int(row.get("_step", rec.history.step.num))
+                by_step.setdefault(step, {}).update(row)
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def read_wandb_offline(run_dir: str | os.PathLike, wait_s: float = 30.0) -> dict:

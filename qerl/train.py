@@ -441,6 +441,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
             if incomplete:
                 qdist.print0(f"[qerl] skipped incomplete checkpoints (saves cut off before their manifest): "
                              f"{', '.join(str(p) for p in incomplete)}")
+            if resume is None:  # the documented choice: start fresh, and say so (experiments pass auto to new runs)
+                qdist.print0(f"[qerl] --resume-from auto: no checkpoint in {out / 'checkpoints'}; starting at step 1")
         else:
             resume = Path(cfg.resume_from)
             if not resume.is_dir():

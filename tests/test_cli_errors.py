@@ -238,3 +238,140 @@ def test_a_missing_package_names_its_install_command(capsys, monkeypatch, tmp_pa
     rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--output-dir", tmp_path / "r")
     assert rc == 2
     assert_one_line_error(rc, err, "'pyyaml'", "pip install pyyaml")
+
+
+# ----------------------------------------------------------------------------- issue 39: every mistake one line
+def _parsers():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return [parser, *sub.choices.values()]
+
+
+def test_no_parser_takes_abbreviations():
+    assert all(p.allow_abbrev is False for p in _parsers())
+    # the experiment and benchmark scripts too: every ArgumentParser( in the repository says allow_abbrev=False
+    import re
+
+    calls = [(f, m.group(0)) for d in ("qerl", "experiments", "benchmarks") for f in sorted((ROOT / d).rglob("*.py"))
+             for m in re.finditer(r"ArgumentParser\([^)]*", f.read_text())]
+    assert calls and not [(str(f), c) for f, c in calls if "allow_abbrev=False" not in c]
+
+
+@pytest.mark.parametrize("argv,flag,near", [
+    (["train", "--max-step", "3"], "--max-step", "--max-steps"),
+    (["train", "--num-generation", "4"], "--num-generation", "--num-generations"),
+    (["eval", "--adapt", "x"], "--adapt", "--adapter"),
+    (["export", "--adapter", "a", "--out", "b", "--merg"], "--merg", "--merge"),
+    (["quantize", "--model", "m", "--form", "nvfp4", "--out", "o"], "--form", "--format"),
+    (["generate", "--adapter", "a", "--prompt-col", "q"], "--prompt-col", "--prompt-column"),
+])
+def test_an_abbreviation_is_an_unknown_flag(capsys, argv, flag, near):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert_one_line_error(2, err, f"unrecognized arguments: {flag}", f"did you mean {near}?",
+                          f"(see: python -m qerl {argv[0]} --help)")
+
+
+def test_the_installed_command_has_the_working_folder_on_its_path(tmp_path, monkeypatch):
+    """What `qerl` (the console script) lacks and `python -m qerl` has: the folder it is run from."""
+    from qerl.cli import working_dir_on_path
+    from qerl.rewards import import_reward
+
+    (tmp_path / "cwd_rewards_39.py").write_text("def f(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    with pytest.raises(ValueError, match="cannot import module 'cwd_rewards_39'"):
+        import_reward("cwd_rewards_39:f")
+    working_dir_on_path()
+    assert sys.path[-1] == str(tmp_path)
+    assert import_reward("cwd_rewards_39:f")([], ["a"]) == [0.0]
+    working_dir_on_path()  # once only
+    assert sys.path.count(str(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("method: nvfp5\n", "unknown method 'nvfp5'"),
+    ("profile: tiny\n", "unknown profile 'tiny'"),
+    ("learning_rate: -1\n", "learning_rate"),
+    ("method: nvfp4_lora\nlora: false\n", "full fine-tuning (lora=False) needs the bf16 base"),
+    ("loss_type: ppo\n", "loss_type"),
+])
+def test_a_yaml_value_error_names_the_file(capsys, tmp_path, text, needle):
+    cfg = tmp_path / "task.yaml"
+    cfg.write_text(text)
+    rc, _, err = run_cli(capsys, "train", "--config", cfg, "--output-dir", tmp_path / "r")
+    line = assert_one_line_error(rc, err, needle)
+    assert rc == 2 and line.startswith(f"error: {cfg}: "), line
+
+
+def test_a_flag_value_error_does_not_blame_the_file(capsys, tmp_path):
+    cfg = tmp_path / "task.yaml"
+    cfg.write_text("learning_rate: 1.0e-5\n")
+    rc, _, err = run_cli(capsys, "train", "--config", cfg, "--learning-rate", "-1", "--output-dir", tmp_path / "r")
+    line = assert_one_line_error(rc, err, "learning_rate (--learning-rate) must be > 0")
+    assert str(cfg) not in line
+
+
+def test_an_output_dir_under_a_file_names_the_option(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    out = tmp_path / "notes.txt" / "run"
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--output-dir", out)
+    line = assert_one_line_error(rc, err, f"--output-dir {out}:", "is a file, not a folder")
+    assert rc == 2 and "Errno" not in line
+    cfg = tmp_path / "task.yaml"  # set in a config file: the same option named
+    cfg.write_text(f"output_dir: {out}\n")
+    rc, _, err = run_cli(capsys, "train", "--config", cfg)
+    assert_one_line_error(rc, err, f"--output-dir {out}:", "is a file")
+    rc, _, err = run_cli(capsys, "eval", "--out", tmp_path / "notes.txt" / "eval.json", "--limit", "1")
+    assert_one_line_error(rc, err, f"--out {tmp_path / 'notes.txt' / 'eval.json'}:", "is a file")
+
+
+def test_a_read_only_output_dir_names_the_option(capsys, tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if Path(p) == ro else real(p, mode, *a, **k))
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--output-dir", ro / "run")
+    assert_one_line_error(rc, err, f"--output-dir {ro / 'run'}:", f"cannot write in {ro}", "read-only file system")
+
+
+def test_an_os_error_later_names_the_option_it_comes_from(capsys, tmp_path, monkeypatch):
+    """An OSError the early checks could not foresee (the disk turned read-only mid-run): the option whose
+    path it is, then the error as the OS says it."""
+    import errno
+
+    import qerl.train
+
+    out = tmp_path / "r"
+
+    def read_only(cfg):
+        raise OSError(errno.EROFS, "Read-only file system", str(out / "checkpoints" / "step-2"))
+
+    monkeypatch.setattr(qerl.train, "train", read_only)
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--output-dir", out)
+    line = assert_one_line_error(rc, err, f"--output-dir {out}: [Errno 30] Read-only file system")
+    assert rc == 2 and line.count("--output-dir") == 1
+
+
+def test_eval_of_a_truncated_checkpoint_points_at_adapter(capsys, tmp_path, tiny_llama_dir):
+    from qerl.config import make_config
+    from qerl.train import train
+
+    train(make_config("smoke", model=str(tiny_llama_dir), method="bf16_lora", output_dir=str(tmp_path / "run"),
+                      eval_datasets=(), max_steps=1, max_completion_length=4, max_prompt_length=512,
+                      wandb_mode="disabled"))
+    f = tmp_path / "run" / "checkpoints" / "step-1" / "trainable.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    rc, _, err = run_cli(capsys, "eval", "--adapter", f.parent, "--limit", "1", "--engine", "hf")
+    line = assert_one_line_error(rc, err, str(f), "truncated or corrupt", f"(--adapter {f.parent.parent}/step-N)")
+    assert "--resume-from" not in line
+
+
+def test_a_bad_evaluation_file_fails_before_the_model_loads(capsys, tmp_path):
+    bad = tmp_path / "held_out.jsonl"
+    bad.write_text('{"question_text": "w1 w2", "vowel_count": 2}\n')
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--model", tmp_path / "no-such-model",
+                         "--eval-datasets", bad, "--prompt-column", "question_text", "--output-dir", tmp_path / "r")
+    assert_one_line_error(rc, err, f"{bad}:1", "no 'answer' field", "--answer-column")

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from qerl import cli
 from qerl import rewards as qrewards
-from qerl.cli_train import eval_flags
+from qerl.cli_train import eval_flags, eval_settings_of
 from qerl.config import PROFILES, eval_settings, make_config
 from qerl.evaluate import evaluate, pass_at_1
 from qerl.train import build_policy, load_trainable, read_checkpoint_config, train
@@ -50,14 +50,29 @@ def test_profiles_evaluate_with_at_least_8_samples():
         make_config("smoke", eval_samples=0)
 
 
-def test_eval_flags_round_trip_through_the_eval_cli():
+@pytest.mark.parametrize("kw", [
+    dict(eval_samples=5, eval_datasets=("arith", "gsm8k"), data_dir="DATA", eval_greedy=True),
+    dict(eval_samples=3, eval_datasets=("tasks.jsonl",), prompt_column="q", answer_column="a", prompt_suffix="",
+         chat_template=False),
+])
+def test_eval_flags_round_trip_through_the_eval_cli(kw):
     """The experiment scripts turn eval_settings into `eval` flags; the CLI reads them back unchanged."""
-    cfg = make_config("small", eval_samples=5, eval_datasets=("arith", "gsm8k"), data_dir="DATA", eval_greedy=True)
-    settings = eval_settings(cfg)
+    settings = eval_settings(make_config("small", **kw))
     args = cli.build_parser().parse_args(["eval", *eval_flags(settings)])
-    for k, v in settings.items():
-        got = getattr(args, k)
-        assert (tuple(got) if isinstance(got, list) else got) == v, k
+    _, got = eval_settings_of(args)
+    assert got == settings
+    # the default prompt settings are not spelled out: the experiments' eval commands stay as they were
+    assert "--prompt-suffix" not in eval_flags(eval_settings(make_config("small")))
+
+
+def test_greedy_evaluation_records_one_sample():
+    """--greedy over a profile of 8 samples: the settings (and the eval JSON) say 1; --samples 8 --greedy is refused."""
+    args = cli.build_parser().parse_args(["eval", "--profile", "small", "--greedy"])
+    assert eval_settings_of(args)[1]["samples"] == 1
+    assert eval_settings(make_config("small", eval_greedy=True))["samples"] == 1
+    args = cli.build_parser().parse_args(["eval", "--greedy", "--samples", "8"])
+    with pytest.raises(ValueError, match="--samples 8 with --greedy"):
+        eval_settings_of(args)
 
 
 def test_evaluate_reports_problems_samples_and_stderr(monkeypatch):
