@@ -91,6 +91,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "default: the profile's, else nvfp4_lora_aqn)")
     p.add_argument("--report-to", "--report_to", default=None, nargs="+", metavar="TARGET",
                    help="TRL's report_to: wandb (default) or none (= --wandb-mode disabled)")
+    p.add_argument("--dry-run", "--dry_run", action="store_true", default=False,
+                   help="print the resolved config (JSON) and what it runs, then exit without training")
     hints = typing.get_type_hints(TrainConfig)
     docs = _field_docs()
     aliases: dict[str, list[str]] = {}
@@ -134,6 +136,12 @@ def run_train(args: argparse.Namespace) -> int:
         from qerl.rewards import RewardSet
 
         RewardSet.from_config(cfg)  # a module:function that does not import fails here, before the model loads
+        if getattr(args, "dry_run", False):
+            from qerl.config import describe
+
+            print(json.dumps(cfg.to_dict(), indent=1, default=str))
+            print("\n".join(describe(cfg)))
+            return 0
         summary = train(cfg)
     except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
