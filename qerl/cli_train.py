@@ -92,7 +92,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-to", "--report_to", default=None, nargs="+", metavar="TARGET",
                    help="TRL's report_to: wandb (default) or none (= --wandb-mode disabled)")
     p.add_argument("--dry-run", "--dry_run", action="store_true", default=False,
-                   help="print the resolved config (JSON) and what it runs, then exit without training")
+                   help="print the resolved config (JSON) and what it runs, then exit without training (default: off)")
     hints = typing.get_type_hints(TrainConfig)
     docs = _field_docs()
     aliases: dict[str, list[str]] = {}
