@@ -14,7 +14,7 @@ endef
 
 .PHONY: help setup quickstart test test-gpu test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
 	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
-	train-ddp dist-check aqn-paired
+	train-ddp dist-check aqn-paired aqn-equivalence
 
 help:
 	@grep -E '^[a-z0-9%-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -92,8 +92,13 @@ fig8: ## Fig. 8: AQN ablation (NVFP4 LoRA with / without AQN)
 # The pre-registered paired AQN experiment (results/aqn_paired/PLAN.md): 16 seeds x 2 arms + the exploratory
 # arm, AQN_PARALLEL runs sharing one GPU, then table.csv, the figure and NOTES.md in results/aqn_paired/small/.
 AQN_PARALLEL ?= 12
+AQN_PER_GPU ?= 12
+GPUS ?= $(shell $(PY) -c "import torch;print(' '.join(map(str, range(max(1, torch.cuda.device_count())))))" 2>/dev/null || echo 0)
 aqn-paired: ## the paired AQN experiment (PLAN.md): 32 runs + the exploratory arm on one GPU, then the analysis
 	$(PY) -m experiments.aqn_paired --profile $(PROFILE) --parallel $(AQN_PARALLEL) $(ARGS)
+
+aqn-equivalence: ## the AQN equivalence test (results/aqn_equivalence/PLAN.md): 128 pairs over GPUS x AQN_PER_GPU, then the analysis
+	$(PY) -m experiments.aqn_equivalence --gpus $(GPUS) --per-gpu $(AQN_PER_GPU) $(ARGS)
 
 fig9: ## Fig. 9: AQN noise schedulers (exponential, linear, cosine, logarithmic)
 	$(call EXP,fig9_noise_schedulers)

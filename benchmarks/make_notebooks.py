@@ -69,6 +69,26 @@ CELLS = {
         "    display(Image(str(paired / 'paired_differences.png')))\n"
         "else:\n"
         "    print('no results/aqn_paired/small/table.csv here: run `make aqn-paired` on a GPU')",
+        "### How to read the secondary rows\n"
+        "- The log-prob gap rises with AQN in 16 of 16 seeds by construction: the noise is on in the rollout only, "
+        "and the gap is measured against the clean training forward. It shows that the noise is active, not a "
+        "mechanism by which AQN would help.\n"
+        "- The sampling entropy +0.09 (stage 1: t p = 0.028, sign p = 0.077) is an uncorrected secondary "
+        "endpoint, one of eight stage tests (gap and entropy, stages 1-4) with no multiplicity correction; "
+        "stages 2-4 are null.\n"
+        "- Upstream (NVlabs/QeRL) may run without AQN: it adds the noise to vLLM's model, whose RMSNorm class "
+        "is neither transformers class its isinstance test names. A reading of the code, not a run "
+        "(`docs/upstream.md`, finding 6).",
+        "## Is AQN equivalent to no AQN within 0.02? (`results/aqn_equivalence/`)\n"
+        "16 pairs have 80% power only for effects of about 0.057 or more. The equivalence test committed its "
+        "plan first (`results/aqn_equivalence/PLAN.md`): the same settings, at least 120 paired seeds, TOST with "
+        "margin +-0.02 on final pass@1; verdict: AQN helps, AQN hurts, equivalent within 0.02, or undecided.",
+        "equiv = plots.RESULTS / 'aqn_equivalence' / 'small'\n"
+        "if (equiv / 'table.csv').is_file():\n"
+        "    display(pd.read_csv(equiv / 'table.csv'))\n"
+        "    display(Image(str(equiv / 'paired_differences.png')))\n"
+        "else:\n"
+        "    print('no results/aqn_equivalence/small/table.csv here: not run yet (make aqn-equivalence, multi-GPU)')",
     ],
     "entropy": [
         "# Token entropy during RL (Fig. 5)\n`entropy` is measured in the training forward pass, "

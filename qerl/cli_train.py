@@ -90,6 +90,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "default: the profile's, else nvfp4_lora_aqn)")
     p.add_argument("--report-to", "--report_to", default=None, nargs="+", metavar="TARGET",
                    help="TRL's report_to: wandb (default) or none (= --wandb-mode disabled)")
+    p.add_argument("--dry-run", "--dry_run", action="store_true", default=False,
+                   help="print the resolved config (JSON) and what it runs, then exit without training (default: off)")
     hints = typing.get_type_hints(TrainConfig)
     docs = _field_docs()
     aliases: dict[str, list[str]] = {}
@@ -158,6 +160,12 @@ def run_train(args: argparse.Namespace) -> int:
         for d in (d for d in cfg.eval_datasets if d not in DATASETS):  # so does your own evaluation file
             eval_records(d, settings["limit"], cfg.data_dir, cfg.seed, cfg.arith_levels, cfg.prompt_column,
                          cfg.answer_column)
+        if getattr(args, "dry_run", False):
+            from qerl.config import describe
+
+            print(json.dumps(cfg.to_dict(), indent=1, default=str))
+            print("\n".join(describe(cfg)))
+            return 0
         summary = train(cfg)
     except (NonFiniteError, RolloutGapError) as exc:  # a run stopped on purpose: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)

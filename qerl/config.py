@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from qerl import formats
 
 NOISE_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+# How AQN's noise reaches the norms (qerl.noise.AQN_MODES): "restored" (the paper's description, the
+# default) or "upstream" (what NVlabs/QeRL's noise_scheduler.py does; docs/upstream.md).
+AQN_MODES = ("restored", "upstream")
 # The formats of the paper's two 4-bit roles (the registry's): QeRL's NVFP4, QLoRA's NF4.
 QERL_FORMAT = formats.QERL_FORMAT
 QLORA_FORMAT = formats.QLORA_FORMAT
@@ -91,7 +94,7 @@ RANGES: dict[str, tuple] = {
     "max_prompt_length": (1, True, None, False), "num_generations": (2, True, None, False),
     "prompts_per_step": (1, True, None, False), "max_completion_length": (1, True, None, False),
     "temperature": (0, False, None, False), "top_p": (0, False, 1, True), "top_k": (0, True, None, False),
-    "max_steps": (1, True, None, False), "num_iterations": (1, True, None, False), "mini_batch_size": (0, True, None, False),
+    "max_steps": (1, True, None, False), "num_train_epochs": (0, True, None, False), "num_iterations": (1, True, None, False), "mini_batch_size": (0, True, None, False),
     "micro_batch_size": (1, True, None, False), "learning_rate": (0, False, None, False),
     "weight_decay": (0, True, None, False), "warmup_ratio": (0, True, 1, True), "max_grad_norm": (0, False, None, False),
     "beta": (0, True, None, False), "epsilon": (0, True, 1, True), "epsilon_high": (0, True, None, False),
@@ -152,6 +155,7 @@ class TrainConfig:
     top_k: int = 0  # rollout top-k sampling (0 = off)
     # ---- optimisation
     max_steps: int = 100  # rollout steps
+    num_train_epochs: float = 0.0  # TRL's num_train_epochs: > 0 replaces max_steps by floor(epochs x training prompts / prompts_per_step); 0 = max_steps
     num_iterations: int = 1  # policy updates per rollout (paper: 4 on GSM8K, 1 on BigMath)
     mini_batch_size: int = 0  # completions per optimizer step; 0 = the whole rollout
     micro_batch_size: int = 16  # completions per forward/backward (gradient accumulation inside a mini-batch)
@@ -170,9 +174,9 @@ class TrainConfig:
     scale_rewards: str = "group"  # group | batch | none
     mask_truncated_completions: bool = False  # no loss on completions cut at max_completion_length
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (no resampling here; counted)
-    reward: tuple[str, ...] = ("math_verify",)  # reward functions: math_verify | official_exact (qerl.rewards) or module:function (TRL's signature)
+    reward: tuple[str, ...] = ("math_verify",)  # reward functions: math_verify | official_exact | upstream (qerl.rewards) or module:function (TRL's signature)
     reward_weights: tuple[float, ...] = ()  # one weight per reward function (empty: 1.0 each; TRL's reward_weights)
-    format_reward_weight: float | None = None  # reward = accuracy + w * format; None: 0 (math_verify), 0.2 (official_exact)
+    format_reward_weight: float | None = None  # reward = accuracy + w * format; None: 0 (math_verify), 0.2 (official_exact, upstream)
     # ---- broken-rollout guard (runs without AQN): stop when sampling/logprob_gap stays above the limit
     max_logprob_gap: float = 0.2  # nats, mean |rollout - training| log-prob over completion tokens
     max_logprob_gap_steps: int = 3  # consecutive steps above it before stopping; 0 = no check
@@ -181,6 +185,7 @@ class TrainConfig:
     sigma_end: float = 5e-4  # AQN noise std of the last stage; paper Table 4: 5e-4 (official scripts 1e-4)
     num_stages: int = 10  # AQN stages K (stage 0 is noise-free)
     noise_schedule: str = "exponential"  # AQN sigma decay: exponential | linear | cosine | logarithmic
+    aqn_mode: str = "restored"  # restored = fresh noise per rollout, clean weights restored (paper); upstream = NVlabs/QeRL's in-place, accumulating bf16 noise on every RMSNorm (docs/upstream.md)
     # ---- evaluation
     eval_datasets: tuple[str, ...] = ("arith",)  # evaluated before and after training: built-in names or your own test files (none: no evaluation)
     eval_limit: int = 200  # problems per eval dataset (0 = all)
@@ -223,6 +228,8 @@ class TrainConfig:
             raise ValueError(f"scale_rewards must be group|batch|none, got {self.scale_rewards!r}")
         if self.noise_schedule not in NOISE_SCHEDULES:
             raise ValueError(f"noise_schedule must be one of {NOISE_SCHEDULES}, got {self.noise_schedule!r}")
+        if self.aqn_mode not in AQN_MODES:
+            raise ValueError(f"aqn_mode must be one of {AQN_MODES}, got {self.aqn_mode!r}")
         if self.optim not in ("adamw", "adamw_8bit"):
             raise ValueError(f"optim must be adamw|adamw_8bit, got {self.optim!r}")
         if self.lr_scheduler not in ("cosine", "constant"):
@@ -260,7 +267,8 @@ class TrainConfig:
         self.reward_weights = tuple(float(w) for w in self.reward_weights)
         check_reward_names(self.reward, self.reward_weights)
         if self.format_reward_weight is None:
-            self.format_reward_weight = OFFICIAL_FORMAT_REWARD if "official_exact" in self.reward else 0.0
+            exact = "official_exact" in self.reward or "upstream" in self.reward
+            self.format_reward_weight = OFFICIAL_FORMAT_REWARD if exact else 0.0
         self.wandb_tags = (self.wandb_tags,) if isinstance(self.wandb_tags, str) else tuple(self.wandb_tags)
         if self.train_norms and not self.lora:
             raise ValueError("train_norms is for the LoRA methods: bf16_full already trains every weight")
@@ -292,7 +300,7 @@ class TrainConfig:
         from qerl.noise import AQNConfig
 
         return AQNConfig(enabled=self.aqn, sigma_start=self.sigma_start, sigma_end=self.sigma_end,
-                         num_stages=self.num_stages, schedule=self.noise_schedule, seed=self.seed)
+                         num_stages=self.num_stages, schedule=self.noise_schedule, seed=self.seed, mode=self.aqn_mode)
 
     @property
     def rollout_batch_size(self) -> int:
@@ -344,30 +352,45 @@ PROFILES: dict[str, dict] = {
                   temperature=1.0, sigma_start=1e-2, sigma_end=5e-4, num_stages=10, eval_limit=0, eval_samples=8,
                   eval_temperature=0.6, eval_top_p=0.95, save_every=50),
 }
-# The official NVlabs/QeRL training scripts (GRPO on GSM8K) as overrides on the paper profile. Read in the
-# official code's mirror vukrosic/QeRL-learn (the index holds only eval/gsm8k.py of NVlabs/QeRL itself):
-# training/dapo_qwen2.5-{3b,7b}_nvfp4_single_gpu.sh and dapo_qwen2.5-7b_bf16_single_gpu.sh pass
-# --lora-rank 16 --lora-alpha 16 --adam-beta2 0.99 --weight-decay 0.1 --warmup-ratio 0.1 cosine
-# --max-grad-norm 0.2 --mask-truncated-completions True --ln True (norms in modules_to_save, qerl.py)
-# --sigma-start 1e-2 --sigma-end 1e-4 --num-stages 10, lr 1e-5 (bf16: 5e-6), adamw_8bit, and for GSM8K
-# max prompt 256 / completion 2048. The scripts set loss_type="bnpo", and `if loss_type == bnpo` then
-# switches rl_mode to dapo with beta 0, epsilon_high 0.28, num_iterations 1: that is what they run, and
-# so what this profile runs. Their rl_mode="grpo" values (beta 0.04, epsilon_high 0.2) are overwritten
-# by that branch and never run (reachable here with --loss-type grpo --beta 0.04 --epsilon-high 0.2).
-# The GSM8K reward: reward="official_exact" (qerl.rewards.official_exact_batch names its version).
-# Not taken from the single-GPU scripts: their batch (2 prompts x 2 generations); the paper's 16 x 8 stays.
+# The official NVlabs/QeRL training scripts (GRPO on GSM8K) as overrides on the paper profile, read in
+# NVlabs/QeRL at e8c6e79 (2025-11-27; docs/upstream.md lists every line): training/dapo_qwen2.5-{3b,7b}_nvfp4_
+# single_gpu.sh and dapo_qwen2.5-7b_bf16_single_gpu.sh pass --lora-rank 16 --lora-alpha 16 --adam-beta2 0.99
+# --weight-decay 0.1 --warmup-ratio 0.1 cosine --max-grad-norm 0.2 --mask-truncated-completions True --ln True
+# (norms in modules_to_save, qerl.py line 85) --sigma-start 1e-2 --sigma-end 1e-4 --num-stages 10, lr 1e-5
+# (bf16: 5e-6), adamw_8bit, and for GSM8K max prompt 256 / completion 2048. The scripts set loss_type="bnpo",
+# and `if loss_type == bnpo` then switches rl_mode to dapo with beta 0, epsilon_high 0.28, num_iterations 1:
+# that is what they run, and so what this profile runs. Their rl_mode="grpo" values (beta 0.04, epsilon_high
+# 0.2) are overwritten by that branch and never run (reachable here with --loss-type grpo --beta 0.04
+# --epsilon-high 0.2). The GSM8K reward: reward="official_exact" (qerl.rewards.official_exact_batch).
+# Not taken from the scripts (the `upstream` profile below takes them): their batch, 1 prompt x 2 completions
+# a step (perdevice_train_batch_size=2, --num-generations 2, gradient accumulation 1: TRL's generation batch
+# of 2 completions; 8 in the 32B script); one epoch instead of a step count; the bare-question prompt; the
+# format regex; the in-place, accumulating noise. This profile keeps the paper's 16 x 8 and qerl's prompt.
 PROFILES["official"] = {**PROFILES["paper"], **dict(
     lora_rank=16, lora_alpha=16, adam_beta2=0.99, weight_decay=0.1, warmup_ratio=0.1, lr_scheduler="cosine",
     max_grad_norm=0.2, mask_truncated_completions=True, train_norms=True, sigma_start=1e-2, sigma_end=1e-4,
     num_stages=10, learning_rate=1e-5, optim="adamw_8bit", max_prompt_length=256, max_completion_length=2048,
     loss_type="bnpo", beta=0.0, epsilon=0.2, epsilon_high=0.28, num_iterations=1, reward=("official_exact",))}
 
+# What NVlabs/QeRL at e8c6e79 runs for GSM8K (training/dapo_qwen2.5-7b_nvfp4_single_gpu.sh and its 3B/14B
+# siblings; docs/upstream.md gives every file and line), as overrides on the official profile:
+# 1 prompt x 2 completions a step (the scripts' perdevice_train_batch_size=2 with --num-generations equal to
+# it and gradient accumulation 1: one optimizer step per rollout of 2 completions), one epoch over the GSM8K
+# training set (--num-train-epochs 1: 7473 steps), the bare question as the user message (utils/data.py at
+# 4de3ce6: the system prompt is commented out), the GSM8K reward of qerl.py at e8c6e79 (reward="upstream":
+# 2.0 exact answer + 0.2 for <think>.*?</think>\s*<answer>.*?</answer>), and AQN as
+# trl_trainer/noise_scheduler.py applies it (aqn_mode="upstream": bf16 noise added in place to every RMSNorm,
+# the final norm included, accumulating over steps). Checkpoints every 50 steps, the newest 5 kept.
+PROFILES["upstream"] = {**PROFILES["official"], **dict(
+    prompts_per_step=1, num_generations=2, mini_batch_size=0, micro_batch_size=2, num_train_epochs=1.0,
+    prompt_suffix="", reward=("upstream",), aqn_mode="upstream", save_every=50, save_total_limit=5)}
 
 # Settings a profile gives one method (applied after the profile, before flags).
 PROFILE_METHOD_OVERRIDES: dict[str, dict[str, dict]] = {
     # Table 4: lr 1e-5 for QeRL / QLoRA, 5e-6 for bf16 LoRA (Appendix E: higher collapses late in training).
     "paper": {"bf16_lora": dict(learning_rate=5e-6)},
     "official": {"bf16_lora": dict(learning_rate=5e-6)},  # dapo_qwen2.5-7b_bf16_single_gpu.sh: lr=5e-6
+    "upstream": {"bf16_lora": dict(learning_rate=5e-6)},
 }
 
 # Table 4's BigMath column (Table 2, Fig. 7; DAPO), as overrides on the paper profile: 8 prompts x 16
@@ -394,6 +417,31 @@ def eval_settings(cfg) -> dict:
                 arith_levels=tuple(cfg.arith_levels), max_prompt_length=cfg.max_prompt_length,
                 prompt_column=cfg.prompt_column, answer_column=cfg.answer_column, prompt_suffix=cfg.prompt_suffix,
                 chat_template=cfg.chat_template)
+
+
+def describe(cfg: TrainConfig) -> list[str]:
+    """What a config runs, in words (``qerl train --dry-run`` prints these under the resolved config)."""
+    from qerl import rewards as qrewards
+
+    updates = cfg.num_iterations * -(-cfg.rollout_batch_size // (cfg.mini_batch_size or cfg.rollout_batch_size))
+    prompt = {"paper": "the question + the paper's think/answer instruction (Appendix E)",
+              "": "the bare question"}.get(cfg.prompt_suffix, f"the question + {cfg.prompt_suffix!r}")
+    fmt = {"upstream": f"re.search(r'{qrewards.UPSTREAM_FORMAT_PATTERN}', re.DOTALL)",
+           "official_exact": f"re.search(r'{qrewards._THINK_ANSWER_RE.pattern}', re.DOTALL)",
+           "math_verify": "qerl.rewards.format_reward (one think then one answer block, nothing else; 0.5 answer only)"}
+    builtin = next((r for r in cfg.reward if r in fmt), None)
+    lines = [
+        f"batch: {cfg.prompts_per_step} prompt{'s' * (cfg.prompts_per_step != 1)} x {cfg.num_generations} completions "
+        f"a step ({cfg.rollout_batch_size} completions), {updates} optimizer step{'s' * (updates != 1)} per rollout",
+        f"length: {cfg.num_train_epochs:g} epoch{'s' * (cfg.num_train_epochs != 1)} over the training set (max_steps "
+        f"follows from the data)" if cfg.num_train_epochs else f"length: {cfg.max_steps} steps",
+        f"prompt: {prompt}" + (", as the user message of the chat template" if cfg.chat_template else ", raw text"),
+        f"reward: {', '.join(cfg.reward)}" + (f"; format {fmt[builtin]} weighted {cfg.format_reward_weight:g}"
+                                               if builtin else ""),
+        f"aqn: {'on' if cfg.aqn else 'off'}" + (f", mode {cfg.aqn_mode}, sigma {cfg.sigma_start:g} -> {cfg.sigma_end:g} "
+                                                 f"over {cfg.num_stages} stages ({cfg.noise_schedule})" if cfg.aqn else ""),
+    ]
+    return lines
 
 
 def make_config(profile: str = "small", method: str | None = None, **overrides) -> TrainConfig:

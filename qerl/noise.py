@@ -20,6 +20,12 @@ step after step, so noise accumulates. ``noisy_norms`` keeps a copy of the clean
 copies them back when the context exits (also on an exception): the weights after the
 context are bitwise the weights before it.
 
+``aqn_mode="upstream"`` (``upstream_norms``) instead does what NVlabs/QeRL's
+trl_trainer/noise_scheduler.py does at e8c6e79 (docs/upstream.md): noise on every RMSNorm, the final
+norm included, drawn in fp32, rounded to bf16 and added in place in bf16, never removed, so it
+accumulates over steps. The rollout weights it builds live next to the model; the training forward
+still sees the clean weights, as upstream's training model does (its noise is in the vLLM copy).
+
 Precision note: a bf16 norm weight in [1, 2) has a spacing of 2**-7 (~7.8e-3), so additive
 noise much smaller than that rounds back to the clean value. Measured with ``noisy_norms`` on
 8192 bf16 channels all equal to 1.0: sigma 1e-2 changes 77% of them, 2e-3 20%, 1e-3 2.5%,
@@ -43,6 +49,9 @@ from torch import nn
 from qerl.arch import NORM_NAMES  # RMSNorms that feed q/k/v and gate/up (Llama/Qwen2/Qwen3)
 
 SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+AQN_MODES = ("restored", "upstream")
+# Seed of step k's noise vectors: seed * NOISE_SEED_STRIDE + k (both modes).
+NOISE_SEED_STRIDE = 104729
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -137,16 +146,24 @@ class AQNConfig:
     num_stages: int = field(default=10, metadata={"help": "K: number of equal stages; stage 0 is noise-free"})
     schedule: str = field(default="exponential", metadata={"help": f"sigma decay between stages: {SCHEDULES}"})
     seed: int = field(default=0, metadata={"help": "seed of the torch.Generator the noise vectors are drawn from"})
+    mode: str = field(default="restored", metadata={"help": f"how the noise reaches the norms: {AQN_MODES}"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.mode not in AQN_MODES:
+            raise ValueError(f"mode must be one of {AQN_MODES}, got {self.mode!r}")
         _check_schedule(self.num_stages, self.sigma_start, self.sigma_end, self.schedule)
 
     def sigma_at(self, step: int, total_steps: int) -> tuple[int, float]:
-        """(stage, sigma) for training step ``step``; sigma is 0.0 when AQN is disabled."""
+        """(stage, sigma) for training step ``step`` (0-based); sigma is 0.0 when AQN is disabled.
+
+        Mode "upstream" counts steps from 1, as upstream's ``update_step`` does when the noise is drawn
+        (replacement/trainer.py line 2626 increments it before the step runs), so its stages start one
+        step earlier."""
+        step = step + 1 if self.mode == "upstream" else step
         stage = stage_for_step(step, total_steps, self.num_stages)
         if not self.enabled:
             return stage, 0.0
@@ -243,3 +260,122 @@ def keep_norms_fp32(model: nn.Module) -> int:
             module.register_forward_hook(lambda m, inp, out: out.to(inp[0].dtype))
             n += 1
     return n
+
+
+# ----------------------------------------------------------------------------- upstream mode
+
+def find_all_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every RMSNorm upstream's noise reaches: the decoder layers' ``NORM_NAMES`` and the
+    final norm (a module named ``norm`` with a 1-D weight). Upstream matches by class (transformers'
+    Qwen2RMSNorm and LlamaRMSNorm): for Qwen2 and Llama models these are the same modules."""
+    found = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in NORM_NAMES + ("norm",):
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            found.append((name, module))
+    return found
+
+
+def upstream_draw(shape, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """One upstream noise vector: N(0, sigma^2) drawn in fp32, rounded to bf16 (noise_scheduler.py lines 30-31)."""
+    return (sigma * torch.randn(shape, generator=generator, dtype=torch.float32)).to(torch.bfloat16)
+
+
+class UpstreamNoise:
+    """The rollout norm weights of ``aqn_mode="upstream"``, step by step.
+
+    Upstream (NVlabs/QeRL at e8c6e79) keeps a bf16 copy of the model in vLLM. Before each step's rollout
+    it loads the trained weights into that copy (the LoRA adapter and, with ``--ln True``, the
+    input/post-attention norms: trl_trainer/grpo_trainer.py lines 1319-1329), then adds a fresh bf16
+    noise vector in place to every RMSNorm weight (lines 1364-1369, noise_scheduler.py lines 22-33).
+    A norm that is not reloaded (the final norm always; every norm without --ln) therefore carries the
+    sum of all noise drawn so far; a reloaded (trained) norm carries only this step's draw, on top of
+    its trained value rounded to bf16. Stage 0 adds nothing.
+
+    ``weights(model, step)`` returns those rollout weights for ``step`` (0-based). The state of the
+    untrained norms is a pure function of (seed, schedule, step): consecutive steps advance it by one
+    draw, any other step (a resumed run) replays the draws from step 0, so a resumed run samples with
+    the same noise as an uninterrupted one.
+    """
+
+    def __init__(self, aqn: AQNConfig, total_steps: int):
+        if aqn.mode != "upstream":
+            raise ValueError(f"UpstreamNoise needs an AQNConfig with mode='upstream', got {aqn.mode!r}")
+        self.aqn, self.total_steps = aqn, total_steps
+        self.step: int | None = None  # the last step whose draws are in self.state
+        self.state: dict[str, torch.Tensor] = {}  # bf16 rollout weights of the norms that are never reloaded
+
+    def _advance(self, norms, step: int) -> dict[str, torch.Tensor]:
+        """Draw step ``step``'s noise (one vector per norm, in ``norms`` order); fold it into the state of
+        the untrained norms; return this step's draws."""
+        _, sigma = self.aqn.sigma_at(step, self.total_steps)
+        if sigma == 0:
+            return {}
+        gen = torch.Generator().manual_seed(self.aqn.seed * NOISE_SEED_STRIDE + step)
+        draws = {}
+        for name, module in norms:
+            z = upstream_draw(module.weight.shape, sigma, gen)
+            draws[name] = z
+            if not module.weight.requires_grad:  # never reloaded: the noise piles up (add_ rounds to bf16)
+                if name not in self.state:
+                    self.state[name] = module.weight.detach().to("cpu", torch.bfloat16, copy=True)
+                self.state[name].add_(z)
+        return draws
+
+    def weights(self, model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+        """{norm name: its bf16 rollout weight at ``step``} (empty before the first noisy step)."""
+        norms = find_all_norms(model)
+        if not norms:
+            raise ValueError(f"AQN (upstream mode) found no RMSNorm in model class {type(model).__name__}")
+        if self.step is None or step != self.step + 1:  # a fresh or resumed run: replay from step 0
+            self.state, self.step = {}, None
+            for s in range(step):
+                self._advance(norms, s)
+        draws = self._advance(norms, step)
+        self.step = step
+        out = dict(self.state)
+        for name, module in norms:
+            if module.weight.requires_grad and name in draws:  # reloaded from training, then noised once
+                out[name] = module.weight.detach().to("cpu", torch.bfloat16, copy=True).add_(draws[name])
+        return out
+
+
+@contextmanager
+def upstream_norms(model: nn.Module, noise: UpstreamNoise, step: int) -> Iterator[int]:
+    """Put ``noise``'s rollout weights of ``step`` into the norms for the duration of the context (in place,
+    same storage); the clean weights come back bitwise on exit. Yields how many norms carry noise."""
+    rollout = noise.weights(model, step)
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for name, module in find_all_norms(model):
+                if name in rollout:
+                    w = module.weight
+                    saved.append((w, w.detach().clone()))
+                    w.copy_(rollout[name].to(w.device, w.dtype))
+        yield len(saved)
+    finally:
+        with torch.no_grad():
+            for w, clean in saved:
+                w.copy_(clean)
+
+
+@contextmanager
+def rollout_noise(model: nn.Module, aqn: AQNConfig, step: int, total_steps: int, sigma: float) -> Iterator[int]:
+    """The noise of ``step``'s rollout on the norms, by ``aqn.mode``; yields the number of norms perturbed.
+
+    "restored": ``noisy_norms`` with ``sigma`` and the seed (aqn.seed, step); "upstream": ``upstream_norms``
+    (every step's sigma from the schedule) with an ``UpstreamNoise`` kept on the model
+    (``model.qerl_upstream_noise``)."""
+    if aqn.mode == "restored" or not aqn.enabled:
+        with noisy_norms(model, sigma, seed=aqn.seed * NOISE_SEED_STRIDE + step) as n:
+            yield n
+        return
+    noise = getattr(model, "qerl_upstream_noise", None)
+    if noise is None or noise.aqn != aqn or noise.total_steps != total_steps:
+        noise = UpstreamNoise(aqn, total_steps)
+        model.qerl_upstream_noise = noise
+    with upstream_norms(model, noise, step) as n:
+        yield n

@@ -55,12 +55,16 @@ MAX_ANSWER_CHARS = 512
 DEFAULT_TIMEOUT_S = 2
 PARTIAL_FORMAT_REWARD = 0.5
 # Training rewards (TrainConfig.reward); evaluation always scores with math_verify.
-REWARDS = ("math_verify", "official_exact")
+REWARDS = ("math_verify", "official_exact", "upstream")
 # The official GSM8K reward (2025-11-27 version): 2.0 for the exact answer inside the answer tags, and
 # 0.2 for the think and answer tags (the trainer's default format_reward_weight for official_exact).
 OFFICIAL_EXACT_REWARD = 2.0
 OFFICIAL_FORMAT_REWARD = 0.2
 _THINK_ANSWER_RE = re.compile(r"<think>.+?</think>.*?<answer>.+?</answer>", re.DOTALL)
+# reward="upstream": NVlabs/QeRL's soft format check at e8c6e79 (utils/rewards.py line 97, searched with
+# re.DOTALL): empty blocks count, and only whitespace may separate them.
+UPSTREAM_FORMAT_PATTERN = r"<think>.*?</think>\s*<answer>.*?</answer>"
+_UPSTREAM_FORMAT_RE = re.compile(UPSTREAM_FORMAT_PATTERN, re.DOTALL)
 
 # Sources a prediction can come from, in the order they are tried.
 SOURCES = ("answer_tag", "boxed", "number", "none")
@@ -337,6 +341,20 @@ def official_exact_batch(completions: list[str], golds: list) -> RewardResult:
                         sources=["answer_tag" if _ANSWER_OPEN in (c or "") else "none" for c in completions])
 
 
+def upstream_batch(completions: list[str], golds: list) -> RewardResult:
+    """The GSM8K reward NVlabs/QeRL trains with at e8c6e79 (qerl.py lines 43-46: soft_format_reward_func and
+    correctness_reward_func of utils/rewards.py, lines 76-81 and 95-100), scored by qerl's own code.
+
+    rewards: 2.0 when the text after the last ``<answer>`` (up to the next ``</answer>``, stripped; the whole
+    completion when there is no tag) equals the gold string, else 0; format: 1.0 when
+    ``UPSTREAM_FORMAT_PATTERN`` is found anywhere in the completion (weighted 0.2 by the trainer:
+    TrainConfig.format_reward_weight); unparsed: completions without ``<answer>``.
+    """
+    res = official_exact_batch(completions, golds)
+    res.format = [float(isinstance(c, str) and _UPSTREAM_FORMAT_RE.search(c) is not None) for c in completions]
+    return res
+
+
 def score_batch(
     completions: list[str],
     golds: list,
@@ -348,12 +366,15 @@ def score_batch(
     """Accuracy and format rewards for a batch; golds[i] is the gold answer of completions[i].
 
     ``reward`` is one of REWARDS: "math_verify" (this module's extraction + math-verify, the format
-    reward above) or "official_exact" (``official_exact_batch``; the other options do not apply).
+    reward above), "official_exact" (``official_exact_batch``) or "upstream" (``upstream_batch``); the other
+    options apply to math_verify only.
     """
     if reward not in REWARDS:
         raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
     if reward == "official_exact":
         return official_exact_batch(completions, golds)
+    if reward == "upstream":
+        return upstream_batch(completions, golds)
     if len(completions) != len(golds):
         raise ValueError(
             f"score_batch needs one gold per completion, got {len(completions)} completions "

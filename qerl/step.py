@@ -30,7 +30,7 @@ from qerl import distributed as qdist
 from qerl import loss as qloss
 from qerl import rewards as qrewards
 from qerl.logprobs import sequence_logprobs
-from qerl.noise import find_norms, noisy_norms
+from qerl.noise import find_norms, rollout_noise
 from qerl.qlinear import QuantLinear
 from qerl.rollout import RolloutOutput
 
@@ -102,11 +102,12 @@ def rollout(cfg, engine, model, prompt_ids: list, step: int, sigma: float, first
             ignore_eos: bool = False) -> tuple[RolloutOutput, int]:
     """Sample ``cfg.max_completion_length`` tokens after each prompt; returns (rollout, noisy modules).
 
-    AQN noise of std ``sigma`` is on the norm weights during sampling only (restored bitwise after).
+    AQN noise of std ``sigma`` is on the norm weights during sampling only (restored bitwise after);
+    ``cfg.aqn_mode == "upstream"``: the accumulated noise of qerl.noise.UpstreamNoise instead.
     Sequence i samples from the keys (seed, first + i): the same tokens on any rank or batch.
     """
     model.eval()
-    with noisy_norms(model, sigma, seed=cfg.seed * 104729 + step) as n_noisy:
+    with rollout_noise(model, cfg.aqn_config(), step, cfg.max_steps, sigma) as n_noisy:
         ro = engine.generate(prompt_ids, cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                              top_k=cfg.top_k, seed=cfg.seed * 7919 + step,
                              seq_ids=list(range(first, first + len(prompt_ids))), ignore_eos=ignore_eos)

@@ -20,6 +20,7 @@ holds trainable weights, optimizer, scheduler and RNG states.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -185,6 +186,15 @@ def prompts_for_step(n: int, step: int, per_step: int, seed: int) -> list[int]:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
         out.append(int(perm[pos]))
     return out
+
+
+def epoch_steps(n_prompts: int, prompts_per_step: int, epochs: float) -> int:
+    """Rollout steps of ``epochs`` passes over ``n_prompts`` prompts: floor(epochs * n / prompts_per_step), as
+    TRL's sampler drops an incomplete last batch; ValueError when that is not one step."""
+    steps = int(epochs * n_prompts) // prompts_per_step
+    if steps < 1:
+        raise ValueError(f"num_train_epochs={epochs} over {n_prompts} prompts at {prompts_per_step} a step is no step")
+    return steps
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -425,6 +435,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
     train_recs, skipped = qdata.tokenize_prompts(train_recs, tokenizer, cfg.max_prompt_length, cfg.chat_template,
                                                  qdata.prompt_suffix(cfg.prompt_suffix))
+    if cfg.num_train_epochs:  # TRL's num_train_epochs: the step count follows from the data
+        cfg = dataclasses.replace(cfg, max_steps=epoch_steps(len(train_recs), cfg.prompts_per_step, cfg.num_train_epochs))
     # The static KV cache is sized for the longest prompt this run has (not max_prompt_length): at the
     # small profile that is a 256-slot cache instead of 512 (64 x 30 layers x 2 x 3 x 64 bf16: 0.38 GB
     # instead of 0.75).

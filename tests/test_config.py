@@ -47,7 +47,7 @@ def test_quantize_and_aqn_configs_are_built_from_the_train_config():
     assert cfg.quantize_config(lora=False).lora_rank == 0
     aqn = cfg.aqn_config()
     assert dataclasses.asdict(aqn) == dict(enabled=True, sigma_start=2e-2, sigma_end=1e-3, num_stages=4,
-                                           schedule="cosine", seed=5)
+                                           schedule="cosine", seed=5, mode="restored")
     assert make_config("smoke", method="nf4_lora").aqn_config().enabled is False
 
 

@@ -1,0 +1,321 @@
+"""Is AQN equivalent to no AQN at the small profile? The pre-registered test of results/aqn_equivalence/PLAN.md.
+
+Arms ``noaqn`` (nvfp4_lora) and ``aqn`` (nvfp4_lora_aqn, sigma 1e-2 -> 5e-4), seeds 100-227, the
+16-pair study's settings (experiments.aqn_paired: profile small, GRPO, 16 evaluation samples after
+training). Expected runtime: 256 runs of ~110 s each while sharing a GPU; on 8 GPUs at 12 runs a GPU,
+about 5 minutes of runs plus loading.
+
+    python -m experiments.aqn_equivalence --dry-run                  # the plan: every run, its GPU slot and command
+    python -m experiments.aqn_equivalence --gpus 0 1 2 3 4 5 6 7 --per-gpu 12
+    python -m experiments.aqn_equivalence --analyze-only             # table.csv, the figure, NOTES.md
+    make aqn-equivalence
+
+Runs go to results/aqn_equivalence/small/runs/<arm>-s<seed>/ exactly as aqn_paired writes them (run.json,
+only the small files kept); a finished run is never run again, so a stopped study resumes where it
+stopped. The runs themselves are started by aqn_paired's launcher (``aqn_paired.run_all``); spreading
+them over several GPUs is ``assign_gpus``'s plan, which that launcher does not yet take (see
+``launch``).
+
+The analysis (``analyze``), by the plan's rules: only pairs whose two runs finished, share the git sha
+and differ in nothing but AQN; TOST with margin 0.02, the paired t-test, 90% and 95% t and bootstrap CIs,
+the sign test, and one of four verdicts (``verdict``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+from experiments import aqn_paired
+from experiments.aqn_power import t_cdf, t_quantile
+
+CONTROL, TREATED = aqn_paired.CONTROL, aqn_paired.TREATED
+ARMS = (CONTROL, TREATED)
+SEEDS = tuple(range(100, 228))  # 128 pairs, independent of the 16-pair study's seeds 0-15
+MARGIN = 0.02
+ALPHA = 0.05
+MIN_PAIRS = 120
+OUT = Path("results/aqn_equivalence/small")
+# config.json keys the two arms of a pair may differ in: the AQN fields, and what names the run
+AQN_KEYS = ("method", "aqn", "sigma_start", "sigma_end")
+RUN_KEYS = ("output_dir", "wandb_name", "command", "provenance", "policy", "data_sources", "world_size")
+VERDICTS = ("AQN helps", "AQN hurts", "equivalent within 0.02", "undecided")
+
+
+# ----------------------------------------------------------------------------- statistics
+def tost(d: list[float], margin: float = MARGIN) -> tuple[float, float, float]:
+    """(p_low, p_high, p_TOST) of the two one-sided paired t-tests of -margin < mean(d) < margin."""
+    n = len(d)
+    if n < 2:
+        return math.nan, math.nan, math.nan
+    mean = sum(d) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
+    if se == 0:
+        p_low, p_high = float(mean <= -margin), float(mean >= margin)
+    else:
+        p_low = 1 - t_cdf((mean + margin) / se, n - 1)  # H0: mean <= -margin
+        p_high = t_cdf((mean - margin) / se, n - 1)  # H0: mean >= +margin
+    return p_low, p_high, max(p_low, p_high)
+
+
+def t_ci(d: list[float], level: float) -> tuple[float, float]:
+    """The t confidence interval of mean(d) at ``level``."""
+    n = len(d)
+    if n < 2:
+        return math.nan, math.nan
+    mean = sum(d) / n
+    half = t_quantile((1 + level) / 2, n - 1) * math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
+    return mean - half, mean + half
+
+
+def endpoint(d: list[float], margin: float = MARGIN) -> dict:
+    """Every statistic of the plan for one set of paired differences."""
+    n = len(d)
+    mean = sum(d) / n if n else math.nan
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
+    t, p_t = aqn_paired.paired_t(d)
+    p_low, p_high, p_tost = tost(d, margin)
+    pos, neg, p_sign = aqn_paired.sign_test(d)
+    (c90l, c90h), (c95l, c95h) = t_ci(d, 0.90), t_ci(d, 0.95)
+    (b90l, b90h), (b95l, b95h) = aqn_paired.bootstrap_ci(d, level=0.90), aqn_paired.bootstrap_ci(d, level=0.95)
+    return {"n": n, "mean_diff": mean, "sd": sd, "t": t, "p_t": p_t, "p_tost_low": p_low, "p_tost_high": p_high,
+            "p_tost": p_tost, "ci90_low": c90l, "ci90_high": c90h, "ci95_low": c95l, "ci95_high": c95h,
+            "boot90_low": b90l, "boot90_high": b90h, "boot95_low": b95l, "boot95_high": b95h,
+            "n_pos": pos, "n_neg": neg, "p_sign": p_sign}
+
+
+def verdict(e: dict, min_pairs: int = MIN_PAIRS, margin: float = MARGIN, alpha: float = ALPHA) -> str:
+    """The plan's decision rule, in its order; one of VERDICTS."""
+    if e["n"] < min_pairs:
+        return "undecided"
+    if e["p_tost"] < alpha and -margin < e["boot90_low"] and e["boot90_high"] < margin:
+        return "equivalent within 0.02"
+    if e["p_t"] < alpha and e["mean_diff"] > 0 and e["boot95_low"] > 0:
+        return "AQN helps"
+    if e["p_t"] < alpha and e["mean_diff"] < 0 and e["boot95_high"] < 0:
+        return "AQN hurts"
+    return "undecided"
+
+
+# ----------------------------------------------------------------------------- pairs
+def _config(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def check_pair(out: Path, seed: int) -> str | None:
+    """None when the pair of ``seed`` may be used; else why not (same git sha, same settings but AQN)."""
+    a, b = _config(out / "runs" / f"{CONTROL}-s{seed}"), _config(out / "runs" / f"{TREATED}-s{seed}")
+    sha = [(c.get("provenance") or {}).get("git_sha") for c in (a, b)]
+    if sha[0] != sha[1] or sha[0] is None:
+        return f"git sha differs ({sha[0]} / {sha[1]})"
+    diff = sorted(k for k in set(a) | set(b) if k not in AQN_KEYS + RUN_KEYS and a.get(k) != b.get(k))
+    return f"settings differ beyond AQN: {', '.join(diff)}" if diff else None
+
+
+def pairs(out: Path, runs: dict) -> tuple[list[int], dict[int, str]]:
+    """(seeds of the usable pairs, {seed: why a finished pair is left out})."""
+    done = sorted(s for (arm, s) in runs if arm == CONTROL and (TREATED, s) in runs)
+    left_out = {s: why for s in done if (why := check_pair(out, s)) is not None}
+    return [s for s in done if s not in left_out], left_out
+
+
+# ----------------------------------------------------------------------------- analysis
+TABLE_COLUMNS = ["endpoint", "role", "comparison", "n", "mean_diff", "sd", "t", "p_t", "p_tost_low", "p_tost_high",
+                 "p_tost", "ci90_low", "ci90_high", "ci95_low", "ci95_high", "boot90_low", "boot90_high",
+                 "boot95_low", "boot95_high", "n_pos", "n_neg", "p_sign", "verdict"]
+
+
+def analyze(out: Path = OUT, min_pairs: int = MIN_PAIRS) -> dict:
+    """table.csv, per_seed.csv, paired_differences.png and NOTES.md of the runs under ``out``."""
+    runs = {k: v for k, v in aqn_paired.read_runs(out).items() if k[0] in ARMS}
+    seeds, left_out = pairs(out, runs)
+    use = {k: v for k, v in runs.items() if k[1] in seeds}
+    stages = sorted({int(k[len("gap_stage"):]) for r in use.values() for k in r if k.startswith("gap_stage")})
+    endpoints = [("pass@1 (final)", "pass1", "primary"), ("reward, steps 7-30", "reward_noisy", "secondary")]
+    endpoints += [(f"sampling entropy, stage {s}", f"entropy_stage{s}", "secondary") for s in stages if s]
+    endpoints += [(f"log-prob gap, stage {s}", f"gap_stage{s}", "secondary") for s in stages if s]
+    table, primary = [], None
+    for name, key, role in endpoints:
+        _, d = aqn_paired.paired(use, TREATED, key)
+        if not d:
+            continue
+        e = endpoint(d)
+        row = {"endpoint": name, "role": role, "comparison": f"{TREATED} - {CONTROL}", **e, "verdict": ""}
+        if key == "pass1":
+            row["verdict"] = verdict(e, min_pairs)
+            primary = {**row, "d": d}
+        table.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "table.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=TABLE_COLUMNS)
+        w.writeheader()
+        w.writerows([{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k != "d"}
+                     for r in table])
+    keys = sorted({k for r in runs.values() for k in r})
+    with (out / "per_seed.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["arm", "seed", "used", *keys])
+        w.writeheader()
+        for (arm, seed), r in sorted(runs.items(), key=lambda x: (x[0][1], ARMS.index(x[0][0]))):
+            w.writerow({"arm": arm, "seed": seed, "used": seed in seeds, **r})
+    figure(out, primary)
+    notes(out, runs, seeds, left_out, table, primary, min_pairs)
+    return {"runs": runs, "seeds": seeds, "left_out": left_out, "table": table, "primary": primary}
+
+
+def verdict_sentence(primary: dict | None, min_pairs: int = MIN_PAIRS) -> str:
+    if primary is None:
+        return "No verdict: no complete pair of noaqn and aqn runs yet."
+    e = primary
+    stats = (f"mean paired difference in final pass@1 {e['mean_diff']:+.4f} over {e['n']} pairs (90% CI "
+             f"{e['ci90_low']:+.4f} to {e['ci90_high']:+.4f}, TOST p = {e['p_tost']:.3g} for the margin +-{MARGIN}; "
+             f"95% CI {e['ci95_low']:+.4f} to {e['ci95_high']:+.4f}, paired t-test p = {e['p_t']:.3g})")
+    v = e["verdict"]
+    if v == "undecided" and e["n"] < min_pairs:
+        return f"Undecided: only {e['n']} complete pairs, fewer than the plan's {min_pairs}; {stats}."
+    what = {"AQN helps": "AQN helps NVFP4 LoRA", "AQN hurts": "AQN hurts NVFP4 LoRA",
+            "equivalent within 0.02": "AQN and no AQN are equivalent within 0.02 for NVFP4 LoRA",
+            "undecided": "Undecided: this test can neither show AQN equivalent to no AQN within 0.02 nor a "
+                         "difference, for NVFP4 LoRA"}[v]
+    return f"{what} at the small profile (135M, GRPO): {stats}."
+
+
+def notes(out: Path, runs: dict, seeds: list[int], left_out: dict, table: list[dict], primary: dict | None,
+          min_pairs: int) -> None:
+    def f(v, fmt="+.4f"):
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+    shas = sorted({r.get("git_sha") or "?" for (a, s), r in runs.items() if s in seeds})
+    lines = ["# AQN equivalence test: results", "",
+             "The plan is `../PLAN.md` (committed before the runs). The verdict, by its decision rule:", "",
+             f"**{verdict_sentence(primary, min_pairs)}**", "",
+             "## Runs", "",
+             f"- finished: {sum(1 for a, _ in runs if a == CONTROL)} `{CONTROL}`, "
+             f"{sum(1 for a, _ in runs if a == TREATED)} `{TREATED}`; complete pairs used: {len(seeds)}",
+             f"- git sha of the runs used: {', '.join(shas) if shas else '-'}"]
+    lines += [f"- left out, seed {s}: {why}" for s, why in sorted(left_out.items())]
+    lines += ["", "## Endpoints", "",
+              "Paired differences aqn - noaqn; t CIs and TOST (margin +-0.02, alpha 0.05 each side); bootstrap: "
+              "percentile, 10,000 resamples. Only the primary row decides; the secondary rows are uncorrected "
+              "for multiplicity, and the log-prob gap rises with AQN by construction (noise in the rollout "
+              "only).", "",
+              "| endpoint | role | n | mean diff | 90% CI (t) | 95% CI (t) | 95% CI (bootstrap) | p (t) | p (TOST) "
+              "| sign (+/-) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r['endpoint']} | {r['role']} | {r['n']} | {f(r['mean_diff'])} | [{f(r['ci90_low'])}, "
+                     f"{f(r['ci90_high'])}] | [{f(r['ci95_low'])}, {f(r['ci95_high'])}] | [{f(r['boot95_low'])}, "
+                     f"{f(r['boot95_high'])}] | {f(r['p_t'], '.3g')} | {f(r['p_tost'], '.3g')} | "
+                     f"{r['n_pos']}/{r['n_neg']} |")
+    lines += ["", "Per-run values: `per_seed.csv`; the figure: `paired_differences.png`.", "",
+              "Scope: a 135M model on arithmetic, 30 steps, on a base quantized twice (Q4_1 GGUF, then NVFP4), "
+              "with the project's restored noise (aqn_mode restored); not the paper's 3B-14B models, not the "
+              "upstream code's accumulating noise."]
+    (out / "NOTES.md").write_text("\n".join(lines) + "\n")
+
+
+def figure(out: Path, primary: dict | None) -> Path | None:
+    """paired_differences.png: each pair's difference (sorted), the mean, its 90% / 95% t CIs, the margin."""
+    if primary is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = sorted(primary["d"])
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.scatter(range(len(d)), d, s=8, color="0.4", label="pair (aqn - noaqn), sorted")
+    ax.axhspan(-MARGIN, MARGIN, color="tab:green", alpha=0.12, label=f"equivalence margin +-{MARGIN}")
+    ax.axhline(0, color="0.6", lw=0.8)
+    x = len(d) + max(2, len(d) // 20)
+    ax.errorbar([x], [primary["mean_diff"]], yerr=[[primary["mean_diff"] - primary["ci95_low"]],
+                                                   [primary["ci95_high"] - primary["mean_diff"]]],
+                fmt="o", color="tab:blue", capsize=3, label="mean, 95% CI (t)")
+    ax.errorbar([x], [primary["mean_diff"]], yerr=[[primary["mean_diff"] - primary["ci90_low"]],
+                                                   [primary["ci90_high"] - primary["mean_diff"]]],
+                fmt="none", color="tab:red", lw=3, label="90% CI (t, = TOST)")
+    ax.set_xlabel("pair")
+    ax.set_ylabel("final pass@1 difference")
+    ax.set_title(f"AQN equivalence, small profile: {primary['n']} pairs, verdict: {primary['verdict']}")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = out / "paired_differences.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- running
+def plan_runs(seeds=SEEDS) -> list[tuple[str, int]]:
+    """Pair by pair: noaqn-s100, aqn-s100, noaqn-s101, ... (aqn_paired's order for its primary arms)."""
+    return aqn_paired.plan_runs(ARMS, seeds)
+
+
+def assign_gpus(todo: list[tuple[str, int]], gpus: list[int], per_gpu: int) -> list[list[tuple[str, int]]]:
+    """The runs each of ``len(gpus) * per_gpu`` slots takes, one after the other (slot i on
+    gpus[i % len(gpus)]). Pairs are dealt out whole, so both arms of a seed run on the same GPU and each
+    GPU holds as many runs of one arm as of the other: no arm is tied to a GPU."""
+    slots = len(gpus) * per_gpu
+    seeds = list(dict.fromkeys(s for _, s in todo))
+    out: list[list[tuple[str, int]]] = [[] for _ in range(slots)]
+    for k, seed in enumerate(seeds):
+        out[k % slots] += [r for r in todo if r[1] == seed]
+    return out
+
+
+def launch(args, out: Path) -> dict[str, int]:
+    """Start the runs not yet finished. aqn_paired's launcher runs them all on one GPU (``--parallel``
+    at once); over several GPUs it needs the slot plan of ``assign_gpus`` (a GPU per launched process,
+    CUDA_VISIBLE_DEVICES), which experiments/_common's launcher is to take."""
+    ns = argparse.Namespace(profile="small", seeds=list(args.seeds), arms=list(ARMS),
+                            parallel=args.per_gpu * max(len(args.gpus), 1), time_budget=args.time_budget,
+                            stop_at=args.stop_at, data_dir=None, max_steps=args.max_steps, train_flags=args.train_flags,
+                            dry_run=args.dry_run)
+    if len(args.gpus) > 1 and not args.dry_run:
+        print(f"note: the launcher runs on one GPU; {len(args.gpus)} GPUs asked for (assign_gpus has the plan)",
+              file=sys.stderr)
+    return aqn_paired.run_all(ns, out)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    ap.add_argument("--gpus", nargs="+", type=int, default=[0], help="GPU indices to spread the runs over")
+    ap.add_argument("--per-gpu", type=int, default=12, help="runs at once on each GPU")
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none)")
+    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped")
+    ap.add_argument("--max-steps", type=int, default=0, help="override max_steps (pipeline checks only)")
+    ap.add_argument("--train-flags", default="", help="extra `qerl train` flags that do not change the computation")
+    ap.add_argument("--analyze-only", action="store_true", help="run nothing; rebuild the analysis")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.per_gpu < 1:
+        print(f"error: --per-gpu must be >= 1, got {args.per_gpu}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        todo = [(a, s) for a, s in plan_runs(args.seeds) if not aqn_paired.is_done(out / "runs" / f"{a}-s{s}")]
+        for i, slot in enumerate(assign_gpus(todo, args.gpus, args.per_gpu)):
+            print(f"slot {i} (GPU {args.gpus[i % len(args.gpus)]}): {' '.join(f'{a}-s{s}' for a, s in slot)}")
+    codes = {} if args.analyze_only else launch(args, out)
+    if args.dry_run:
+        return 0
+    res = analyze(out)
+    print(verdict_sentence(res["primary"]))
+    return 1 if any(c != 0 for c in codes.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""The AQN equivalence test (results/aqn_equivalence/PLAN.md): its power calculation, and its analysis on
+synthetic run folders (no training, no GPU).
+
+    .venv/bin/python -m pytest tests/test_aqn_equivalence.py -q
+"""
+
+import math
+
+import pytest
+
+from experiments import aqn_power
+
+
+def test_t_distribution_matches_tables():
+    # textbook quantiles: t(0.975, 15) = 2.131, t(0.95, 127) = 1.657, t(0.95, 1) = 6.314
+    assert aqn_power.t_quantile(0.975, 15) == pytest.approx(2.1314, abs=1e-4)
+    assert aqn_power.t_quantile(0.95, 127) == pytest.approx(1.6570, abs=1e-4)
+    assert aqn_power.t_quantile(0.95, 1) == pytest.approx(6.3138, abs=1e-4)
+    assert aqn_power.t_cdf(0.0, 7) == 0.5 and aqn_power.t_cdf(-2.1314, 15) == pytest.approx(0.025, abs=1e-5)
+
+
+def test_tost_power_agrees_with_simulation_and_the_plan():
+    """The plan's numbers: 128 pairs give ~81% power at true difference 0 (SD 0.076, margin 0.02, alpha 0.05)."""
+    exact = aqn_power.tost_power(128)
+    assert exact == pytest.approx(0.812, abs=0.005)
+    assert aqn_power.simulated_tost_power(128, studies=8000) == pytest.approx(exact, abs=0.02)
+    assert aqn_power.tost_power(125) < 0.8 <= aqn_power.tost_power(126)  # pairs_needed() = 126
+    assert aqn_power.tost_power(128, delta=0.005) < exact  # a true difference costs power
+    assert aqn_power.tost_power(128, sd=0.2) < 0.01  # too noisy: the margin is never reached
+    assert math.isclose(aqn_power.t_test_power(16, 0.057), 0.80, abs_tol=0.01)
+
+
+# ---------------------------------------------------------------------------------------- the analysis
+def _write_run(root, arm, seed, pass1, sha="abc123", **cfg_extra):
+    import json
+
+    d = root / "runs" / f"{arm}-s{seed}"
+    d.mkdir(parents=True)
+    aqn = arm == "aqn"
+    cfg = {"method": "nvfp4_lora_aqn" if aqn else "nvfp4_lora", "aqn": aqn, "seed": seed, "loss_type": "grpo",
+           "output_dir": str(d), "provenance": {"git_sha": sha}, **cfg_extra}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "summary.json").write_text(json.dumps({"status": "ok", "eval/arith/accuracy": pass1,
+                                                "eval/arith/samples": 16}))
+    (d / "run.json").write_text(json.dumps({"exit_code": 0, "wall_s": 100.0}))
+    rows = [{"step": s, "reward": 0.5, "aqn/stage": 0 if s < 7 else 1, "sampling/entropy": 1.0,
+             "sampling/logprob_gap": 0.1 + (0.2 * aqn if s >= 7 else 0.0)} for s in range(1, 13)]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+
+def _study(root, diffs, **kw):
+    import random
+
+    rng = random.Random(0)
+    for i, dlt in enumerate(diffs):
+        base = rng.uniform(0.3, 0.6)
+        _write_run(root, "noaqn", 100 + i, base)
+        _write_run(root, "aqn", 100 + i, base + dlt, **kw)
+
+
+@pytest.mark.parametrize("mean, sd, n, want", [
+    (0.0, 0.03, 124, "equivalent within 0.02"),
+    (0.06, 0.03, 124, "AQN helps"),
+    (-0.06, 0.03, 124, "AQN hurts"),
+    (0.0, 0.3, 124, "undecided"),  # too noisy for either
+    (0.0, 0.03, 60, "undecided"),  # fewer pairs than the plan's 120
+])
+def test_analysis_of_synthetic_runs(tmp_path, mean, sd, n, want):
+    import csv
+    import random
+
+    from experiments import aqn_equivalence as eq
+
+    rng = random.Random(1)
+    _study(tmp_path, [rng.gauss(mean, sd) for _ in range(n)])
+    res = eq.analyze(tmp_path)
+    p = res["primary"]
+    assert p["n"] == n and p["verdict"] == want
+    rows = list(csv.DictReader((tmp_path / "table.csv").open()))
+    assert rows[0]["endpoint"] == "pass@1 (final)" and rows[0]["verdict"] == want
+    assert {"p_tost", "p_tost_low", "p_tost_high", "p_t", "ci90_low", "ci90_high", "ci95_low", "ci95_high",
+            "boot90_low", "boot95_high"} <= set(rows[0])
+    assert float(rows[0]["ci90_low"]) > float(rows[0]["ci95_low"])  # the 90% CI lies inside the 95% one
+    assert (p["p_tost"] < 0.05) == (-0.02 < p["ci90_low"] and p["ci90_high"] < 0.02)  # TOST = the 90% CI rule
+    notes = (tmp_path / "NOTES.md").read_text()
+    assert eq.verdict_sentence(p) in notes and (tmp_path / "paired_differences.png").stat().st_size > 0
+    gap = next(r for r in rows if r["endpoint"] == "log-prob gap, stage 1")
+    assert float(gap["mean_diff"]) == pytest.approx(0.2) and gap["verdict"] == ""  # secondary: decides nothing
+
+
+def test_pairs_with_another_commit_or_other_settings_are_left_out(tmp_path):
+    from experiments import aqn_equivalence as eq
+
+    _study(tmp_path, [0.0] * 4)
+    _write_run(tmp_path, "noaqn", 200, 0.5)
+    _write_run(tmp_path, "aqn", 200, 0.5, sha="other")
+    _write_run(tmp_path, "noaqn", 201, 0.5)
+    _write_run(tmp_path, "aqn", 201, 0.5, learning_rate=1.0)
+    _write_run(tmp_path, "noaqn", 202, 0.5)  # its aqn run is missing: no pair
+    res = eq.analyze(tmp_path, min_pairs=2)
+    assert res["seeds"] == [100, 101, 102, 103]
+    assert set(res["left_out"]) == {200, 201} and "learning_rate" in res["left_out"][201]
+    assert "left out, seed 200: git sha differs" in (tmp_path / "NOTES.md").read_text()
+
+
+def test_tost_and_plan_of_runs():
+    from experiments import aqn_equivalence as eq
+
+    lo, hi, p = eq.tost([0.001, -0.002, 0.0015, -0.0005] * 10)
+    assert p == max(lo, hi) < 1e-6
+    assert eq.tost([0.05, 0.06, 0.04, 0.05])[2] > 0.5  # clearly outside the margin
+    todo = eq.plan_runs()
+    assert len(todo) == 256 and todo[:3] == [("noaqn", 100), ("aqn", 100), ("noaqn", 101)]
+    slots = eq.assign_gpus(todo, [0, 1, 2, 3, 4, 5, 6, 7], 12)
+    assert len(slots) == 96 and sorted(r for s in slots for r in s) == sorted(todo)
+    for gpus, per in (([0, 1, 2, 3, 4, 5, 6, 7], 12), ([0, 1], 2)):  # no arm tied to a GPU
+        slots = eq.assign_gpus(todo, gpus, per)
+        for g in range(len(gpus)):
+            arms = [a for i in range(g, len(slots), len(gpus)) for a, _ in slots[i]]
+            assert arms.count("aqn") == arms.count("noaqn") > 0
