@@ -91,8 +91,8 @@ def run(args) -> dict:
     from qerl.logging import environment
     from qerl.models import build_quantized_model
     from qerl.noise import keep_norms_fp32
+    from qerl.policy import make_optimizer, optimizer_params
     from qerl.rollout import make_engine
-    from qerl.train import make_optimizer, optimizer_params
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
