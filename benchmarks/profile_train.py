@@ -19,17 +19,15 @@ from pathlib import Path
 import torch
 
 from benchmarks import speed_common as sc
-from benchmarks.table3_speed_memory import bench_config, synthetic_rollout
-from qerl import step as qstep
+from experiments.table3_speed_memory import bench_config, grpo_step, synthetic_rollout
 from qerl.models import model_config
+from qerl.policy import make_optimizer
 from qerl.quantize import lora_parameters
-from qerl.train import make_optimizer, optimizer_params
 
 
 def train_phases(cfg, model, ro, adv, opt, sched, timer) -> None:
-    """The step's old-log-prob and update phases on the given rollout (qerl.step.step, no rollout)."""
-    qstep.step(cfg, model, None, opt, sched, optimizer_params(opt), None, 0, ro=ro, advantages=adv, reuse=False,
-               timer=timer)
+    """The step's old-log-prob and update phases on the given rollout (no rollout)."""
+    grpo_step(cfg, model, None, opt, sched, None, adv, False, timer, ro=ro)
     opt.zero_grad(set_to_none=True)
     model.eval()
 
@@ -65,17 +63,17 @@ def main(argv=None) -> None:
         adv = torch.randn(args.micro_batch)
         run = (cfg, model, ro, adv, opt, sched)
         for _ in range(2):  # warm-up: compile, autotune, allocate
-            train_phases(*run, qstep.PhaseTimer())
+            train_phases(*run, sc.PhaseTimer())
         times = {"logprob": [], "update": []}
         for _ in range(args.reps):
-            ph = qstep.PhaseTimer()
+            ph = sc.PhaseTimer()
             train_phases(*run, ph)
             for k in times:
                 times[k].append(ph.seconds[k])
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            train_phases(*run, qstep.PhaseTimer())
+            train_phases(*run, sc.PhaseTimer())
             sc.sync()
         ka = prof.key_averages()
         sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"

@@ -1,5 +1,5 @@
-"""The speed experiments on the CPU with tiny models: benchmarks/rollout_throughput.py (issue #5),
-benchmarks/table3_speed_memory.py (issue #6) and their helpers (benchmarks/speed_common.py):
+"""The speed experiments on the CPU with tiny models: experiments/rollout_throughput.py (issue #5),
+experiments/table3_speed_memory.py (issue #6) and their helpers (benchmarks/speed_common.py):
 the measured rows, the GRPO step, the OOM handler, the JSON schema with exactly the summary keys,
 and merging result files. The GPU runs themselves are in the scripts' docstrings.
 
@@ -175,7 +175,7 @@ class _Args:
 
 
 def _t3_opt(m, args=_Args):
-    from qerl.train import make_optimizer
+    from qerl.policy import make_optimizer
 
     return make_optimizer(t3.bench_config("nvfp4", args, 2, 1, C, "cpu"), lora_parameters(m), total_updates=1)
 
@@ -186,18 +186,16 @@ def _spec(batch=2, mb=1, gc=True):
 
 @pytest.mark.parametrize("reuse", [False, True])
 def test_table3_times_the_trainers_step(cfg, monkeypatch, reuse):
-    """The benchmark's step is qerl.step.step with the trainer's optimizer: the warm-up runs it on a
-    given rollout, the timed step runs every phase, the LoRA weights move, and the old-log-prob
-    forward is skipped exactly when told to reuse."""
+    """The benchmark's step runs qerl.step's phases with the trainer's optimizer: the warm-up runs
+    them on a given rollout, the timed step runs every phase, the LoRA weights move, and the
+    old-log-prob forward is skipped exactly when told to reuse."""
     from qerl import step as qstep
 
     m = tiny(cfg)
     opt, sched = _t3_opt(m)
     assert type(opt).__name__ == "AdamW"  # CPU: the trainer's torch AdamW
     trainable = lora_parameters(m)
-    steps, called, forwards = [], [], []
-    real_step = qstep.step
-    monkeypatch.setattr(qstep, "step", lambda *a, **k: steps.append(k.get("ro") is None) or real_step(*a, **k))
+    called, forwards = [], []
     for name in ("rollout", "logprobs", "update"):
         real = getattr(qstep, name)
         monkeypatch.setattr(qstep, name, lambda *a, _r=real, _n=name, **k: called.append(_n) or _r(*a, **k))
@@ -211,7 +209,7 @@ def test_table3_times_the_trainers_step(cfg, monkeypatch, reuse):
 
     row = t3.measure(m, _spec(), "nvfp4", A, cfg.vocab_size, opt, sched, {})
     assert not row["oom"] and "error" not in row
-    assert steps == [False, True]  # the warm-up's step on a given rollout, then the timed step
+    # the warm-up's phases on a given rollout, then the timed step's
     assert called == ["logprobs", "update", "rollout", "logprobs", "update"]
     # warm-up: one micro-batch of 1; the timed step: 2 micro-batches of 1
     assert forwards.count(False) == (0 if reuse else 3) and forwards.count(True) == 3

@@ -32,11 +32,11 @@ Writes <out>/<gpu>.json: gpu, git_sha, date, env, copy_bandwidth_tbps, targets, 
 the keys of issue #5; prints a table; the last stdout line is the summary as one JSON object.
 
 Run (GPU; expected minutes on an H200 in brackets):
-  python -m benchmarks.rollout_throughput --models qwen2.5-7b qwen2.5-14b             [~5]
-  python -m benchmarks.rollout_throughput --models qwen2.5-32b                       [~6]
-  python -m benchmarks.rollout_throughput --models qwen2.5-3b qwen2.5-7b --methods bf16 nvfp4 \\
+  python -m experiments.rollout_throughput --models qwen2.5-7b qwen2.5-14b             [~5]
+  python -m experiments.rollout_throughput --models qwen2.5-32b                       [~6]
+  python -m experiments.rollout_throughput --models qwen2.5-3b qwen2.5-7b --methods bf16 nvfp4 \\
       --batch 2 --ranks 16 32 64 --completion 256                                     [~3]
-  python -m benchmarks.rollout_throughput --merge a/h200.json b/h200.json --out results/rollout   (CPU)
+  python -m experiments.rollout_throughput --merge a/h200.json b/h200.json --out results/rollout   (CPU)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import speed_common as sc  # noqa: E402
+from benchmarks import speed_common as sc
 from qerl import formats  # noqa: E402
 from qerl.config import QERL_FORMAT, QLORA_FORMAT, table_bases  # noqa: E402
 
