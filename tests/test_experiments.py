@@ -21,6 +21,7 @@ from qerl.config import PROFILES, TABLE4_BIGMATH, make_config
 
 ROOT = Path(__file__).resolve().parent.parent
 from experiments import _common as C  # noqa: E402
+from experiments import launch as L  # noqa: E402
 
 SCRIPTS = ["table1_gsm8k", "table2_bigmath", "fig4_reward_curves", "fig5_entropy", "fig7_training_reward",
            "fig8_aqn_ablation", "fig9_noise_schedulers", "fig10_lora_rank", "fig16_lr_ablation"]
@@ -239,7 +240,7 @@ def fake_runs(tmp_path, monkeypatch):
     real = C.command
     monkeypatch.setattr(C, "command", lambda e, r, a, d: [sys.executable, str(script), *real(e, r, a, d)[4:]]
                         if r.kind == "train" else real(e, r, a, d))
-    monkeypatch.setattr(C, "POLL_S", 0.05)
+    monkeypatch.setattr(L, "POLL_S", 0.05)
     monkeypatch.setattr(C, "git_info", lambda: dict(GIT))
     return tmp_path
 
@@ -428,7 +429,7 @@ def test_link_duplicates_keeps_table1_as_owner_and_publish_keeps_linked_data(tmp
 
 def test_job_progress_reads_the_running_run_folder(tmp_path):
     """`make reproduce` shows each running job's step and reward, read from its run folder."""
-    from experiments._common import job_progress
+    from experiments.launch import run_progress as job_progress
 
     assert job_progress(tmp_path) == "starting"
     (tmp_path / "config.json").write_text(json.dumps({"max_steps": 30}))

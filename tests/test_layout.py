@@ -55,3 +55,33 @@ def test_the_training_forward_stands_below_the_rollout():
     assert not {m for m in _qerl_imports("qerl/logprobs.py") if m.startswith("qerl.rollout")}
     assert "qerl.forward" in _qerl_imports("qerl/logprobs.py")
     assert not _qerl_imports("qerl/forward.py")
+
+
+def _starts_processes(path: Path) -> bool:
+    """Whether a file calls subprocess / os process starters (by name, in its code)."""
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+            if (n.value.id, n.attr) in {("subprocess", a) for a in ("Popen", "run", "call", "check_call", "check_output")} \
+                    or (n.value.id == "os" and n.attr in ("system", "popen", "spawnv", "execv", "fork")):
+                return True
+        if isinstance(n, ast.ImportFrom) and n.module == "subprocess":
+            return True
+    return False
+
+
+def test_one_file_under_experiments_starts_processes():
+    """experiments/launch.py is the one launcher: no other script of experiments/ starts a process."""
+    starters = sorted(p.name for p in (ROOT / "experiments").glob("*.py") if _starts_processes(p))
+    assert starters == ["launch.py"], starters
+
+
+def test_no_private_helper_is_imported_across_files():
+    """A name with a leading underscore is its own file's: no script imports one from another."""
+    bad = []
+    for p in sorted([*(ROOT / "experiments").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
+        for n in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("experiments", "benchmarks")):
+                pkg = ROOT.joinpath(*n.module.split("."))  # a module of the package (experiments/_common.py) is no helper
+                bad += [f"{p.name}: {n.module}.{a.name}" for a in n.names
+                        if a.name.startswith("_") and not (pkg / f"{a.name}.py").is_file()]
+    assert not bad, bad
