@@ -94,16 +94,93 @@ class Run:
     label: str = ""  # the variant, shown in table.csv's method column as "<method> (<label>)"
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """What an artefact writes and where it is shown, declared by its script. ``declare`` writes it
+    next to the results as results/<name>/artefact.json, which qerl.plots and the notebooks read."""
+
+    figure: str | None = None  # the qerl.plots function that draws its figure (None: none, or drawn by the script)
+    figure_kwargs: dict = field(default_factory=dict)  # its keywords (title, by, panels, keys, ...)
+    figure_file: str | None = None  # its file name: <name>.png in results/figures/ (a figure the script draws
+    # itself, with figure None: beside its results)
+    columns: tuple[str, ...] = tuple(COLUMNS)  # its table's columns (table.csv, or a speed artefact's rows)
+    notebook: str | None = None  # the notebook that shows it
+
+    def declaration(self, name: str, script: str) -> dict:
+        return {"artefact": name, "script": f"python -m {script}",
+                "figure": {"draw": self.figure, "kwargs": self.figure_kwargs,
+                           "file": self.figure_file or f"{name}.png"} if self.figure or self.figure_file else None,
+                "columns": list(self.columns), "notebook": self.notebook}
+
+
+@dataclass(frozen=True)
+class Artefact:
+    """An artefact that is no Experiment (a speed table, a study with its own analysis): its results
+    folder name, its module and its Outputs. A script declares it as its module's ARTEFACT."""
+
+    name: str
+    script: str
+    outputs: Outputs
+
+
+def declare(artefact: Artefact, folder: Path) -> Path:
+    """Write <folder>/artefact.json (folder: the artefact's results, results/<name>/ by default): its
+    declared outputs (see Outputs)."""
+    path = Path(folder) / "artefact.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(artefact.outputs.declaration(artefact.name, artefact.script), indent=1) + "\n")
+    return path
+
+
+def redeclare(results: Path) -> list[Path]:
+    """Rewrite every artefact.json under `results` from its script's current declaration (the
+    artefact named in it); -> the files rewritten. A declaration whose artefact is gone is left."""
+    arts = {a.name: a for a in all_artefacts()}
+    out = []
+    for f in sorted(Path(results).rglob("artefact.json")):
+        art = arts.get(json.loads(f.read_text()).get("artefact"))
+        if art is not None:
+            out.append(declare(art, f.parent))
+    return out
+
+
+def declared(module) -> Artefact | None:
+    """The Artefact a script module declares (its EXPERIMENT's, or its ARTEFACT), None for other modules."""
+    exp = getattr(module, "EXPERIMENT", None)
+    if isinstance(exp, Experiment):
+        return exp.artefact
+    art = getattr(module, "ARTEFACT", None)
+    return art if isinstance(art, Artefact) else None
+
+
+def all_artefacts() -> list[Artefact]:
+    """Every artefact declared by a module of experiments/ (each module is imported; none runs)."""
+    import pkgutil
+
+    import experiments
+
+    out = []
+    for info in pkgutil.iter_modules(experiments.__path__):
+        art = declared(importlib.import_module(f"experiments.{info.name}"))
+        if art is not None:
+            out.append(art)
+    return out
+
+
 @dataclass
 class Experiment:
     name: str  # results/<name>/<profile>/, W&B group <name>-<profile>
     doc: str  # the script's docstring (its first paragraph is the --help description)
     plan: Callable[[argparse.Namespace], list[Run]]
-    figure: Callable[[Path, argparse.Namespace], object] | None = None  # default: plots.experiment_figure
+    outputs: Outputs = Outputs()  # its table, figure and notebook (results/<name>/artefact.json)
     paper_models: tuple[str, ...] = ("Qwen/Qwen2.5-7B-Instruct",)  # default --models at profile paper
     seeds: dict = field(default_factory=lambda: dict(DEFAULT_SEEDS))  # default --seeds per profile
     curves: bool = True  # add reward / entropy first5 / last5 rows to table.csv
     add_args: Callable[[argparse.ArgumentParser], None] | None = None
+
+    @property
+    def artefact(self) -> Artefact:
+        return Artefact(self.name, f"experiments.{ALIASES.get(self.name, self.name)}", self.outputs)
 
 
 def load_experiment(name: str) -> Experiment:
@@ -508,12 +585,10 @@ def collect_experiment(exp: Experiment, args, results: Path) -> None:
     rows = collect(res_root, curves=exp.curves)
     summarize(res_root, rows)
     print(f"wrote {res_root / 'table.csv'} ({len(rows)} rows), summary.csv, summary.md")
-    if exp.figure is not None:
-        exp.figure(results, args)
-        return
-    from qerl import plots  # matplotlib: only when drawing
+    declare(exp.artefact, results / exp.name)
+    if exp.outputs.figure:
+        from qerl import plots  # matplotlib: only when drawing
 
-    if exp.name in plots.EXPERIMENT_FIGURES:
         plots.experiment_figure(exp.name, args.profile, results=results)
 
 
@@ -574,6 +649,7 @@ def publish(exp: Experiment, args, root: Path, reference: Path) -> None:
         shutil.rmtree(dest)
     shutil.copytree(src, dest)
     linked = link_duplicates(reference)
+    declare(exp.artefact, reference / exp.name)
     plan = json.loads((root / "plan.json").read_text())
     (dest / "published.json").write_text(json.dumps(
         {"experiment": exp.name, "root": str(root), "git_sha": plan.get("git_sha"), "git_dirty": plan.get("git_dirty"),

@@ -36,7 +36,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from experiments._common import GRPO, flags
+from experiments._common import GRPO, Artefact, Outputs, declare, flags
 from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_tasks
 from qerl.config import QERL_FORMAT, method_name
 from qerl.logging import git_info
@@ -208,7 +208,10 @@ def paired(runs: dict, arm: str, key: str, control: str = CONTROL) -> tuple[list
 # ----------------------------------------------------------------------------- analysis
 TABLE_COLUMNS = ["endpoint", "role", "comparison", "n", "mean_diff", "ci_low", "ci_high", "t", "p_t", "n_pos",
                  "n_neg", "p_sign", "verdict"]
-
+# What this study writes into <out>/ (its artefact.json): table.csv's columns, the figure it draws
+# itself beside them, and the notebook that shows it
+ARTEFACT = Artefact("aqn_paired", "experiments.aqn_paired", Outputs(
+    figure_file="paired_differences.png", columns=tuple(TABLE_COLUMNS), notebook="notebooks/rewards.ipynb"))
 
 
 def analyze(out: Path) -> dict:
@@ -451,6 +454,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     res = analyze(out)
+    declare(ARTEFACT, out)
     print(verdict_sentence(res["primary"]))
     print(f"wrote {out / 'table.csv'}, per_seed.csv, paired_differences.png, NOTES.md")
     if args.archive:

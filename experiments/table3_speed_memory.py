@@ -58,12 +58,20 @@ from pathlib import Path
 import torch
 
 from benchmarks import speed_common as sc
+from experiments import _common as C
 from qerl import kernels as qkernels
 from qerl import step as qstep
 from qerl.config import QERL_FORMAT, QLORA_FORMAT, TrainConfig, method_name, parse_method, table_bases
 from qerl.policy import make_optimizer, optimizer_params
 from qerl.quantize import lora_parameters
 from qerl.rollout import RolloutOutput
+
+# What this artefact writes (results/<out>/artefact.json, read by qerl.plots and notebooks/table3.ipynb)
+ARTEFACT = C.Artefact("table3", "experiments.table3_speed_memory", C.Outputs(
+    figure="plot_table3_split", figure_file="table3_step_split.png", notebook="notebooks/table3.ipynb",
+    columns=("gpu", "model", "method", "batch", "grad_ckpt", "completion_len", "step_s", "rollout_s", "logprob_s",
+             "update_s", "rollout_share", "peak_gib", "model_size_gb", "paper_model_size_gb", "paper_s_per_step",
+             "memory_cap_gib", "oom", "oom_phase")))
 
 METHODS = table_bases()  # bf16 and every registered format
 SUMMARY_KEYS = (
@@ -464,7 +472,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    return sc.main_run_or_merge(parse_args(argv), run, merge, "table3_speed_memory.py")
+    args = parse_args(argv)
+    result = sc.main_run_or_merge(args, run, merge, "table3_speed_memory.py")
+    C.declare(ARTEFACT, Path(args.out))
+    return result
 
 
 if __name__ == "__main__":

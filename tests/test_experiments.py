@@ -358,12 +358,16 @@ def test_experiment_figures_draw_from_synthetic_runs(name, tmp_path):
         _fake_train_run(root / "runs" / f"run{i}-s0", method=method, rewards=(0.1 * i, 0.2, 0.3 + 0.1 * i),
                         **knobs)
     C.collect(root, curves=True)
+    C.declare(C.load_experiment(name).artefact, tmp_path / name)  # what collect_experiment writes
     out = plots.experiment_figure(name, "small", results=tmp_path, out_dir=tmp_path / "figs")
     assert out is not None
     assert (tmp_path / "figs" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plots.experiment_figure(name, "small", results=tmp_path / "none", out_dir=tmp_path / "figs") is None
+    assert plots.experiment_figure("fig99", "small", results=tmp_path) is None  # no declaration: a note
+    decl = tmp_path / name / "artefact.json"
+    decl.write_text(decl.read_text().replace(f'"{json.loads(decl.read_text())["figure"]["draw"]}"', '"nonesuch"'))
     with pytest.raises(ValueError, match="allowed"):
-        plots.experiment_figure("fig99", "small")
+        plots.experiment_figure(name, "small", results=tmp_path)
 
 
 def test_only_selects_runs_by_pattern(tmp_path):

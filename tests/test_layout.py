@@ -85,3 +85,34 @@ def test_no_private_helper_is_imported_across_files():
                 bad += [f"{p.name}: {n.module}.{a.name}" for a in n.names
                         if a.name.startswith("_") and not (pkg / f"{a.name}.py").is_file()]
     assert not bad, bad
+
+
+def test_the_library_names_no_script():
+    """qerl/plots.py reads the artefacts' own declarations (results/<name>/artefact.json): it names no
+    module of experiments/ or benchmarks/, not even in a string."""
+    text = (ROOT / "qerl" / "plots.py").read_text()
+    for word in ("experiments.", "experiments/", "benchmarks.", "benchmarks/", "EXPERIMENT_FIGURES"):
+        assert word not in text, f"qerl/plots.py names {word!r}"
+
+
+def test_artefacts_declare_their_outputs():
+    """Each artefact script declares its outputs; the figure names a qerl.plots function, the notebook
+    exists and shows the artefact, and every committed artefact.json is the script's declaration now
+    (`python -m experiments.make_figures` rewrites them)."""
+    import json
+
+    from experiments import _common as C
+    from qerl import plots
+
+    arts = {a.name: a for a in C.all_artefacts()}
+    assert {"table1", "table2_bigmath", "fig4_reward_curves", "table3", "rollout", "aqn_paired"} <= set(arts)
+    for name, art in arts.items():
+        out = art.outputs
+        assert out.columns, name
+        assert out.figure is None or callable(getattr(plots, out.figure, None)), (name, out.figure)
+        assert out.notebook and (ROOT / out.notebook).is_file(), (name, out.notebook)
+        assert name in (ROOT / out.notebook).read_text(), f"{out.notebook} does not show {name}"
+    for f in sorted((ROOT / "results").rglob("artefact.json")):
+        decl = json.loads(f.read_text())
+        art = arts[decl["artefact"]]
+        assert decl == json.loads(json.dumps(art.outputs.declaration(art.name, art.script))), f"{f} is stale"

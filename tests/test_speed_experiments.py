@@ -14,9 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from benchmarks import rollout_throughput as rt  # noqa: E402
 from benchmarks import speed_common as sc  # noqa: E402
-from benchmarks import table3_speed_memory as t3  # noqa: E402
+from experiments import rollout_throughput as rt  # noqa: E402
+from experiments import table3_speed_memory as t3  # noqa: E402
 from qerl.quantize import lora_parameters  # noqa: E402
 
 P, C = 6, 5
