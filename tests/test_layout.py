@@ -116,3 +116,13 @@ def test_artefacts_declare_their_outputs():
         decl = json.loads(f.read_text())
         art = arts[decl["artefact"]]
         assert decl == json.loads(json.dumps(art.outputs.declaration(art.name, art.script))), f"{f} is stale"
+
+
+def test_no_file_under_benchmarks_mentions_an_issue_number():
+    """benchmarks/ holds user tools: what they measure, not which issue asked for it."""
+    import re
+
+    pat = re.compile(r"#\d+|\bissues? ?#?\d+", re.I)
+    bad = [f"{p.name}:{i}" for p in sorted((ROOT / "benchmarks").rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if pat.search(line)]
+    assert not bad, bad

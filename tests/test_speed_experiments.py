@@ -427,20 +427,6 @@ def test_rollout_notebook(tmp_path, monkeypatch):
     assert any("no results in" in o.get("text", "") for o in empty)
 
 
-def test_profile_train_smoke_on_cpu(tmp_path, capsys):
-    """benchmarks/profile_train (the training phases by kernel, issue 18) runs end to end on a tiny model."""
-    from benchmarks import profile_train
-
-    profile_train.main(["--model", "tiny-qwen2", "--layers", "1", "--device", "cpu", "--methods", "nvfp4", "bf16",
-                        "--prompt", "4", "--completion", "4", "--reps", "1", "--out", str(tmp_path)])
-    res = json.loads((tmp_path / "profile_train.json").read_text())
-    for method in ("nvfp4", "bf16"):
-        ms = res["methods"][method]["ms"]
-        assert ms["logprob"] > 0 and ms["update"] > 0 and res["methods"][method]["top"]
-        assert (tmp_path / f"profile_train_{method}.txt").read_text().strip()
-    assert "== nvfp4: old log-probs" in capsys.readouterr().out
-
-
 def test_profile_decode_smoke_on_cpu(tmp_path):
     """benchmarks/profile_decode (a decode step's time by kernel category, issue 14) runs on a tiny model."""
     from benchmarks import profile_decode
@@ -453,31 +439,3 @@ def test_profile_decode_smoke_on_cpu(tmp_path):
     assert profile_decode.category("_fwd_gemv_kernel") == "4-bit linear"
     assert profile_decode.category("nvjet_sm90_tst_192x192") == "cuBLAS GEMM"
     assert profile_decode.category("void at::native::copy_kernel") == "other"
-
-
-def test_bench_lora_checks_gate_the_configs():
-    """benchmarks/bench_lora.py times a config only after its output matches fp64: the checks accept the
-    kernels' results (Triton interpreter) and reject a wrong h or a wrong epilogue; the groups carry a
-    layer's q/k/v (with biases), o, gate/up and down shapes."""
-    from benchmarks import bench_lora as bl
-    from qerl import kernels
-    from qerl.models import model_config
-
-    gs = bl.groups(model_config(sc.MODELS["tiny-qwen2"]), rank=8, layers=1, device="cpu")
-    assert [g["name"] for g in gs] == ["qkv", "o", "gate_up", "down"]
-    H = gs[0]["K"]
-    assert gs[0]["Ns"][0] == H and len(gs[0]["layers"][0][2]) == 3 and gs[3]["Ns"] == [H]
-    torch.manual_seed(0)
-    x = torch.randn(20, 64, dtype=torch.bfloat16)
-    As = [torch.randn(8, 64) / 8 for _ in range(2)]
-    Bs = [torch.randn(48, 8) for _ in range(2)]
-    h = kernels.lora_a_tuned(x, As, dict(BLOCK_M=16, BLOCK_K=32, K_CHUNK=32))
-    assert bl.check_a(h, x, As) and not bl.check_a(h * 1.01, x, As)
-    ys = [torch.randn(20, 48, dtype=torch.bfloat16) for _ in range(2)]
-    before = [y.clone() for y in ys]
-    kernels.lora_out_tuned(ys, h, Bs, [], 2.0, config=dict(BLOCK_N=32, ROWS=16))
-    assert bl.check_out(ys, before, h, Bs, [], 2.0)
-    assert not bl.check_out(before, before, h, Bs, [], 2.0)
-    out = torch.empty_like(before[0])
-    kernels.lora_out_tuned([y.clone() for y in before], h, Bs, [], 2.0, out=out)
-    assert bl.check_out(None, before, h, Bs, [], 2.0, silu_out=out)
