@@ -126,3 +126,10 @@ def test_no_file_under_benchmarks_mentions_an_issue_number():
     bad = [f"{p.name}:{i}" for p in sorted((ROOT / "benchmarks").rglob("*.py"))
            for i, line in enumerate(p.read_text().splitlines(), 1) if pat.search(line)]
     assert not bad, bad
+
+
+def test_every_notes_file_is_short():
+    """results/<artefact>/NOTES.md gives the current state with its commit; the history is git's."""
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "results").rglob("NOTES.md"))
+            if (n := len(p.read_text().splitlines())) >= 120}
+    assert not long, long
