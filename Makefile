@@ -122,10 +122,10 @@ bench-kernels: ## kernel benchmark (GPU): writes results/kernels/<gpu>.json
 	$(PY) -m benchmarks.bench_kernels
 
 rollout-throughput: ## rollout tokens/s, bf16/NF4/NVFP4 LoRA + HF generate, 7B-32B (GPU): results/rollout/<gpu>.json
-	$(PY) -m benchmarks.rollout_throughput $(ARGS)
+	$(PY) -m experiments.rollout_throughput $(ARGS)
 
 table3: ## GRPO step time split and peak memory, 7B/14B bs8 (GPU; 32B: see the script): results/table3/<gpu>.json
-	$(PY) -m benchmarks.table3_speed_memory $(ARGS)
+	$(PY) -m experiments.table3_speed_memory $(ARGS)
 
 # data-parallel runs (torchrun): GPUs per node, nodes, this node's rank, node 0's host:port
 NPROC ?= 2

@@ -1,4 +1,4 @@
-"""Data-parallel RL across GPUs (issue 8): a 2-GPU step equals a 1-GPU step, and how the step time scales.
+"""Data-parallel RL across GPUs: a 2-GPU step equals a 1-GPU step, and how the step time scales.
 
 Artefact: results/dist/<gpu>.json with gpu, git_sha, date, rows and a summary:
   step1_loss_rel_diff      |loss_2 - loss_1| / |loss_1| of the first RL step (target <= 1e-3)

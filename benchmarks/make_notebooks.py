@@ -142,7 +142,7 @@ CELLS = {
 }
 
 
-def speed_load(folder: str, columns: str) -> str:
+def speed_load(folder: str) -> str:
     """The first code cell of a speed notebook: results/<folder>/<gpu>.json into `runs` and `rows`."""
     return f"""import os
 import tempfile
@@ -159,7 +159,7 @@ RESULTS = Path(os.environ.get("QERL_RESULTS", "results"))
 WRITE = os.environ.get("QERL_WRITE_FIGURES") == "1"
 FIG_DIR = RESULTS / "figures" if WRITE else Path(tempfile.gettempdir()) / "qerl_figures"
 runs, rows = plots.speed_results("{folder}", RESULTS)
-rows.reindex(columns=plots.{columns}) if rows is not None else None"""
+plots.declared_columns(rows, "{folder}", RESULTS)  # the columns results/{folder}/artefact.json declares"""
 
 
 def speed_plot(fn: str, name: str) -> str:
@@ -175,9 +175,9 @@ CELLS["table3"] = [
     "log-probs, one policy update) for bf16 LoRA, QLoRA (bitsandbytes NF4) and NVFP4 on random-weight "
     "Qwen2.5 architectures, prompt 256 and fixed-length completions; peak memory, model size, and the "
     "32B model under an 80 GiB cap. Reads `results/table3/<gpu>.json` from "
-    "`python -m benchmarks.table3_speed_memory` (a missing folder prints a note); `paper_*` columns are the "
+    "`python -m experiments.table3_speed_memory` (a missing folder prints a note); `paper_*` columns are the "
     "paper's values, a reference only.",
-    speed_load("table3", "TABLE3_COLUMNS"),
+    speed_load("table3"),
     speed_plot("plot_table3_split", "table3_step_split"),
     SPEED_SUMMARY,
 ]
@@ -186,9 +186,9 @@ CELLS["rollout"] = [
     "# Rollout throughput (paper Tables 5-9, Figure 11)\nThe fast engine (static KV cache, CUDA graphs) on "
     "random-weight Qwen2.5 architectures: bf16 LoRA, bitsandbytes NF4, MXFP4 and NVFP4, plus HF `generate` in "
     "bf16 (what a user gets without an engine; a shorter completion, a per-token rate). Reads "
-    "`results/rollout/<gpu>.json` from `python -m benchmarks.rollout_throughput`; `paper_*` columns are the "
+    "`results/rollout/<gpu>.json` from `python -m experiments.rollout_throughput`; `paper_*` columns are the "
     "paper's vLLM numbers, a reference only.",
-    speed_load("rollout", "ROLLOUT_COLUMNS"),
+    speed_load("rollout"),
     speed_plot("plot_rollout_throughput", "rollout_throughput"),
     SPEED_SUMMARY,
 ]

@@ -1,4 +1,4 @@
-"""Where a rollout decode step's time goes (issue 14: "the rest of the decode step"). GPU tool.
+"""Where a rollout decode step's time goes, by kernel category. GPU tool.
 
 For each method and batch: the fast engine (static KV cache, CUDA graphs, fused decode step) on a
 random-weight model; wall time per decode step from two rollouts of the same prompts, one of 1 token

@@ -9,6 +9,7 @@ exactly what real weights would.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import inspect
@@ -26,7 +27,6 @@ from qerl.config import table_bases
 from qerl.logging import environment
 from qerl.qlinear import QuantLinear
 from qerl.quantize import QuantizeConfig, model_size_bytes
-from qerl.step import PhaseTimer
 
 MODELS = {
     **PAPER_MODELS,  # "qwen2.5-7b" -> "Qwen/Qwen2.5-7B-Instruct" (qerl.arch)
@@ -265,9 +265,33 @@ def peak_gib() -> float | None:
 # OOM-safe phases
 
 
-# Times named phases (the GPU synchronized around each) and remembers which one was running: the
-# step's own timer, so a benchmark's phases are the ones qerl.step.step times.
-Phases = PhaseTimer
+class PhaseTimer:
+    """Wall seconds of named phases, the GPU synchronized at both ends of each, and the phase that is
+    running (``current``: the one an exception escaped from; None between phases).
+
+        timer = PhaseTimer()
+        with timer("rollout"): ...
+        timer.seconds -> {"rollout": 12.3}
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.current: str | None = None
+
+    @staticmethod
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self.current = name
+        self.sync()
+        t0 = time.perf_counter()
+        yield
+        self.sync()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        self.current = None
 
 
 def is_oom(e: BaseException) -> bool:

@@ -6,9 +6,12 @@ A script lists its runs for a profile as `Run`s (a folder name + TrainConfig ove
 
 - flags: --profile smoke|small|paper, --dry-run (print the planned runs and commands, run nothing),
   --collect-only (rebuild the tables and the figure), --only PATTERN (a subset of the runs),
-  --parallel N, --gpus 0 1 ... (each run sees one GPU, the least busy), --seeds, --models,
+  --parallel N, --gpus 0 1 ... (each run sees one GPU, the least busy), --per-gpu N (N runs on each
+  GPU of --gpus), --seeds, --models,
   --data-dir, --max-steps, --wandb-mode; where runs go: --runs-dir, --root, --resume, --allow-drift,
   --publish, --results (the committed reference, default results/);
+- launching: each distinct run is a task of experiments/launch.py, the one launcher of experiments/
+  (processes, GPU slots, resume by run-folder completeness, log.txt and run.json);
 - a run root: every invocation runs into a NEW folder <runs-dir>/<name>-<profile>-<UTC time>-<sha7>/
   (or --root DIR), so results/ stays the committed reference and nothing old is reused by accident.
   It holds plan.json (the git sha, the argv, every planned run), work/<experiment>/<run>/ (the full
@@ -50,13 +53,12 @@ import os
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_complete, run_tasks
 from qerl.cli_train import eval_flags
 from qerl.config import PROFILES, TABLE4_BIGMATH, TrainConfig, eval_settings, make_config
 from qerl.logging import git_info
@@ -70,7 +72,6 @@ DEFAULT_SEEDS = {"smoke": [0], "small": [0, 1, 2], "paper": [0]}
 CURVE_KEYS = ("reward", "entropy")
 CURVE_WINDOW = 5
 GAP_KEY = "sampling/logprob_gap"  # rollout vs training-forward log-prob gap (nats); table.csv: logprob_gap_mean
-POLL_S = 2.0  # seconds between polls of the running processes
 
 # The two policy losses the paper names, spelled out in full so that no config default decides which
 # one a script runs (Table 4 for both: clip 0.2 / 0.28, no KL, no entropy loss).
@@ -93,16 +94,93 @@ class Run:
     label: str = ""  # the variant, shown in table.csv's method column as "<method> (<label>)"
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """What an artefact writes and where it is shown, declared by its script. ``declare`` writes it
+    next to the results as results/<name>/artefact.json, which qerl.plots and the notebooks read."""
+
+    figure: str | None = None  # the qerl.plots function that draws its figure (None: none, or drawn by the script)
+    figure_kwargs: dict = field(default_factory=dict)  # its keywords (title, by, panels, keys, ...)
+    figure_file: str | None = None  # its file name: <name>.png in results/figures/ (a figure the script draws
+    # itself, with figure None: beside its results)
+    columns: tuple[str, ...] = tuple(COLUMNS)  # its table's columns (table.csv, or a speed artefact's rows)
+    notebook: str | None = None  # the notebook that shows it
+
+    def declaration(self, name: str, script: str) -> dict:
+        return {"artefact": name, "script": f"python -m {script}",
+                "figure": {"draw": self.figure, "kwargs": self.figure_kwargs,
+                           "file": self.figure_file or f"{name}.png"} if self.figure or self.figure_file else None,
+                "columns": list(self.columns), "notebook": self.notebook}
+
+
+@dataclass(frozen=True)
+class Artefact:
+    """An artefact that is no Experiment (a speed table, a study with its own analysis): its results
+    folder name, its module and its Outputs. A script declares it as its module's ARTEFACT."""
+
+    name: str
+    script: str
+    outputs: Outputs
+
+
+def declare(artefact: Artefact, folder: Path) -> Path:
+    """Write <folder>/artefact.json (folder: the artefact's results, results/<name>/ by default): its
+    declared outputs (see Outputs)."""
+    path = Path(folder) / "artefact.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(artefact.outputs.declaration(artefact.name, artefact.script), indent=1) + "\n")
+    return path
+
+
+def redeclare(results: Path) -> list[Path]:
+    """Rewrite every artefact.json under `results` from its script's current declaration (the
+    artefact named in it); -> the files rewritten. A declaration whose artefact is gone is left."""
+    arts = {a.name: a for a in all_artefacts()}
+    out = []
+    for f in sorted(Path(results).rglob("artefact.json")):
+        art = arts.get(json.loads(f.read_text()).get("artefact"))
+        if art is not None:
+            out.append(declare(art, f.parent))
+    return out
+
+
+def declared(module) -> Artefact | None:
+    """The Artefact a script module declares (its EXPERIMENT's, or its ARTEFACT), None for other modules."""
+    exp = getattr(module, "EXPERIMENT", None)
+    if isinstance(exp, Experiment):
+        return exp.artefact
+    art = getattr(module, "ARTEFACT", None)
+    return art if isinstance(art, Artefact) else None
+
+
+def all_artefacts() -> list[Artefact]:
+    """Every artefact declared by a module of experiments/ (each module is imported; none runs)."""
+    import pkgutil
+
+    import experiments
+
+    out = []
+    for info in pkgutil.iter_modules(experiments.__path__):
+        art = declared(importlib.import_module(f"experiments.{info.name}"))
+        if art is not None:
+            out.append(art)
+    return out
+
+
 @dataclass
 class Experiment:
     name: str  # results/<name>/<profile>/, W&B group <name>-<profile>
     doc: str  # the script's docstring (its first paragraph is the --help description)
     plan: Callable[[argparse.Namespace], list[Run]]
-    figure: Callable[[Path, argparse.Namespace], object] | None = None  # default: plots.experiment_figure
+    outputs: Outputs = Outputs()  # its table, figure and notebook (results/<name>/artefact.json)
     paper_models: tuple[str, ...] = ("Qwen/Qwen2.5-7B-Instruct",)  # default --models at profile paper
     seeds: dict = field(default_factory=lambda: dict(DEFAULT_SEEDS))  # default --seeds per profile
     curves: bool = True  # add reward / entropy first5 / last5 rows to table.csv
     add_args: Callable[[argparse.ArgumentParser], None] | None = None
+
+    @property
+    def artefact(self) -> Artefact:
+        return Artefact(self.name, f"experiments.{ALIASES.get(self.name, self.name)}", self.outputs)
 
 
 def load_experiment(name: str) -> Experiment:
@@ -149,7 +227,8 @@ def bigmath_task(profile: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- commands
-def _flags(overrides: dict) -> list[str]:
+def flags(overrides: dict) -> list[str]:
+    """`qerl train` flags of TrainConfig overrides: --field-name value (lists as several values, bools as true/false)."""
     out = []
     for k, v in overrides.items():
         if v is None:
@@ -182,7 +261,7 @@ def command(exp: Experiment, run: Run, args, run_dir: Path) -> list[str]:
         if not reads_data_dir(make_config(args.profile, **ov)):  # the command says only what the run reads
             ov.pop("data_dir", None)
         return py + ["train", "--profile", args.profile, "--output-dir", str(run_dir), "--wandb-group",
-                     f"{exp.name}-{args.profile}", "--resume-from", "auto", *_flags(ov)]
+                     f"{exp.name}-{args.profile}", "--resume-from", "auto", *flags(ov)]
     cfg = make_config(args.profile, **{**run.overrides, **common_overrides(args)})
     fmt = run.name.rsplit("base-", 1)[1]
     return py + ["eval", "--profile", args.profile, "--model", cfg.model, "--method", fmt,
@@ -235,13 +314,7 @@ def config_drift(run: Run, run_dir: Path, args) -> dict:
 
 def is_done(run: Run, run_dir: Path) -> bool:
     """Finished: its summary says ok (eval: eval.json exists) and its process, if recorded, exited 0."""
-    f = run_dir / ("summary.json" if run.kind == "train" else "eval.json")
-    if not f.exists():
-        return False
-    rec = run_dir / "run.json"
-    if rec.exists() and json.loads(rec.read_text()).get("exit_code") != 0:
-        return False
-    return run.kind == "eval" or json.loads(f.read_text()).get("status") == "ok"
+    return run_complete(run_dir, run.kind)
 
 
 # ----------------------------------------------------------------------------- table.csv
@@ -348,8 +421,7 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
                     help="hub ids / local dirs; default: the profile's model (paper: the paper's models)")
     ap.add_argument("--only", nargs="+", default=None, metavar="PATTERN",
                     help="plan only the runs whose names match one of these glob patterns (e.g. 'cosine-*')")
-    ap.add_argument("--parallel", type=int, default=1, help="runs at once (processes)")
-    ap.add_argument("--gpus", nargs="*", default=None, help="GPU ids; each run gets the least busy one")
+    add_launch_args(ap)
     ap.add_argument("--data-dir", default=os.environ.get("QERL_DATA_DIR"), help="local JSONL data (shared/data)")
     ap.add_argument("--max-steps", type=int, default=0, help="override every run's max_steps (0 = keep)")
     ap.add_argument("--wandb-mode", default=None, choices=("offline", "online", "disabled"))
@@ -472,68 +544,12 @@ def new_root(shared, label: str, git: dict) -> Path:
 
 
 # ----------------------------------------------------------------------------- running
-PROGRESS_S = 60  # seconds between progress lines of the running jobs (a terminal: one line, redrawn each poll)
-
-
-def job_progress(work: Path) -> str:
-    """A running job's progress from its run folder: "step k/N reward r" (or "starting")."""
-    try:
-        total = json.loads((work / "config.json").read_text()).get("max_steps")
-        last = None
-        with (work / "metrics.jsonl").open() as f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    last = row if row.get("reward") is not None else last
-    except (OSError, ValueError):
-        return "starting"
-    if last is None:
-        return "evaluating" if total else "starting"
-    return f"step {last['step']}/{total} reward {last['reward']:.3f}"
-
-
 def launch(jobs: list[Job], shared, git: dict) -> dict[str, int]:
-    """Run the jobs, `shared.parallel` at a time, each in its work folder. -> {job name: exit code}"""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true"}
-    gpus = list(shared.gpus or [])
-    todo, running, codes, t0 = list(jobs), [], {}, time.time()
-    last_progress = t0
-    while todo or running:
-        while todo and len(running) < max(shared.parallel, 1):
-            job = todo.pop(0)
-            job.work.mkdir(parents=True, exist_ok=True)
-            (job.work / "planned.json").write_text(json.dumps(
-                {"spec": job.spec, **git, "command": shlex.join(job.command),
-                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}, indent=2))
-            penv = dict(env)
-            gpu = None
-            if gpus:
-                gpu = min(gpus, key=lambda g: sum(1 for r in running if r[3] == g))
-                penv["CUDA_VISIBLE_DEVICES"] = str(gpu)
-            log = open(job.work / "log.txt", "a")
-            running.append((subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT, env=penv), job, log, gpu))
-        time.sleep(POLL_S)
-        tty = sys.stdout.isatty()
-        if running and (tty or time.time() - last_progress >= PROGRESS_S):
-            last_progress = time.time()
-            line = f"[{time.time() - t0:6.0f}s] " + "; ".join(f"{j.name}: {job_progress(j.work)}" for _, j, _, _ in running)
-            cols = shutil.get_terminal_size().columns - 1
-            print(f"\r\x1b[K{line[:cols]}" if tty else line, end="" if tty else "\n", flush=True)
-        for item in list(running):
-            p, job, log, _ = item
-            if p.poll() is None:
-                continue
-            running.remove(item)
-            log.close()
-            (job.work / "run.json").write_text(json.dumps({"command": shlex.join(job.command),
-                                                           "exit_code": p.returncode}, indent=2))
-            codes[job.name] = p.returncode
-            status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode}; see {job.work / 'log.txt'})"
-            print(f"{chr(13) + chr(27) + '[K' if sys.stdout.isatty() else ''}[{time.time() - t0:6.0f}s] {job.name}: {status} ({len(todo)} to start, {len(running)} running)",
-                  flush=True)
-            if p.returncode != 0:
-                print("".join((job.work / "log.txt").read_text().splitlines(True)[-15:]), flush=True)
-    return codes
+    """Run the jobs through the launcher (experiments.launch), each in its work folder, as the shared
+    flags --parallel / --gpus / --per-gpu say. -> {job name: exit code}"""
+    tasks = [Task(j.name, j.command, j.work, done=lambda d, kind=j.run.kind: run_complete(d, kind),
+                  planned={"spec": j.spec, **git}) for j in jobs]
+    return run_tasks(tasks, **launch_kwargs(shared), git=git)
 
 
 def assemble(exp: Experiment, args, jobs: list[Job], results: Path) -> Path:
@@ -569,12 +585,10 @@ def collect_experiment(exp: Experiment, args, results: Path) -> None:
     rows = collect(res_root, curves=exp.curves)
     summarize(res_root, rows)
     print(f"wrote {res_root / 'table.csv'} ({len(rows)} rows), summary.csv, summary.md")
-    if exp.figure is not None:
-        exp.figure(results, args)
-        return
-    from qerl import plots  # matplotlib: only when drawing
+    declare(exp.artefact, results / exp.name)
+    if exp.outputs.figure:
+        from qerl import plots  # matplotlib: only when drawing
 
-    if exp.name in plots.EXPERIMENT_FIGURES:
         plots.experiment_figure(exp.name, args.profile, results=results)
 
 
@@ -635,6 +649,7 @@ def publish(exp: Experiment, args, root: Path, reference: Path) -> None:
         shutil.rmtree(dest)
     shutil.copytree(src, dest)
     linked = link_duplicates(reference)
+    declare(exp.artefact, reference / exp.name)
     plan = json.loads((root / "plan.json").read_text())
     (dest / "published.json").write_text(json.dumps(
         {"experiment": exp.name, "root": str(root), "git_sha": plan.get("git_sha"), "git_dirty": plan.get("git_dirty"),
@@ -681,12 +696,16 @@ def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label:
                          f", not {shared.profile}")
     if not shared.resume and root.exists() and any(root.iterdir()):
         raise SystemExit(f"{root} exists and is not empty: continue it with --resume {root}, or pick another --root")
+    try:
+        at_once = concurrency(**launch_kwargs(shared))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     jobs = plan_jobs(targets, root)
     n_runs = sum(len(j.uses) for j in jobs)
     done = {j.name for j in jobs if is_done(j.run, j.work)}
     todo = [j for j in jobs if j.name not in done]
     print(f"{label}[{shared.profile}]: {n_runs} planned runs, {len(jobs)} distinct, {len(done)} done, "
-          f"{'would run' if shared.dry_run else 'running'} {len(todo)} ({shared.parallel} at a time); root {root}",
+          f"{'would run' if shared.dry_run else 'running'} {len(todo)} ({at_once} at a time); root {root}",
           flush=True)
     for j in jobs:
         if len(j.uses) > 1:
@@ -695,7 +714,7 @@ def execute(targets: list[tuple[Experiment, argparse.Namespace]], shared, label:
     for name, why in drift.items():
         print(f"  DRIFT {name}: " + "; ".join(why))
     if shared.dry_run:
-        print("  " + estimate(todo, shared.profile, shared.parallel))
+        print("  " + estimate(todo, shared.profile, at_once))
         for j in jobs:
             state = "done" if j.name in done else ("partial" if j.work.exists() else "todo")
             print(f"  [{state}] {j.name}{f'  ({j.run.label})' if j.run.label else ''}")

@@ -3,13 +3,14 @@
 Arms (the plan's): ``noaqn`` (nvfp4_lora), ``aqn`` (nvfp4_lora_aqn, sigma 1e-2 -> 5e-4) and the
 exploratory ``aqn3e-3`` (sigma_start 3e-3), each over seeds 0-15, GRPO, evaluated after training only
 at 16 samples per problem. Runs go in pairs (noaqn-s0, aqn-s0, noaqn-s1, ...), then the exploratory
-arm, ``--parallel`` processes sharing one GPU:
+arm, ``--parallel`` processes sharing one GPU (or ``--gpus 0 1 ... --per-gpu N``: N on each GPU):
 
     python -m experiments.aqn_paired --parallel 12 --time-budget 330 --stop-at 540 --archive OUT/aqn.tar.gz
     python -m experiments.aqn_paired --analyze-only             # table.csv, the figure, NOTES.md again
     python -m experiments.aqn_paired --profile smoke --seeds 0 --out /tmp/aqn   # CPU check of the pipeline
 
-Each run is ``python -m qerl train`` into <out>/runs/<arm>-s<seed>/; when it ends, only its small files
+Each run is ``python -m qerl train`` into <out>/runs/<arm>-s<seed>/, started by experiments.launch (the
+experiments' one launcher); when it ends, only its small files
 stay there (config.json, metrics.jsonl, summary.json, and run.json: the command as it ran, exit code,
 wall time, git sha); checkpoints go, and so does the log of a run that succeeded. A finished run is
 never run again (delete its folder to redo it); an unfinished one starts over. ``--time-budget S``:
@@ -27,19 +28,16 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
 import math
-import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
-from experiments._common import GRPO, _flags
+from experiments._common import GRPO, Artefact, Outputs, declare, flags
+from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_tasks
 from qerl.config import QERL_FORMAT, method_name
 from qerl.logging import git_info
 
@@ -210,6 +208,10 @@ def paired(runs: dict, arm: str, key: str, control: str = CONTROL) -> tuple[list
 # ----------------------------------------------------------------------------- analysis
 TABLE_COLUMNS = ["endpoint", "role", "comparison", "n", "mean_diff", "ci_low", "ci_high", "t", "p_t", "n_pos",
                  "n_neg", "p_sign", "verdict"]
+# What this study writes into <out>/ (its artefact.json): table.csv's columns, the figure it draws
+# itself beside them, and the notebook that shows it
+ARTEFACT = Artefact("aqn_paired", "experiments.aqn_paired", Outputs(
+    figure_file="paired_differences.png", columns=tuple(TABLE_COLUMNS), notebook="notebooks/rewards.ipynb"))
 
 
 def analyze(out: Path) -> dict:
@@ -362,82 +364,41 @@ def command(args, arm: str, seed: int, run_dir: Path) -> list[str]:
     if args.max_steps:
         ov["max_steps"] = args.max_steps
     return [sys.executable, "-m", "qerl", "train", "--profile", args.profile, "--output-dir", str(run_dir),
-            "--overwrite", *_flags(ov), *shlex.split(args.train_flags)]
+            "--overwrite", *flags(ov), *shlex.split(args.train_flags)]
 
 
 def is_done(run_dir: Path) -> bool:
     return read_run(run_dir) is not None
 
 
-def _finish(run_dir: Path, cmd: list[str], code: int, t0: float, started: str, git: dict) -> None:
-    """run.json, then only the small files are kept (the log too if the run failed)."""
-    (run_dir / "run.json").write_text(json.dumps(
-        {"command": shlex.join(cmd), "cwd": os.getcwd(), "exit_code": code, "started": started,
-         "wall_s": round(time.time() - t0, 1), **git}, indent=2))
-    for p in run_dir.iterdir():
+def _keep_small_files(task: Task, code: int) -> None:
+    """When a run ends, only its small files stay (the log too if the run failed)."""
+    for p in task.folder.iterdir():
         if p.name in KEEP or (p.name == "log.txt" and code != 0):
             continue
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def pending(args, out: Path) -> list[Task]:
+    """The planned runs not finished yet, as launcher Tasks (experiments.launch), in the plan's order."""
+    dirs = {(a, s): out / "runs" / f"{a}-s{s}" for a, s in plan_runs(args.arms, args.seeds)}
+    return [Task(d.name, command(args, a, s, d), d, done=is_done, on_exit=_keep_small_files)
+            for (a, s), d in dirs.items() if not is_done(d)]
+
+
 def run_all(args, out: Path) -> dict[str, int]:
-    git = git_info()
-    todo = [(a, s) for a, s in plan_runs(args.arms, args.seeds) if not is_done(out / "runs" / f"{a}-s{s}")]
+    todo = pending(args, out)
     per = RUN_S.get(args.profile, 120)
-    print(f"aqn_paired[{args.profile}]: {len(todo)} runs to do, {args.parallel} at a time "
-          f"(~{per} s each while sharing: ~{len(todo) * per / max(args.parallel, 1) / 60:.0f} min); {out}", flush=True)
+    at_once = concurrency(**launch_kwargs(args))
+    print(f"aqn_paired[{args.profile}]: {len(todo)} runs to do, {at_once} at a time "
+          f"(~{per} s each while sharing: ~{len(todo) * per / at_once / 60:.0f} min); {out}", flush=True)
     if args.dry_run:
-        for a, s in todo:
-            print("  " + shlex.join(command(args, a, s, out / "runs" / f"{a}-s{s}")))
+        for t in todo:
+            print("  " + shlex.join(t.command))
         return {}
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true",
-           "TOKENIZERS_PARALLELISM": "false"}
-    t_start, running, codes = time.time(), [], {}
     if todo:
         _convert_model_once(args.profile)
-    while todo or running:
-        if args.stop_at and time.time() - t_start > args.stop_at and running:
-            print(f"stop-at {args.stop_at} s: stopping {len(running)} running runs "
-                  f"({' '.join(r[1].name for r in running)}); they stay unfinished", flush=True)
-            for p, *_ in running:
-                p.terminate()
-            for p, *_ in running:
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-            todo = []
-        while todo and len(running) < max(args.parallel, 1):
-            if args.time_budget and time.time() - t_start > args.time_budget:
-                print(f"time budget {args.time_budget} s spent: not starting {len(todo)} runs "
-                      f"({' '.join(f'{a}-s{s}' for a, s in todo)})", flush=True)
-                todo = []
-                break
-            arm, seed = todo.pop(0)
-            run_dir = out / "runs" / f"{arm}-s{seed}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = command(args, arm, seed, run_dir)
-            log = open(run_dir / "log.txt", "w")
-            started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), run_dir, cmd, log,
-                            time.time(), started))
-        time.sleep(1.0)
-        for item in list(running):
-            p, run_dir, cmd, log, t0, started = item
-            if p.poll() is None:
-                continue
-            running.remove(item)
-            log.close()
-            tail = (run_dir / "log.txt").read_text(errors="replace").splitlines()[-12:] if p.returncode else []
-            _finish(run_dir, cmd, p.returncode, t0, started, git)
-            codes[run_dir.name] = p.returncode
-            status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode}; {run_dir / 'log.txt'})"
-            print(f"[{time.time() - t_start:5.0f}s] {run_dir.name}: {status} ({time.time() - t0:.0f} s; "
-                  f"{len(todo)} to start, {len(running)} running)", flush=True)
-            if tail:
-                print("\n".join(tail), flush=True)
-    return codes
+    return run_tasks(todo, **launch_kwargs(args), time_budget=args.time_budget, stop_at=args.stop_at, git=git_info())
 
 
 def _convert_model_once(profile: str) -> None:
@@ -467,7 +428,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="default: results/aqn_paired/<profile>")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=tuple(ARMS))
-    ap.add_argument("--parallel", type=int, default=12, help="runs at once on the one GPU")
+    add_launch_args(ap, parallel=12)
     ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none)")
     ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped (left "
                     "unfinished; the next call redoes them), so the analysis and archive still happen (0: never)")
@@ -484,13 +445,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out or f"results/aqn_paired/{args.profile}")
-    if args.parallel < 1:
-        print(f"error: --parallel must be >= 1, got {args.parallel}", file=sys.stderr)
+    try:
+        launch_kwargs(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     codes = {} if args.analyze_only else run_all(args, out)
     if args.dry_run:
         return 0
     res = analyze(out)
+    declare(ARTEFACT, out)
     print(verdict_sentence(res["primary"]))
     print(f"wrote {out / 'table.csv'}, per_seed.csv, paired_differences.png, NOTES.md")
     if args.archive:

@@ -31,7 +31,10 @@ def plan(args) -> list[C.Run]:
             for model in args.models for r in RANKS for s in args.seeds]
 
 
-EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS)
+OUTPUTS = C.Outputs(
+    figure="plot_curves", notebook="notebooks/experiments.ipynb", figure_kwargs=dict(
+        by="lora_rank", title="LoRA rank ablation, QeRL (Fig. 10 analogue)"))
+EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

@@ -32,7 +32,11 @@ def plan(args) -> list[C.Run]:
             for model in args.models for m in METHODS for lr in LEARNING_RATES[args.profile] for s in args.seeds]
 
 
-EXPERIMENT = C.Experiment(NAME, __doc__, plan)
+OUTPUTS = C.Outputs(
+    figure="plot_curves", notebook="notebooks/experiments.ipynb", figure_kwargs=dict(
+        by="learning_rate", panels="method", title="Learning-rate ablation (Fig. 16 / 17 analogue)",
+        panel_names={"nvfp4_lora_aqn": "QeRL (Fig. 16)", "bf16_lora": "bf16 LoRA (Fig. 17)"}))
+EXPERIMENT = C.Experiment(NAME, __doc__, plan, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

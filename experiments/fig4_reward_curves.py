@@ -33,7 +33,11 @@ def plan(args) -> list[C.Run]:
             for model in args.models for loss in LOSSES for m in METHODS for s in args.seeds]
 
 
-EXPERIMENT = C.Experiment(NAME, __doc__, plan, seeds={"smoke": [0], "small": [0, 1, 2], "paper": [0]})
+OUTPUTS = C.Outputs(
+    figure="plot_curves", notebook="notebooks/rewards.ipynb", figure_kwargs=dict(
+        by="method", panels="loss_type", title="Training reward across formats (Fig. 4 analogue)",
+        panel_names={"grpo": "GRPO (loss_type grpo)", "bnpo": "DAPO (loss_type bnpo)"}))
+EXPERIMENT = C.Experiment(NAME, __doc__, plan, seeds={"smoke": [0], "small": [0, 1, 2], "paper": [0]}, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

@@ -31,7 +31,8 @@ def plan(args) -> list[C.Run]:
             for model in args.models for m in METHODS for s in args.seeds]
 
 
-EXPERIMENT = C.Experiment(NAME, __doc__, plan)
+OUTPUTS = C.Outputs(figure="plot_entropy", notebook="notebooks/experiments.ipynb")
+EXPERIMENT = C.Experiment(NAME, __doc__, plan, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

@@ -33,7 +33,10 @@ def plan(args) -> list[C.Run]:
     return [C.train_run(args, m, s, model=model, **task) for model in args.models for m in METHODS for s in args.seeds]
 
 
-EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS)
+OUTPUTS = C.Outputs(
+    figure="plot_curves", notebook="notebooks/experiments.ipynb", figure_kwargs=dict(
+        by="method", panels="model", title="Training reward: QeRL vs LoRA vs full, DAPO (Fig. 7 analogue)"))
+EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

@@ -39,8 +39,11 @@ def plan(args) -> list[C.Run]:
             for model in args.models for m in METHODS for s in args.seeds]
 
 
+OUTPUTS = C.Outputs(
+    figure="plot_curves", notebook="notebooks/rewards.ipynb", figure_kwargs=dict(
+        by="method", panels="model", keys=("reward", "aqn/sigma"), title="AQN ablation (Fig. 8 analogue)"))
 EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS,
-                          seeds={"smoke": [0], "small": [0, 1, 2], "paper": [0]})
+                          seeds={"smoke": [0], "small": [0, 1, 2], "paper": [0]}, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

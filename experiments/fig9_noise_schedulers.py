@@ -32,7 +32,10 @@ def plan(args) -> list[C.Run]:
             for model in args.models for sched in NOISE_SCHEDULES for s in args.seeds]
 
 
-EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS)
+OUTPUTS = C.Outputs(
+    figure="plot_curves", notebook="notebooks/experiments.ipynb", figure_kwargs=dict(
+        by="noise_schedule", keys=("reward", "aqn/sigma"), title="AQN noise schedulers (Fig. 9 / 15 analogue)"))
+EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

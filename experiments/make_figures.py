@@ -5,15 +5,17 @@ breakdown and the kernel speed plot.
     python -m experiments.make_figures [--results results] [--out results/figures]
 
 Writes table1.png, rewards.png, entropy.png, aqn.png, step_time.png, kernels.png (about 5 s on
-2 CPU cores), plus <experiment>.png for each experiments/table2_bigmath.py, fig*.py with results at
-the small profile (qerl.plots.EXPERIMENT_FIGURES), and prints the tables. Missing inputs are
-skipped with a note.
+2 CPU cores), plus <experiment>.png for each artefact with results at the small profile whose
+declaration (results/<experiment>/artefact.json) names a figure, and prints the tables. First every
+artefact.json under the results folder is rewritten from its script's declaration (its Outputs), so a
+script's change of columns, figure or notebook reaches results/. Missing inputs are skipped with a note.
 """
 
 import argparse
 
 import pandas as pd
 
+from experiments import _common as C
 from qerl import plots
 
 
@@ -24,6 +26,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     pd.set_option("display.width", 200)
     pd.set_option("display.max_columns", 20)
+    C.redeclare(args.results)
     out = plots.make_all(results=args.results, out_dir=args.out)
     if out["table1"] is not None:
         print(out["table1"].round(3))

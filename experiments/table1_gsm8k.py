@@ -49,7 +49,8 @@ def plan(args) -> list[C.Run]:
     return runs
 
 
-EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS, curves=False, add_args=add_args)
+OUTPUTS = C.Outputs(figure="table1", notebook="notebooks/table1.ipynb")
+EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS, curves=False, add_args=add_args, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

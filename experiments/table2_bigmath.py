@@ -44,8 +44,9 @@ def plan(args) -> list[C.Run]:
     return runs
 
 
+OUTPUTS = C.Outputs(figure="table2", notebook="notebooks/experiments.ipynb")
 EXPERIMENT = C.Experiment(NAME, __doc__, plan, paper_models=PAPER_MODELS,
-                          seeds={"smoke": [0], "small": [0], "paper": [0]})
+                          seeds={"smoke": [0], "small": [0], "paper": [0]}, outputs=OUTPUTS)
 
 if __name__ == "__main__":
     raise SystemExit(C.main(EXPERIMENT))

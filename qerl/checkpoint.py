@@ -14,6 +14,13 @@ does not fit, or that hits ENOSPC mid-write anyway, raises ``CheckpointSpaceErro
 ``error:`` line, exit 2 at the CLI) naming the path and the bytes needed, and removes its partial
 folder, so the previous checkpoint stays the newest complete one.
 
+The trainer's checkpoints are saved, loaded and resumed here too (``save_checkpoint``,
+``load_checkpoint``, ``resume_point``, ``cut_metrics``), and evaluation, export and
+``qerl.load_trained`` read them here (``read_checkpoint_config``, ``load_trainable``): a checkpoint
+``step-N`` holds ``trainable.safetensors`` (LoRA, trained norms, or every weight for bf16_full),
+``state.pt`` (optimizer, scheduler, RNG states), ``config.json`` (the resolved TrainConfig) and, for
+LoRA, ``adapter/`` (a PEFT copy).
+
 Each checkpoint also carries ``resume.json``: what the run had recorded when it was saved (the
 metrics.jsonl row count, the cumulative token count, the summary so far with its ``eval_before/*``),
 so that a resumed run cuts metrics.jsonl back to that row and ends with the same files as a run that
@@ -26,10 +33,13 @@ import errno
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 MANIFEST = "manifest.json"
 RUN_STATE = "resume.json"
@@ -215,8 +225,6 @@ class RecordingFile:
 
 def torch_save(obj, path: Path) -> None:
     """torch.save that raises the OS error (ENOSPC, ...) itself when the file system refuses a write."""
-    import torch
-
     with RecordingFile(path) as f:
         try:
             torch.save(obj, f)
@@ -303,3 +311,192 @@ def cut_rows(metrics: Path, rows: int) -> int:
         os.fsync(f.fileno())
     tmp.replace(metrics)
     return len(lines) - rows
+
+
+# ----------------------------------------------------------------------------- the trainer's checkpoints
+def save_checkpoint(path: Path, step: int, model, trainable_names, opt, sched, cfg,
+                    run_state: dict | None = None) -> Path:
+    """Write checkpoint ``path`` (checkpoints/step-N) atomically (``write``): the trainable weights,
+    optimizer / scheduler / RNG states, the config, the run's record ``run_state`` (resume.json) and a
+    PEFT copy of the adapter, then the manifest."""
+    from safetensors.torch import save_file
+
+    params = dict(model.named_parameters())
+    master = getattr(opt, "qerl_master", None)  # bf16_full: the fp32 masters are the trained weights
+    tensors = {n: master.master_of(params[n]) if master is not None else params[n] for n in trainable_names}
+    tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+             "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                     "python": random.getstate()}}
+    opt_bytes = sum(v.numel() * v.element_size() for s in state["optimizer"]["state"].values() for v in s.values()
+                    if isinstance(v, torch.Tensor))
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    estimate = tensor_bytes * (2 if cfg.lora else 1) + opt_bytes  # LoRA: the PEFT copy holds the adapter again
+
+    def adapter(dst: Path):
+        from qerl.export import export_run_adapter
+
+        try:
+            export_run_adapter(model, dst, cfg)
+        except Exception as e:  # the adapter is a convenience copy; trainable.safetensors is the checkpoint
+            if disk_full(e):
+                raise
+            shutil.rmtree(dst, ignore_errors=True)
+            print(f"[qerl] PEFT adapter export skipped: {e}")
+
+    writers = {
+        "trainable.safetensors": lambda f: save_file(tensors, str(f)),
+        "state.pt": lambda f: torch_save(state, f),
+        "config.json": lambda f: f.write_text(json.dumps(cfg.to_dict(), indent=2, default=str)),  # read by `eval`
+        RUN_STATE: lambda f: f.write_text(json.dumps({"step": step, **(run_state or {})}, indent=1, default=str)),
+    }
+    if cfg.lora:
+        writers["adapter"] = adapter
+    return write(path, writers, estimate_bytes=estimate, meta={"step": step, "method": cfg.method})
+
+
+def read_checkpoint_config(path) -> dict:
+    """What a checkpoint says about the policy it was trained as: {model, method, lora_rank, lora_alpha,
+    lora_dropout, train_norms} as far as it records them.
+
+    ``path`` is a qerl checkpoint folder (its config.json; older checkpoints: the run folder's
+    config.json two levels up) or a PEFT adapter folder (adapter_config.json: r, lora_alpha,
+    modules_to_save; the method is not recorded there). LoRA on a subset of the projections cannot be
+    rebuilt (qerl puts LoRA on all seven) and is refused.
+    """
+    from qerl.arch import LINEAR_NAMES, NORM_NAMES
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint or adapter folder")
+    peft = path / "adapter_config.json"
+    if peft.exists():
+        c = json.loads(peft.read_text())
+        targets = {t.rsplit(".", 1)[-1] for t in (c.get("target_modules") or [])}
+        if targets != set(LINEAR_NAMES) or c.get("rank_pattern") or c.get("alpha_pattern"):
+            raise ValueError(f"{peft}: LoRA on {sorted(targets)} (rank/alpha patterns {c.get('rank_pattern')}, "
+                             f"{c.get('alpha_pattern')}); qerl rebuilds only one rank and alpha on all of "
+                             f"{list(LINEAR_NAMES)}")
+        saved = set(c.get("modules_to_save") or [])
+        if saved - set(NORM_NAMES):
+            raise ValueError(f"{peft}: modules_to_save {sorted(saved)}; qerl trains only {list(NORM_NAMES)}")
+        out = {"lora_rank": int(c["r"]), "lora_alpha": float(c["lora_alpha"]),
+               "lora_dropout": float(c.get("lora_dropout") or 0.0), "train_norms": bool(saved)}
+        from qerl.export import adapter_info  # qerl's adapters record their method and base
+
+        info = {k: v for k, v in adapter_info(path).items() if k in ("model", "method")}
+        return {**({"model": c["base_model_name_or_path"]} if c.get("base_model_name_or_path") else {}), **out, **info}
+    for cfg_file in (path / "config.json", path.parent.parent / "config.json"):
+        if cfg_file.exists() and (path / "trainable.safetensors").exists():
+            c = json.loads(cfg_file.read_text())
+            keys = ("model", "method", "lora_rank", "lora_alpha", "lora_dropout", "train_norms")
+            return {k: c[k] for k in keys if k in c}
+    raise FileNotFoundError(f"{path} is neither a qerl checkpoint (trainable.safetensors with config.json here or "
+                            f"in its run folder) nor a PEFT adapter folder (adapter_config.json)")
+
+
+def _read_file(load, f: Path):
+    """``load(f)``; a file that exists but cannot be read is a ValueError naming it (not a reader's traceback)."""
+    try:
+        return load(f)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors / pickle errors of a truncated or corrupt file
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        raise ValueError(f"cannot read {f} ({type(exc).__name__}: {lines[0] if lines else ''}): the file is truncated "
+                         f"or corrupt; use another checkpoint (--resume-from {f.parent.parent}/step-N)") from exc
+
+
+def load_trainable(path, model) -> dict:
+    """Load a checkpoint's trainable tensors (LoRA, trained norms, or all weights for bf16_full) into the
+    model (cast to its dtypes) and return them as stored; ``path`` may also be a PEFT adapter folder
+    that qerl exported (adapter_model.safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    f = path / "trainable.safetensors"
+    if f.exists():
+        state = _read_file(lambda p: load_file(str(p)), f)
+    elif (path / "adapter_model.safetensors").exists():
+        prefix = "base_model.model."
+        raw = _read_file(lambda p: load_file(str(p)), path / "adapter_model.safetensors")
+        state = {k.removeprefix(prefix): v for k, v in raw.items()}
+    else:
+        raise FileNotFoundError(f"{f} not found: expected a qerl checkpoint folder (checkpoints/step-N) "
+                                "or a PEFT adapter folder (adapter_model.safetensors)")
+    params = dict(model.named_parameters())
+    missing = set(state) - set(params)
+    if missing:
+        raise ValueError(f"checkpoint {path} has parameters the model lacks: {sorted(missing)[:5]}")
+    bad = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in state.items() if t.shape != params[n].shape]
+    if bad:
+        raise ValueError(f"checkpoint {path} does not fit the model (LoRA rank?): {bad[0][0]} is {bad[0][1]} "
+                         f"in the checkpoint, {bad[0][2]} in the model")
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t.to(params[n].device))
+    return state
+
+
+def load_checkpoint(path: Path, model, opt, sched) -> int:
+    verify(path, names=("trainable.safetensors", "state.pt", RUN_STATE))
+    state = load_trainable(path, model)
+    master = getattr(opt, "qerl_master", None)
+    if master is not None:  # bf16_full: the fp32 masters resume from the stored fp32 values
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, t in state.items():
+                master.master_of(params[n]).copy_(t.to(params[n].device))
+    st = _read_file(lambda p: torch.load(p, weights_only=False), path / "state.pt")
+    opt.load_state_dict(st["optimizer"])
+    sched.load_state_dict(st["scheduler"])
+    torch.set_rng_state(st["rng"]["torch"])
+    if st["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["rng"]["cuda"])
+    random.setstate(st["rng"]["python"])
+    return int(st["step"])
+
+
+def cut_metrics(metrics: Path, record: dict, step: int) -> int:
+    """Cut metrics.jsonl back to the rows logged when the checkpoint of ``step`` was saved (its resume.json);
+    a checkpoint without that record: to the rows of steps <= ``step``."""
+    if "metrics_rows" in record:
+        return cut_rows(metrics, int(record["metrics_rows"]))
+    if not metrics.is_file():
+        return 0
+    keep = 0
+    for ln in (ln for ln in metrics.read_text().splitlines() if ln.strip()):
+        try:
+            if json.loads(ln).get("step", 0) > step:
+                break
+        except ValueError:  # a row cut off by the crash
+            break
+        keep += 1
+    return cut_rows(metrics, keep)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run folder (one with its manifest)."""
+    return latest_complete(Path(output_dir) / "checkpoints")[0]
+
+def resume_point(output_dir: Path, resume_from: str | None, say=print) -> Path | None:
+    """The checkpoint a run resumes from: ``resume_from`` "auto" (the run folder's newest complete
+    checkpoint, None if it has none), a checkpoint folder, or None (a fresh run). Skipped incomplete
+    checkpoints and an unchecked one (no manifest) are reported through ``say``."""
+    if not resume_from:
+        return None
+    if resume_from == "auto":
+        resume, incomplete = latest_complete(Path(output_dir) / "checkpoints")
+        if incomplete:
+            say(f"[qerl] skipped incomplete checkpoints (saves cut off before their manifest): "
+                f"{', '.join(str(p) for p in incomplete)}")
+        if resume is None:  # the documented choice: start fresh, and say so (experiments pass auto to new runs)
+            say(f"[qerl] --resume-from auto: no checkpoint in {Path(output_dir) / 'checkpoints'}; starting at step 1")
+        return resume
+    resume = Path(resume_from)
+    if not resume.is_dir():
+        raise FileNotFoundError(f"resume_from={resume_from}: no such checkpoint")
+    if not is_complete(resume):
+        say(f"[qerl] warning: {resume} has no {MANIFEST} (saved by an older qerl, or cut off mid-save); its files "
+            "are read unchecked")
+    return resume

@@ -264,8 +264,8 @@ def _interrupted(args: argparse.Namespace, argv: list[str]) -> str:
         return f"interrupted: `{args.command}` stopped before it finished; nothing was written"
     from pathlib import Path
 
+    from qerl.checkpoint import latest_checkpoint
     from qerl.cli_train import config_from_args
-    from qerl.train import latest_checkpoint
 
     try:
         out = Path(config_from_args(args).output_dir)

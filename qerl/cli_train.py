@@ -299,9 +299,10 @@ def _policy_of(method: str) -> tuple:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from qerl.checkpoint import load_trainable, read_checkpoint_config
     from qerl.evaluate import eval_records, evaluate_datasets, write_results
     from qerl.logging import environment
-    from qerl.train import build_policy, load_trainable, read_checkpoint_config
+    from qerl.policy import build_policy
 
     check_eval_ranges(args)
     base, settings = eval_settings_of(args)  # bad settings and config files fail before any model loads

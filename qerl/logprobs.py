@@ -1,7 +1,7 @@
 """The training forward: per-token log-probs (and entropies) of given completions under the model.
 
 The policy loss, the old log-probs and the KL reference all come from ``sequence_logprobs``. Its
-logits are fp32 (``qerl.rollout.common.lm_logits``), as in both rollout engines, so the training
+logits are fp32 (``qerl.forward.lm_logits``), as in both rollout engines, so the training
 and sampling log-probs of a token differ only by the kernels and the AQN noise
 (``sampling/logprob_gap``).
 
@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from qerl.rollout.common import lm_logits, positions_from_mask
-from qerl.rollout.hf import decoder_and_head
+from qerl.forward import decoder_and_head, lm_logits, positions_from_mask
 
 # token rows of [rows, vocabulary] fp32 logits computed at a time: 1024 rows of a 152k vocabulary
 # are 0.6 GB a buffer, whatever the micro-batch and completion length

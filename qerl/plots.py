@@ -1,5 +1,5 @@
-"""Figures and tables from results/ only (no model, no GPU): the notebooks and
-experiments/make_figures.py call these.
+"""Figures and tables from results/ only (no model, no GPU): the notebooks and `make figures` call
+these.
 
 Each `plot_*` / `*_table` function reads committed result files with pandas, saves
 `<out_dir>/<name>.png` (figures) and returns the matplotlib Figure or a DataFrame. A missing input
@@ -14,11 +14,13 @@ prints a note and returns None, so a partial results/ tree never crashes a noteb
     kernel_table(results)  Qwen2.5 decoder-layer linear time per method from results/kernels/h100.json
     plot_curves(results, experiment, by=..., panels=...)  any step metric of an experiment's runs, one
                            line per value of config fields `by`, one panel per value of `panels`
-                           (Fig. 4, 7, 8, 9, 10, 16 via experiments/fig*.py)
+                           (Fig. 4, 7, 8, 9, 10, 16, as their artefact.json declare)
     table2(results)        Table 2: accuracy per model / method on MATH500, AIME24, AIME25, AMC23
                            and their average                                -> table2_bigmath.png
-    speed_results(folder)  a speed benchmark's results/<table3|rollout>/<gpu>.json as (runs, rows);
+    speed_results(folder)  a speed artefact's results/<table3|rollout>/<gpu>.json as (runs, rows);
                            plot_table3_split(rows), plot_rollout_throughput(rows), speed_summary(runs)
+    artefact(name)         an artefact's declaration (results/<name>/artefact.json: its figure, table
+                           columns and notebook); experiment_figure(name) draws the declared figure
 """
 
 import json
@@ -275,7 +277,7 @@ def _sort_col(col):
 
 def plot_curves(results=RESULTS, experiment=None, by=("method",), panels=None, keys=("reward",), name=None,
                 title="", smooth=3, out_dir=None, panel_names=None):
-    """Step curves of an experiment's runs (experiments/fig*.py): one line per value of the config
+    """Step curves of an experiment's runs (the figure scripts'): one line per value of the config
     fields `by` (mean over seeds, band = +- std), one column of panels per value of the
     config field `panels` (e.g. "model", "loss_type"), one row per metric in `keys`.
 
@@ -352,7 +354,7 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
     """Decoder-layer linear time (ms, sum over the seven projections) per model, op, M and method.
 
     Rows name shared shapes like "q_proj/o_proj"; each name counts once per projection it stands
-    for, as benchmarks/bench_kernels.py does for its summary. Adds bf16/<fmt> speedup columns
+    for, as the kernel benchmark's own summary does. Adds bf16/<fmt> speedup columns
     (> 1 means the 4-bit kernel is faster). Saves kernels.png (speedup of nvfp4 over bf16 vs M).
     """
     path = Path(results) / name
@@ -386,28 +388,29 @@ def kernel_table(results=RESULTS, out_dir=None, name="kernels/h100.json"):
     return tab
 
 
-# ---------------------------------------------------------------- speed benchmarks (Table 3, rollout)
-
-# results/<folder>/<gpu>.json -> the benchmark module that writes it
-SPEED_BENCHMARKS = {"table3": "benchmarks.table3_speed_memory", "rollout": "benchmarks.rollout_throughput"}
-TABLE3_COLUMNS = ["gpu", "model", "method", "batch", "grad_ckpt", "completion_len", "step_s", "rollout_s",
-                  "logprob_s", "update_s", "rollout_share", "peak_gib", "model_size_gb", "paper_model_size_gb",
-                  "paper_s_per_step", "memory_cap_gib", "oom", "oom_phase"]
-ROLLOUT_COLUMNS = ["gpu", "model", "method", "batch", "lora_rank", "completion_len", "tokens_per_s",
-                   "ms_per_decode_step", "roofline_fraction", "peak_gib", "paper_vllm_tokens_per_s"]
-
+# ---------------------------------------------------------------- speed artefacts (Table 3, rollout)
 
 def speed_results(folder, results=RESULTS):
-    """(runs, rows) of a speed benchmark: runs = {gpu: results/<folder>/<gpu>.json}, rows = every row
-    as a DataFrame with a `gpu` column; (runs, None) with a note when nothing was measured yet."""
-    if folder not in SPEED_BENCHMARKS:
-        raise ValueError(f"unknown speed benchmark {folder!r}; allowed: {sorted(SPEED_BENCHMARKS)}")
+    """(runs, rows) of a speed artefact: runs = {gpu: results/<folder>/<gpu>.json}, rows = every row
+    as a DataFrame with a `gpu` column, its declared columns first (results/<folder>/artefact.json);
+    (runs, None) with a note when nothing was measured yet."""
     path = Path(results) / folder
-    runs = {f.stem: json.loads(f.read_text()) for f in sorted(path.glob("*.json"))}
+    runs = {f.stem: json.loads(f.read_text()) for f in sorted(path.glob("*.json")) if f.name != ARTEFACT}
     if not runs:
-        print(f"no results in {path}/ yet: run python -m {SPEED_BENCHMARKS[folder]} on a GPU (see its docstring)")
+        print(f"no results in {path}/ yet: its artefact script writes them on a GPU (`make help` lists the targets)")
         return runs, None
-    return runs, pd.DataFrame([{**r, "gpu": g} for g, run in runs.items() for r in run["rows"]])
+    rows = pd.DataFrame([{**r, "gpu": g} for g, run in runs.items() for r in run["rows"]])
+    cols = [c for c in (artefact(folder, results) or {}).get("columns", []) if c in rows]
+    return runs, rows[cols + [c for c in rows if c not in cols]]
+
+
+def declared_columns(rows, name, results=RESULTS):
+    """`rows` restricted to the columns artefact `name` declares, in its order (all of them when it
+    declares none); None stays None."""
+    if rows is None:
+        return None
+    cols = (artefact(name, results) or {}).get("columns")
+    return rows.reindex(columns=cols) if cols else rows
 
 
 def speed_summary(runs):
@@ -500,7 +503,7 @@ def load_decode_profile(results=RESULTS, name=None):
 
 
 def plot_decode_profile(results=RESULTS, out_dir=None, name="decode_profile", profile=None):
-    """Where a decode step's time goes (benchmarks/profile_decode.py): kernel ms per step by kind,
+    """Where a decode step's time goes (results/decode_profile/): kernel ms per step by kind,
     one stacked bar per method and batch, the wall time per step marked -> decode_profile.png."""
     d = profile if profile is not None else load_decode_profile(results)
     if d is None or not d.get("rows"):
@@ -525,41 +528,48 @@ def plot_decode_profile(results=RESULTS, out_dir=None, name="decode_profile", pr
     return _save(fig, out_dir, results, name)
 
 
-# ---------------------------------------------------------------- one figure per experiment script
+# ---------------------------------------------------------------- artefacts' own declarations
 
-# experiments/<name>.py -> how its figure is drawn from results/<name>/<profile>/. The scripts,
-# make_all and the notebooks all draw through experiment_figure(), so there is one definition.
-EXPERIMENT_FIGURES = {
-    "table1": (table1, {}),
-    "table2_bigmath": (table2, {}),
-    "fig4_reward_curves": (plot_curves, dict(
-        by="method", panels="loss_type", title="Training reward across formats (Fig. 4 analogue)",
-        panel_names={"grpo": "GRPO (loss_type grpo)", "bnpo": "DAPO (loss_type bnpo)"})),
-    "fig5_entropy": (plot_entropy, {}),
-    "fig7_training_reward": (plot_curves, dict(
-        by="method", panels="model", title="Training reward: QeRL vs LoRA vs full, DAPO (Fig. 7 analogue)")),
-    "fig8_aqn_ablation": (plot_curves, dict(
-        by="method", panels="model", keys=("reward", "aqn/sigma"), title="AQN ablation (Fig. 8 analogue)")),
-    "fig9_noise_schedulers": (plot_curves, dict(
-        by="noise_schedule", keys=("reward", "aqn/sigma"), title="AQN noise schedulers (Fig. 9 / 15 analogue)")),
-    "fig10_lora_rank": (plot_curves, dict(by="lora_rank", title="LoRA rank ablation, QeRL (Fig. 10 analogue)")),
-    "fig16_lr_ablation": (plot_curves, dict(
-        by="learning_rate", panels="method", title="Learning-rate ablation (Fig. 16 / 17 analogue)",
-        panel_names={"nvfp4_lora_aqn": "QeRL (Fig. 16)", "bf16_lora": "bf16 LoRA (Fig. 17)"})),
-}
+# Each artefact (a paper table / figure, a speed table) declares its outputs in its script, which
+# writes them next to its results as results/<name>/artefact.json: the table columns, the figure
+# and the function below that draws it (with its keywords), the notebook that shows it. This module
+# reads those files and knows no script.
+ARTEFACT = "artefact.json"
+
+
+def artefact(name, results=RESULTS):
+    """The declaration results/<name>/artefact.json of artefact `name` (a dict), or None if it has none."""
+    path = Path(results) / name / ARTEFACT
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def artefacts(results=RESULTS):
+    """{name: declaration} of every artefact with results under `results`."""
+    return {p.parent.name: json.loads(p.read_text()) for p in sorted(Path(results).glob(f"*/{ARTEFACT}"))}
+
+
+def _drawings():
+    """The functions a declaration may name to draw an artefact's figure from results/<name>/<profile>/."""
+    return {f.__name__: f for f in (table1, table2, plot_curves, plot_entropy)}
 
 
 def experiment_figure(name, profile="small", results=RESULTS, out_dir=None):
-    """Draw experiment `name`'s figure from results/<name>/<profile>/ into <name>.png (small) or
-    <name>-<profile>.png; returns the Figure / table, or None if its results are missing."""
-    if name not in EXPERIMENT_FIGURES:
-        raise ValueError(f"unknown experiment {name!r}; allowed: {sorted(EXPERIMENT_FIGURES)}")
-    fn, kw = EXPERIMENT_FIGURES[name]
-    kw = dict(kw)
+    """Draw artefact `name`'s figure, as its declaration says, from results/<name>/<profile>/ into
+    <name>.png (small) or <name>-<profile>.png; returns the Figure / table, or None (with a note)
+    if it has no declaration, declares no figure, or its results are missing."""
+    decl = artefact(name, results)
+    draw = (decl or {}).get("figure") or {}
+    if not draw.get("draw"):
+        _note(f"{name}: no figure declared in {Path(results) / name / ARTEFACT}")
+        return None
+    fns = _drawings()
+    if draw["draw"] not in fns:
+        raise ValueError(f"{name}: {ARTEFACT} names the drawing {draw['draw']!r}; allowed: {sorted(fns)}")
+    kw = dict(draw.get("kwargs") or {})
     if "title" in kw:
         kw["title"] += f", {profile}"
-    return fn(results=results, out_dir=out_dir, experiment=f"{name}/{profile}",
-              name=name if profile == "small" else f"{name}-{profile}", **kw)
+    return fns[draw["draw"]](results=results, out_dir=out_dir, experiment=f"{name}/{profile}",
+                             name=name if profile == "small" else f"{name}-{profile}", **kw)
 
 
 def make_all(results=RESULTS, out_dir=None):
@@ -571,8 +581,8 @@ def make_all(results=RESULTS, out_dir=None):
         out[name] = fn(results=results, out_dir=out_dir)
         if isinstance(out[name], plt.Figure):
             plt.close(out[name])
-    for name in EXPERIMENT_FIGURES:  # the experiment scripts' figures at the small profile
-        if name != "table1":  # drawn above
+    for name, decl in artefacts(results).items():  # the declared figures at the small profile
+        if name != "table1" and (decl.get("figure") or {}).get("draw"):  # table1: drawn above
             out[name] = experiment_figure(name, "small", results=results, out_dir=out_dir)
             if isinstance(out[name], plt.Figure):
                 plt.close(out[name])

@@ -9,9 +9,9 @@
   ``loss_type`` says (``qerl.loss``).
 
 The trainer (``qerl.train``) calls ``step`` once per training step and logs what it returns. The
-Table 3 benchmark (``benchmarks/table3_speed_memory.py``) calls the same ``step`` with random
-advantages in place of ``score`` (random weights give nothing to score) and reads the phase times
-from the ``PhaseTimer`` it passes, so Table 3 measures what training runs.
+phases are public: a benchmark that times them, or trains on given advantages (random weights give
+nothing to score: ``Batch.given``), calls ``rollout``, ``logprobs`` and ``update`` itself, in this
+order, so it measures what training runs.
 
 Under torchrun every rank runs every phase on its share of the prompts (whole groups); ``Batch``
 holds the global per-completion counts that keep the summed gradient the single-process one, and
@@ -20,7 +20,6 @@ holds the global per-completion counts that keep the summed gradient the single-
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -324,91 +323,36 @@ def logprob_gap(ro: RolloutOutput, old_lp: torch.Tensor, batch: Batch, reuse: bo
     return {"sampling/logprob_gap": gap_sum / max(gap_n, 1.0), "sampling/logprob_gap_max": gap_max if gap_n > 0 else None}
 
 
-class PhaseTimer:
-    """Wall seconds of named phases, the GPU synchronized at both ends of each, and the phase that is
-    running (``current``: the one an exception escaped from; None between phases).
-
-        timer = PhaseTimer()
-        with timer("rollout"): ...
-        timer.seconds -> {"rollout": 12.3}
-    """
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.current: str | None = None
-
-    @staticmethod
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        self.current = name
-        self.sync()
-        t0 = time.perf_counter()
-        yield
-        self.sync()
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-        self.current = None
-
-
-def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict] | None, step: int, *, tokenizer=None,
-         advantages: torch.Tensor | None = None, ro: RolloutOutput | None = None, reuse: bool | None = None,
-         ignore_eos: bool = False, timer: PhaseTimer | None = None, rewards=None) -> dict:
+def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict], step: int, *, tokenizer,
+         rewards=None) -> dict:
     """One RL step: rollout -> score -> old / reference log-probs -> policy updates. Returns the
     step's metrics, reduced over ranks (and ``num_tokens_step``, its prompt + completion tokens).
 
-    ``prompts`` are the step's global prompts (dicts with ``prompt_ids`` and, to be scored, the
-    ``answer``), each sampled ``cfg.num_generations`` times. Under torchrun each rank rolls out a
-    contiguous share of whole groups (``qerl.distributed.shard``) and trains on those completions;
-    the loss of each micro-batch is normalised by the counts of the GLOBAL micro/mini-batch, so the
-    summed gradient is the single-process one (``qerl.loss.loss_share``). In a single process the
-    share is everything. AQN's sigma is the schedule's at ``step`` (``cfg.aqn_config()``). ``rewards``:
-    the run's reward functions (a ``qerl.rewards.RewardSet``; default: cfg's), called with each
-    completion's prompt record as its dataset columns.
-
-    For benchmarks:
-    - ``advantages`` [all completions]: trained with these instead of scoring (no rewards, no
-      ``tokenizer`` needed);
-    - ``ro``: this rank's completions, already sampled (no rollout phase; ``prompts`` may be None);
-    - ``reuse``: force (True) or forbid (False) taking the old log-probs from the training forward
-      (default: ``reuse_training_logprobs``, as the trainer does);
-    - ``ignore_eos``: sample exactly ``cfg.max_completion_length`` tokens;
-    - ``timer``: a ``PhaseTimer`` (or any callable giving a context manager per phase name) that
-      sees the phases "rollout", "score", "logprob" and "update" as they run.
+    ``prompts`` are the step's global prompts (dicts with ``prompt_ids`` and the ``answer``), each
+    sampled ``cfg.num_generations`` times. Under torchrun each rank rolls out a contiguous share of
+    whole groups (``qerl.distributed.shard``) and trains on those completions; the loss of each
+    micro-batch is normalised by the counts of the GLOBAL micro/mini-batch, so the summed gradient
+    is the single-process one (``qerl.loss.loss_share``). In a single process the share is
+    everything. AQN's sigma is the schedule's at ``step`` (``cfg.aqn_config()``). ``tokenizer``
+    decodes the completions for the rewards; ``rewards``: the run's reward functions (a
+    ``qerl.rewards.RewardSet``; default: cfg's), called with each completion's prompt record as its
+    dataset columns.
     """
-    timer = timer if timer is not None else PhaseTimer()
+    if not prompts or tokenizer is None:
+        raise ValueError("step needs the step's prompts (with their answers) and the tokenizer to score them")
     t0 = time.perf_counter()
     G = cfg.num_generations
     rank, world = qdist.world()
-    if prompts is not None:
-        shares = [qdist.shard(len(prompts), r, world) for r in range(world)]
-        counts = [(hi - lo) * G for lo, hi in shares]
-        first = shares[rank][0] * G  # global index of this rank's first completion
-        mine = prompts[shares[rank][0]:shares[rank][1]]
-    elif ro is not None:
-        n = ro.completion_ids.size(0)
-        counts = [int(c) for c in qdist.all_reduce([float(n if r == rank else 0) for r in range(world)], "sum")]
-        first, mine = sum(counts[:rank]), None
-    else:
-        raise ValueError("step needs the prompts or a rollout")
-    if advantages is None and (mine is None or tokenizer is None):
-        raise ValueError("scoring needs the prompts (with their answers) and the tokenizer; or pass advantages")
+    shares = [qdist.shard(len(prompts), r, world) for r in range(world)]
+    counts = [(hi - lo) * G for lo, hi in shares]
+    first = shares[rank][0] * G  # global index of this rank's first completion
+    mine = prompts[shares[rank][0]:shares[rank][1]]
     stage, sigma = cfg.aqn_config().sigma_at(step, cfg.max_steps)
-    n_noisy = 0
-    if ro is None:
-        with timer("rollout"):
-            ro, n_noisy = rollout(cfg, engine, model, [p["prompt_ids"] for p in mine for _ in range(G)], step, sigma,
-                                  first, ignore_eos=ignore_eos)
+    ro, n_noisy = rollout(cfg, engine, model, [p["prompt_ids"] for p in mine for _ in range(G)], step, sigma, first)
     t_roll = time.perf_counter() - t0
-    if advantages is None:
-        with timer("score"):
-            rows = [p for p in mine for _ in range(G)]
-            batch, scored = score(cfg, tokenizer, engine.pad_id, ro, [p.get("answer") for p in rows], counts, first,
-                                  ro.completion_ids.device, rewards=rewards, rows=rows)
-    else:
-        batch, scored = Batch.given(ro, advantages, counts, first), {}
+    rows = [p for p in mine for _ in range(G)]
+    batch, scored = score(cfg, tokenizer, engine.pad_id, ro, [p.get("answer") for p in rows], counts, first,
+                          ro.completion_ids.device, rewards=rewards, rows=rows)
     ent_sum, ent_n, n_compl, n_prompt = qdist.all_reduce(
         [float((ro.entropy * ro.completion_mask).sum()), float(ro.completion_mask.sum()),
          float(ro.num_completion_tokens), float(ro.prompt_mask.sum())], "sum")
@@ -418,15 +362,9 @@ def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict] | 
                      "sampling/entropy": ent_sum / max(ent_n, 1.0)}
     metrics.update(scored)
     t1 = time.perf_counter()
-    if reuse is None:
-        reuse = reuse_training_logprobs(cfg, batch.idx.numel())
-    elif reuse and not reuse_training_logprobs(cfg, batch.idx.numel()):
-        raise ValueError("reuse=True needs one pass and one optimizer step over the rollout (the old log-probs "
-                         "would come from a policy already updated)")
-    with timer("logprob"):
-        old_lp, ref_lp = logprobs(cfg, model, ro, reuse)
-    with timer("update"):
-        updated = update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, trainable, step, reuse)
+    reuse = reuse_training_logprobs(cfg, batch.idx.numel())
+    old_lp, ref_lp = logprobs(cfg, model, ro, reuse)
+    updated = update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, trainable, step, reuse)
     metrics.update(logprob_gap(ro, old_lp, batch, reuse))
     metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
     metrics.update(updated)

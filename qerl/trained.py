@@ -20,8 +20,9 @@ def load_trained(path, device=None, dtype: str | None = None):
     (checkpoints/step-N/adapter). A PEFT adapter from elsewhere records no base format: load that
     with peft on its base model.
     """
+    from qerl.checkpoint import load_trainable, read_checkpoint_config
     from qerl.config import TrainConfig, parse_method
-    from qerl.train import build_policy, load_trainable, read_checkpoint_config
+    from qerl.policy import build_policy
 
     ck = {**read_checkpoint_config(path), **adapter_info(path)}
     method = ck.get("method")

@@ -10,6 +10,7 @@ import tarfile
 import pytest
 
 from experiments import aqn_paired as A
+from experiments import launch as L
 
 
 def test_sign_test_exact():
@@ -152,6 +153,7 @@ def test_run_loop_keeps_small_files_records_the_command_and_skips_finished_runs(
     monkeypatch.setattr(A, "command", lambda args, arm, seed, d: [A.sys.executable, str(script),
                                                                   *real(args, arm, seed, d)[4:]])
     monkeypatch.setattr(A, "_convert_model_once", lambda profile: None)
+    monkeypatch.setattr(L, "POLL_S", 0.2)
     out = tmp_path / "small"
     argv = ["--out", str(out), "--seeds", "0", "1", "2", "--arms", "noaqn", "aqn", "--parallel", "3",
             "--archive", str(tmp_path / "aqn.tar.gz")]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks import bench_kernels as bk
+from benchmarks import humming as humming_setup
 from qerl import formats
 from qerl.arch import LINEAR_NAMES, linear_shapes
 
@@ -61,10 +62,10 @@ def test_nvrtc_builtins_folder_goes_first_on_ld_library_path(tmp_path, monkeypat
     lib.mkdir(parents=True)
     (lib / "libnvrtc-builtins.so.13.0").write_bytes(b"")
     (tmp_path / "nvidia" / "cu13" / "include").mkdir()
-    assert bk._nvrtc_builtins_dirs([str(tmp_path), str(tmp_path / "nowhere")]) == [str(lib)]
+    assert humming_setup.nvrtc_builtins_dirs([str(tmp_path), str(tmp_path / "nowhere")]) == [str(lib)]
     monkeypatch.setenv("LD_LIBRARY_PATH", "/a:/b")
-    assert bk._prepend_ld_library_path([str(lib)]) == [str(lib)]
-    assert bk._prepend_ld_library_path([str(lib)]) == []
+    assert humming_setup.prepend_ld_library_path([str(lib)]) == [str(lib)]
+    assert humming_setup.prepend_ld_library_path([str(lib)]) == []
     assert os.environ["LD_LIBRARY_PATH"] == os.pathsep.join([str(lib), "/a", "/b"])
 
 

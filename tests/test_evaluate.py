@@ -15,10 +15,12 @@ from safetensors.torch import load_file
 
 from qerl import cli
 from qerl import rewards as qrewards
+from qerl.checkpoint import load_trainable, read_checkpoint_config
 from qerl.cli_train import eval_flags, eval_settings_of
 from qerl.config import PROFILES, eval_settings, make_config
 from qerl.evaluate import evaluate, pass_at_1
-from qerl.train import build_policy, load_trainable, read_checkpoint_config, train
+from qerl.policy import build_policy
+from qerl.train import train
 
 _spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
 _conftest = importlib.util.module_from_spec(_spec)

@@ -21,6 +21,7 @@ from qerl.config import PROFILES, TABLE4_BIGMATH, make_config
 
 ROOT = Path(__file__).resolve().parent.parent
 from experiments import _common as C  # noqa: E402
+from experiments import launch as L  # noqa: E402
 
 SCRIPTS = ["table1_gsm8k", "table2_bigmath", "fig4_reward_curves", "fig5_entropy", "fig7_training_reward",
            "fig8_aqn_ablation", "fig9_noise_schedulers", "fig10_lora_rank", "fig16_lr_ablation"]
@@ -239,7 +240,7 @@ def fake_runs(tmp_path, monkeypatch):
     real = C.command
     monkeypatch.setattr(C, "command", lambda e, r, a, d: [sys.executable, str(script), *real(e, r, a, d)[4:]]
                         if r.kind == "train" else real(e, r, a, d))
-    monkeypatch.setattr(C, "POLL_S", 0.05)
+    monkeypatch.setattr(L, "POLL_S", 0.05)
     monkeypatch.setattr(C, "git_info", lambda: dict(GIT))
     return tmp_path
 
@@ -357,12 +358,16 @@ def test_experiment_figures_draw_from_synthetic_runs(name, tmp_path):
         _fake_train_run(root / "runs" / f"run{i}-s0", method=method, rewards=(0.1 * i, 0.2, 0.3 + 0.1 * i),
                         **knobs)
     C.collect(root, curves=True)
+    C.declare(C.load_experiment(name).artefact, tmp_path / name)  # what collect_experiment writes
     out = plots.experiment_figure(name, "small", results=tmp_path, out_dir=tmp_path / "figs")
     assert out is not None
     assert (tmp_path / "figs" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plots.experiment_figure(name, "small", results=tmp_path / "none", out_dir=tmp_path / "figs") is None
+    assert plots.experiment_figure("fig99", "small", results=tmp_path) is None  # no declaration: a note
+    decl = tmp_path / name / "artefact.json"
+    decl.write_text(decl.read_text().replace(f'"{json.loads(decl.read_text())["figure"]["draw"]}"', '"nonesuch"'))
     with pytest.raises(ValueError, match="allowed"):
-        plots.experiment_figure("fig99", "small")
+        plots.experiment_figure(name, "small", results=tmp_path)
 
 
 def test_only_selects_runs_by_pattern(tmp_path):
@@ -428,7 +433,7 @@ def test_link_duplicates_keeps_table1_as_owner_and_publish_keeps_linked_data(tmp
 
 def test_job_progress_reads_the_running_run_folder(tmp_path):
     """`make reproduce` shows each running job's step and reward, read from its run folder."""
-    from experiments._common import job_progress
+    from experiments.launch import run_progress as job_progress
 
     assert job_progress(tmp_path) == "starting"
     (tmp_path / "config.json").write_text(json.dumps({"max_steps": 30}))

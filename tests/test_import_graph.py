@@ -9,6 +9,7 @@ Run: python -m pytest tests/test_import_graph.py -q
 """
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,15 +117,23 @@ def _floor(mod: str) -> str | None:
     return next((f for f in FLOORS if mod == f or mod.startswith(f + ".")), None)
 
 
-def test_the_graph_sees_the_imports():
-    """The parser finds what is there: the step imports the training forward and the kernels'
-    package door runs for a kernel module's import; a package's own submodules are not edges back."""
+def test_the_graph_sees_the_imports(tmp_path, monkeypatch):
+    """The parser finds what is there: the step imports the training forward; a package's own
+    submodules are not edges back; importing a package's module runs (depends on) the package door."""
     g = import_graph()
     assert {"qerl.step", "qerl.train", "qerl.kernels", "qerl.formats.registry"} <= set(g)
     assert "qerl.logprobs" in g["qerl.step"] and "qerl.distributed" in g["qerl.step"]
     assert "qerl.step" in g["qerl.train"]
-    assert "qerl.rollout" in g["qerl.logprobs"]  # via qerl.rollout.common: the package runs first
     assert "qerl.formats" not in g["qerl.formats.nvfp4"]  # its own package
+    assert "qerl.rollout" not in g["qerl.rollout.fast"]
+    pkg = tmp_path / "qerl"
+    (pkg / "door").mkdir(parents=True)
+    for f, text in {"__init__.py": "", "door/__init__.py": "", "door/room.py": "",
+                    "user.py": "from qerl.door.room import x\nimport qerl.door.room\n"}.items():
+        (pkg / f).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
+    assert set(import_graph()["qerl.user"]) == {"qerl.door", "qerl.door.room"}  # the door runs first
 
 
 def test_no_import_cycle():

@@ -91,14 +91,3 @@ def test_training_cache_is_sized_from_the_longest_prompt(tmp_path, monkeypatch):
     recs = qdata.load_dataset_split("arith", "train", seed=0, levels=make_config("smoke").arith_levels)
     recs, _ = qdata.tokenize_prompts(recs, tok, 512)
     assert seen["max_seq_len"] == max(len(r["prompt_ids"]) for r in recs) + 6 < 512
-
-
-def test_memory_probe_runs_its_phases(tmp_path):
-    """benchmarks/memory_small on the CPU (times only; its numbers are the GPU's): every phase runs."""
-    from benchmarks import memory_small
-
-    assert memory_small.main(["--device", "cpu", "--tiny", "--layers", "1", "--steps", "1", "--eval-batches", "1",
-                              "--out", str(tmp_path)]) == 0
-    res = json.loads((tmp_path / "cpu-lean.json").read_text())
-    assert [r["phase"] for r in res["phases"]] == ["build", "rollout[0]", "old_logprobs[0]", "update[0]", "eval[0]"]
-    assert res["summary"]["gradient_checkpointing"] and res["parts"]["weights_gib"] > 0

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from qerl.forward import lm_logits, positions_from_mask
 from qerl.logprobs import LOGPROB_CHUNK_ROWS, sequence_logprobs, token_logprobs
-from qerl.rollout.common import left_pad, lm_logits, positions_from_mask
+from qerl.rollout.common import left_pad
 
 _spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
 _conftest = importlib.util.module_from_spec(_spec)

@@ -1,5 +1,5 @@
-"""The speed experiments on the CPU with tiny models: benchmarks/rollout_throughput.py (issue #5),
-benchmarks/table3_speed_memory.py (issue #6) and their helpers (benchmarks/speed_common.py):
+"""The speed experiments on the CPU with tiny models: experiments/rollout_throughput.py (issue #5),
+experiments/table3_speed_memory.py (issue #6) and their helpers (benchmarks/speed_common.py):
 the measured rows, the GRPO step, the OOM handler, the JSON schema with exactly the summary keys,
 and merging result files. The GPU runs themselves are in the scripts' docstrings.
 
@@ -14,9 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from benchmarks import rollout_throughput as rt  # noqa: E402
 from benchmarks import speed_common as sc  # noqa: E402
-from benchmarks import table3_speed_memory as t3  # noqa: E402
+from experiments import rollout_throughput as rt  # noqa: E402
+from experiments import table3_speed_memory as t3  # noqa: E402
 from qerl.quantize import lora_parameters  # noqa: E402
 
 P, C = 6, 5
@@ -175,7 +175,7 @@ class _Args:
 
 
 def _t3_opt(m, args=_Args):
-    from qerl.train import make_optimizer
+    from qerl.policy import make_optimizer
 
     return make_optimizer(t3.bench_config("nvfp4", args, 2, 1, C, "cpu"), lora_parameters(m), total_updates=1)
 
@@ -186,18 +186,16 @@ def _spec(batch=2, mb=1, gc=True):
 
 @pytest.mark.parametrize("reuse", [False, True])
 def test_table3_times_the_trainers_step(cfg, monkeypatch, reuse):
-    """The benchmark's step is qerl.step.step with the trainer's optimizer: the warm-up runs it on a
-    given rollout, the timed step runs every phase, the LoRA weights move, and the old-log-prob
-    forward is skipped exactly when told to reuse."""
+    """The benchmark's step runs qerl.step's phases with the trainer's optimizer: the warm-up runs
+    them on a given rollout, the timed step runs every phase, the LoRA weights move, and the
+    old-log-prob forward is skipped exactly when told to reuse."""
     from qerl import step as qstep
 
     m = tiny(cfg)
     opt, sched = _t3_opt(m)
     assert type(opt).__name__ == "AdamW"  # CPU: the trainer's torch AdamW
     trainable = lora_parameters(m)
-    steps, called, forwards = [], [], []
-    real_step = qstep.step
-    monkeypatch.setattr(qstep, "step", lambda *a, **k: steps.append(k.get("ro") is None) or real_step(*a, **k))
+    called, forwards = [], []
     for name in ("rollout", "logprobs", "update"):
         real = getattr(qstep, name)
         monkeypatch.setattr(qstep, name, lambda *a, _r=real, _n=name, **k: called.append(_n) or _r(*a, **k))
@@ -211,7 +209,7 @@ def test_table3_times_the_trainers_step(cfg, monkeypatch, reuse):
 
     row = t3.measure(m, _spec(), "nvfp4", A, cfg.vocab_size, opt, sched, {})
     assert not row["oom"] and "error" not in row
-    assert steps == [False, True]  # the warm-up's step on a given rollout, then the timed step
+    # the warm-up's phases on a given rollout, then the timed step's
     assert called == ["logprobs", "update", "rollout", "logprobs", "update"]
     # warm-up: one micro-batch of 1; the timed step: 2 micro-batches of 1
     assert forwards.count(False) == (0 if reuse else 3) and forwards.count(True) == 3
@@ -429,20 +427,6 @@ def test_rollout_notebook(tmp_path, monkeypatch):
     assert any("no results in" in o.get("text", "") for o in empty)
 
 
-def test_profile_train_smoke_on_cpu(tmp_path, capsys):
-    """benchmarks/profile_train (the training phases by kernel, issue 18) runs end to end on a tiny model."""
-    from benchmarks import profile_train
-
-    profile_train.main(["--model", "tiny-qwen2", "--layers", "1", "--device", "cpu", "--methods", "nvfp4", "bf16",
-                        "--prompt", "4", "--completion", "4", "--reps", "1", "--out", str(tmp_path)])
-    res = json.loads((tmp_path / "profile_train.json").read_text())
-    for method in ("nvfp4", "bf16"):
-        ms = res["methods"][method]["ms"]
-        assert ms["logprob"] > 0 and ms["update"] > 0 and res["methods"][method]["top"]
-        assert (tmp_path / f"profile_train_{method}.txt").read_text().strip()
-    assert "== nvfp4: old log-probs" in capsys.readouterr().out
-
-
 def test_profile_decode_smoke_on_cpu(tmp_path):
     """benchmarks/profile_decode (a decode step's time by kernel category, issue 14) runs on a tiny model."""
     from benchmarks import profile_decode
@@ -455,31 +439,3 @@ def test_profile_decode_smoke_on_cpu(tmp_path):
     assert profile_decode.category("_fwd_gemv_kernel") == "4-bit linear"
     assert profile_decode.category("nvjet_sm90_tst_192x192") == "cuBLAS GEMM"
     assert profile_decode.category("void at::native::copy_kernel") == "other"
-
-
-def test_bench_lora_checks_gate_the_configs():
-    """benchmarks/bench_lora.py times a config only after its output matches fp64: the checks accept the
-    kernels' results (Triton interpreter) and reject a wrong h or a wrong epilogue; the groups carry a
-    layer's q/k/v (with biases), o, gate/up and down shapes."""
-    from benchmarks import bench_lora as bl
-    from qerl import kernels
-    from qerl.models import model_config
-
-    gs = bl.groups(model_config(sc.MODELS["tiny-qwen2"]), rank=8, layers=1, device="cpu")
-    assert [g["name"] for g in gs] == ["qkv", "o", "gate_up", "down"]
-    H = gs[0]["K"]
-    assert gs[0]["Ns"][0] == H and len(gs[0]["layers"][0][2]) == 3 and gs[3]["Ns"] == [H]
-    torch.manual_seed(0)
-    x = torch.randn(20, 64, dtype=torch.bfloat16)
-    As = [torch.randn(8, 64) / 8 for _ in range(2)]
-    Bs = [torch.randn(48, 8) for _ in range(2)]
-    h = kernels.lora_a_tuned(x, As, dict(BLOCK_M=16, BLOCK_K=32, K_CHUNK=32))
-    assert bl.check_a(h, x, As) and not bl.check_a(h * 1.01, x, As)
-    ys = [torch.randn(20, 48, dtype=torch.bfloat16) for _ in range(2)]
-    before = [y.clone() for y in ys]
-    kernels.lora_out_tuned(ys, h, Bs, [], 2.0, config=dict(BLOCK_N=32, ROWS=16))
-    assert bl.check_out(ys, before, h, Bs, [], 2.0)
-    assert not bl.check_out(before, before, h, Bs, [], 2.0)
-    out = torch.empty_like(before[0])
-    kernels.lora_out_tuned([y.clone() for y in before], h, Bs, [], 2.0, out=out)
-    assert bl.check_out(None, before, h, Bs, [], 2.0, silu_out=out)

@@ -179,12 +179,13 @@ def test_dapo_with_every_completion_masked_trains_on_nothing(tmp_path, text_rewa
 
 
 def test_step_refuses_what_it_cannot_run(tmp_path):
-    """step() needs prompts or a given rollout, and prompts with a tokenizer unless advantages are given."""
+    """step() needs the step's prompts and the tokenizer that scores them; ``Batch.given`` (a benchmark's
+    own advantages) needs one advantage per completion."""
     cfg = tiny_cfg(tmp_path)
-    with pytest.raises(ValueError, match="prompts or a rollout"):
-        qstep.step(cfg, None, None, None, None, [], None, 0)
-    with pytest.raises(ValueError, match="scoring needs"):
-        qstep.step(cfg, None, None, None, None, [], [{"prompt_ids": [1, 2]}], 0)
+    with pytest.raises(ValueError, match="needs the step's prompts"):
+        qstep.step(cfg, None, None, None, None, [], None, 0, tokenizer=None)
+    with pytest.raises(ValueError, match="needs the step's prompts"):
+        qstep.step(cfg, None, None, None, None, [], [{"prompt_ids": [1, 2]}], 0, tokenizer=None)
     ro = qstep.RolloutOutput(*(torch.ones(2, 3, dtype=torch.long),) * 4, torch.zeros(2, 3), torch.zeros(2, 3),
                              torch.zeros(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="3 advantages for 2 completions"):

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from qerl import train as qtrain
+from qerl.checkpoint import load_trainable, read_checkpoint_config
 from qerl.cli_train import add_train_args, config_from_args
 from qerl.config import make_config
 from qerl.noise import find_norms
-from qerl.train import build_policy, load_trainable, read_checkpoint_config, train
+from qerl.policy import build_policy
+from qerl.train import train
 
 _spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
 _conftest = importlib.util.module_from_spec(_spec)

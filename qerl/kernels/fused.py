@@ -534,3 +534,52 @@ def lora_silu_mul(gate: torch.Tensor, up: torch.Tensor, h: torch.Tensor | None, 
     out = torch.empty_like(gate)
     _lora_out_launch([gate, up], h, Bs, biases, scaling, out=out)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# fakes: each op's outputs (shapes, dtypes, devices) without a launch, so the ops trace under
+# torch.compile and run under FakeTensorMode as the 4-bit linears do
+
+
+@rmsnorm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@add_rmsnorm.register_fake
+def _(res, delta, weight, eps):
+    return torch.empty_like(res), torch.empty_like(res)
+
+
+@add_rmsnorm_lora_a.register_fake
+def _(res, delta, weight, eps, As):
+    h = res.new_empty((1, res.shape[0], len(As) * As[0].shape[0]), dtype=torch.float32)
+    return torch.empty_like(res), torch.empty_like(res), h
+
+
+@rope_cache_write.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, cpos, q_norm, k_norm, eps):
+    B, _, _, D = k_cache.shape
+    return q.new_empty((B, q.shape[1] // D, 1, D))
+
+
+@silu_mul.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
+@lora_a.register_fake
+def _(x, As):
+    M, K = x.shape
+    S = 1 if M >= LORA_A_DOT_MIN_M else triton.cdiv(K, lora_a_chunk(M, K))
+    return x.new_empty((S, M, len(As) * As[0].shape[0]), dtype=torch.float32)
+
+
+@lora_out.register_fake
+def _(ys, h, Bs, biases, scaling):
+    return None
+
+
+@lora_silu_mul.register_fake
+def _(gate, up, h, Bs, biases, scaling):
+    return torch.empty_like(gate)

@@ -14,18 +14,17 @@ completions is ``qerl.logprobs.sequence_logprobs``.
 
 from __future__ import annotations
 
+from qerl.forward import decoder_and_head, lm_logits, positions_from_mask
 from qerl.kernels import uniform_noise
 from qerl.rollout.common import (
     RolloutOutput,
     filter_logits,
     left_pad,
-    lm_logits,
-    positions_from_mask,
     sample_tokens,
     sequence_keys,
 )
 from qerl.rollout.fast import SUPPORTED, FastEngine
-from qerl.rollout.hf import GenerateEngine, decoder_and_head
+from qerl.rollout.hf import GenerateEngine
 
 ENGINES = ("auto", "fast", "hf")
 

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.arch import FUSED_GROUPS, SUPPORTED_MODEL_TYPES
+from qerl.forward import lm_logits, positions_from_mask
 from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, rmsnorm, rope_cache_write
 from qerl.rollout.common import (
     RolloutOutput,
@@ -58,8 +59,6 @@ from qerl.rollout.common import (
     batch_keys,
     eos_ids,
     left_pad,
-    lm_logits,
-    positions_from_mask,
     sample_tokens,
 )
 from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input, stacked_A

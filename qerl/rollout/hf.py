@@ -1,4 +1,4 @@
-"""The reference rollout engine and the training forward.
+"""The reference rollout engine.
 
 ``GenerateEngine`` is the simple engine: a token-by-token loop over the HF model with its dynamic
 KV cache, left-padded prompts with explicit position ids (so a sequence's positions do not depend
@@ -12,25 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from qerl.rollout.common import (
-    RolloutOutput,
-    apply_stop_strings,
-    batch_keys,
-    eos_ids,
-    left_pad,
-    lm_logits,
-    positions_from_mask,
-    sample_tokens,
-)
-
-
-def decoder_and_head(model):
-    """(the decoder stack returning hidden states, the lm_head weight) of an HF causal LM."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if dec is None or head is None:
-        raise ValueError(f"{type(model).__name__}: expected an HF causal LM with a decoder and an lm_head")
-    return dec, head.weight
+from qerl.forward import decoder_and_head, lm_logits, positions_from_mask
+from qerl.rollout.common import RolloutOutput, apply_stop_strings, batch_keys, eos_ids, left_pad, sample_tokens
 
 
 class GenerateEngine:

@@ -7,11 +7,12 @@ sizes; the rollout share of the step. Also the paper's headline: the 32B model o
 larger GPU), NVFP4 at batch 2 and 8, and bf16 LoRA under the same cap (an OOM is caught, reported
 with the phase it happened in, and the run goes on).
 
-One step is the trainer's own step (``qerl.step.step``) with the trainer's optimizer
-(qerl.train.make_optimizer: AdamW-8bit on CUDA, the paper's Table 4), minus rewards: random weights
-give meaningless text, so the advantages are random normal (``step(advantages=...)``); the timing
-is what matters. The row's TrainConfig (``bench_config``): GRPO, one pass, one optimizer step over
-the batch. The phases, as the step's PhaseTimer times them:
+One step is the trainer's own phases (``qerl.step.rollout``, ``logprobs``, ``update``, run by
+``grpo_step`` in the trainer's order) with the trainer's optimizer (qerl.policy.make_optimizer:
+AdamW-8bit on CUDA, the paper's Table 4), minus rewards: random weights give meaningless text, so
+the advantages are random normal (``qerl.step.Batch.given``); the timing is what matters. The
+row's TrainConfig (``bench_config``): GRPO, one pass, one optimizer step over the batch. The
+phases, as ``grpo_step`` times them:
   rollout  one group: a random prompt sampled B times, C tokens, T=1.0, ignore_eos=True: the fast
            engine (static KV cache, CUDA graphs) on the training model's own weights
   logprob  qerl.step.logprobs: old log-probs from a no-grad forward in micro-batches
@@ -31,15 +32,15 @@ reference, and `summary` with exactly the keys of issue #6; prints a table; the 
 is the summary as one JSON object. notebooks/table3.ipynb plots where the step time goes.
 
 Run (GPU; expected minutes on an H100 in brackets; must-have rows first):
-  python -m benchmarks.table3_speed_memory --models qwen2.5-7b qwen2.5-14b --batch 8 \\
+  python -m experiments.table3_speed_memory --models qwen2.5-7b qwen2.5-14b --batch 8 \\
       --methods nvfp4 bf16 nf4                                                                 [~10]
-  python -m benchmarks.table3_speed_memory --row qwen2.5-7b/bs64/c512/mb8 --methods nvfp4 bf16 \\
+  python -m experiments.table3_speed_memory --row qwen2.5-7b/bs64/c512/mb8 --methods nvfp4 bf16 \\
       --out results/table3/bs64                                                                 [~4]
-  python -m benchmarks.table3_speed_memory --models qwen2.5-32b --methods nvfp4 bf16 \\
+  python -m experiments.table3_speed_memory --models qwen2.5-32b --methods nvfp4 bf16 \\
       --batch 2 8 --memory-cap-gib 80 --out results/table3/32b                                  [~6]
-  python -m benchmarks.table3_speed_memory --models qwen2.5-7b --batch 2 4 8 --grad-ckpt on off \\
+  python -m experiments.table3_speed_memory --models qwen2.5-7b --batch 2 4 8 --grad-ckpt on off \\
       --completion 512                                                                         (optional)
-  python -m benchmarks.table3_speed_memory --merge a/h100.json b/h100.json --out results/table3   (CPU)
+  python -m experiments.table3_speed_memory --merge a/h100.json b/h100.json --out results/table3   (CPU)
 A row can also be given as ``--row MODEL/bsB[/cC][/mbM][/gcon|gcoff]`` (repeatable), e.g. the RL
 batch row above: 64 completions of 512 tokens, micro-batch 8 (the paper's Table 4).
 """
@@ -57,12 +58,20 @@ from pathlib import Path
 import torch
 
 from benchmarks import speed_common as sc
+from experiments import _common as C
 from qerl import kernels as qkernels
 from qerl import step as qstep
 from qerl.config import QERL_FORMAT, QLORA_FORMAT, TrainConfig, method_name, parse_method, table_bases
+from qerl.policy import make_optimizer, optimizer_params
 from qerl.quantize import lora_parameters
 from qerl.rollout import RolloutOutput
-from qerl.train import make_optimizer, optimizer_params
+
+# What this artefact writes (results/<out>/artefact.json, read by qerl.plots and notebooks/table3.ipynb)
+ARTEFACT = C.Artefact("table3", "experiments.table3_speed_memory", C.Outputs(
+    figure="plot_table3_split", figure_file="table3_step_split.png", notebook="notebooks/table3.ipynb",
+    columns=("gpu", "model", "method", "batch", "grad_ckpt", "completion_len", "step_s", "rollout_s", "logprob_s",
+             "update_s", "rollout_share", "peak_gib", "model_size_gb", "paper_model_size_gb", "paper_s_per_step",
+             "memory_cap_gib", "oom", "oom_phase")))
 
 METHODS = table_bases()  # bf16 and every registered format
 SUMMARY_KEYS = (
@@ -105,7 +114,7 @@ PAPER = {
 
 
 # ----------------------------------------------------------------------------------------------
-# one GRPO step: the trainer's own phases (qerl.step) and optimizer (qerl.train.make_optimizer)
+# one GRPO step: the trainer's own phases (qerl.step) and optimizer (qerl.policy.make_optimizer)
 
 
 def bench_config(method: str, args, batch: int, micro_batch: int, completion: int, device) -> TrainConfig:
@@ -129,6 +138,27 @@ def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: i
                          torch.ones(batch, dtype=torch.bool, device=device))
 
 
+def grpo_step(cfg, model, engine, opt, sched, prompt_ids: list | None, advantages: torch.Tensor, reuse: bool,
+              timer, ro: RolloutOutput | None = None) -> dict:
+    """One GRPO step of the trainer's phases on one process, with given ``advantages`` in place of
+    rewards: ``qerl.step.rollout`` of ``prompt_ids`` at exactly ``cfg.max_completion_length`` tokens
+    (skipped when ``ro`` is given), ``qerl.step.logprobs`` (``reuse``: none, the update's forward
+    gives them) and ``qerl.step.update``, each timed by ``timer`` as "rollout", "logprob", "update".
+    Returns the update's metrics and ``num_tokens_step`` (prompt + completion tokens)."""
+    if ro is None:
+        sigma = cfg.aqn_config().sigma_at(0, cfg.max_steps)[1]
+        with timer("rollout"):
+            ro, _ = qstep.rollout(cfg, engine, model, prompt_ids, 0, sigma, ignore_eos=True)
+    n = ro.completion_ids.size(0)
+    batch = qstep.Batch.given(ro, advantages, [n], 0)
+    with timer("logprob"):
+        old_lp, ref_lp = qstep.logprobs(cfg, model, ro, reuse)
+    with timer("update"):
+        m = qstep.update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, optimizer_params(opt), 0, reuse)
+    m["num_tokens_step"] = int(ro.prompt_mask.sum()) + ro.num_completion_tokens
+    return m
+
+
 def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool) -> float:
     """Engine graphs (short calls) + the step's training phases on one full-length micro-batch."""
     t0 = time.perf_counter()
@@ -136,8 +166,7 @@ def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: 
     device = model.get_input_embeddings().weight.device
     mb = cfg.micro_batch_size
     ro = synthetic_rollout(mb, prompt_len, cfg.max_completion_length, vocab, device, seed=1)
-    qstep.step(cfg, model, engine, opt, sched, optimizer_params(opt), None, 0, ro=ro, advantages=torch.randn(mb),
-               reuse=reuse)
+    grpo_step(cfg, model, engine, opt, sched, None, torch.randn(mb), reuse, sc.PhaseTimer(), ro=ro)
     opt.zero_grad(set_to_none=True)
     model.eval()
     sc.sync()
@@ -195,7 +224,7 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
     row = dict(model=spec.model, method=method, batch=spec.batch, grad_ckpt=spec.grad_ckpt, micro_batch=spec.micro_batch,
                prompt_len=args.prompt, completion_len=spec.completion, old_logprobs=args.old_logprobs,
                optimizer=type(opt).__name__, oom=False, **extra)
-    ph = sc.Phases()
+    ph = sc.PhaseTimer()
     engine = None
     try:
         cfg = bench_config(method, args, spec.batch, spec.micro_batch, spec.completion, args.device)
@@ -206,13 +235,12 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
             warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse)
         sc.reset_peak()
         steps = []  # one dict of phase seconds per timed step; the row reports the medians
-        prompts = [{"prompt_ids": sc.random_prompts(1, args.prompt, vocab, cfg.seed)[0]}]
+        prompts = [sc.random_prompts(1, args.prompt, vocab, cfg.seed)[0]]  # one group: a prompt sampled B times
         for _ in range(args.steps):
-            ph = qstep.PhaseTimer()  # the step's phases; an OOM reports the one it happened in
+            ph = sc.PhaseTimer()  # the step's phases; an OOM reports the one it happened in
             adv = torch.randn(spec.batch, generator=torch.Generator().manual_seed(cfg.seed))
             t0 = time.perf_counter()
-            m = qstep.step(cfg, model, engine, opt, sched, optimizer_params(opt), prompts, 0, advantages=adv,
-                           reuse=reuse, ignore_eos=True, timer=ph)
+            m = grpo_step(cfg, model, engine, opt, sched, prompts * spec.batch, adv, reuse, ph)
             steps.append(dict(ph.seconds, step=time.perf_counter() - t0))
             opt.zero_grad(set_to_none=True)
             model.eval()
@@ -444,7 +472,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    return sc.main_run_or_merge(parse_args(argv), run, merge, "table3_speed_memory.py")
+    args = parse_args(argv)
+    result = sc.main_run_or_merge(args, run, merge, "table3_speed_memory.py")
+    C.declare(ARTEFACT, Path(args.out))
+    return result
 
 
 if __name__ == "__main__":

@@ -32,11 +32,11 @@ Writes <out>/<gpu>.json: gpu, git_sha, date, env, copy_bandwidth_tbps, targets, 
 the keys of issue #5; prints a table; the last stdout line is the summary as one JSON object.
 
 Run (GPU; expected minutes on an H200 in brackets):
-  python -m benchmarks.rollout_throughput --models qwen2.5-7b qwen2.5-14b             [~5]
-  python -m benchmarks.rollout_throughput --models qwen2.5-32b                       [~6]
-  python -m benchmarks.rollout_throughput --models qwen2.5-3b qwen2.5-7b --methods bf16 nvfp4 \\
+  python -m experiments.rollout_throughput --models qwen2.5-7b qwen2.5-14b             [~5]
+  python -m experiments.rollout_throughput --models qwen2.5-32b                       [~6]
+  python -m experiments.rollout_throughput --models qwen2.5-3b qwen2.5-7b --methods bf16 nvfp4 \\
       --batch 2 --ranks 16 32 64 --completion 256                                     [~3]
-  python -m benchmarks.rollout_throughput --merge a/h200.json b/h200.json --out results/rollout   (CPU)
+  python -m experiments.rollout_throughput --merge a/h200.json b/h200.json --out results/rollout   (CPU)
 """
 
 from __future__ import annotations
@@ -49,9 +49,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import speed_common as sc  # noqa: E402
+from benchmarks import speed_common as sc
+from experiments import _common as C  # noqa: E402
 from qerl import formats  # noqa: E402
 from qerl.config import QERL_FORMAT, QLORA_FORMAT, table_bases  # noqa: E402
+
+# What this artefact writes (results/<out>/artefact.json, read by qerl.plots and notebooks/rollout.ipynb)
+ARTEFACT = C.Artefact("rollout", "experiments.rollout_throughput", C.Outputs(
+    figure="plot_rollout_throughput", figure_file="rollout_throughput.png", notebook="notebooks/rollout.ipynb",
+    columns=("gpu", "model", "method", "batch", "lora_rank", "completion_len", "tokens_per_s", "ms_per_decode_step",
+             "roofline_fraction", "peak_gib", "paper_vllm_tokens_per_s")))
 
 METHODS = table_bases() + ("hf_generate_bf16",)  # bf16, every registered format, HF generate
 SUMMARY_MODELS = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")
@@ -377,7 +384,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    return sc.main_run_or_merge(parse_args(argv), run, merge, "rollout_throughput.py")
+    args = parse_args(argv)
+    result = sc.main_run_or_merge(args, run, merge, "rollout_throughput.py")
+    C.declare(ARTEFACT, Path(args.out))
+    return result
 
 
 if __name__ == "__main__":
