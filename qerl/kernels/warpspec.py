@@ -23,9 +23,10 @@ producer warp:
     another's MMA runs), and each writes its own epilogue.
 Split-K partials are summed in a fixed order by the last program of a tile (bitwise repeatable).
 
-Where it serves (SERVED_M): 17 <= M <= 32, and with MMAs in flight also 65 <= M <= 256 in 64-row
-activation tiles; the mma kernel serves M <= 16 and 33-64 (results/kernels/NOTES.md has the per-M
-measurements, kernel_families.json the run behind them). Measured and not kept: decoding into shared
+Where it serves (SERVED_M): 17 <= M <= 32 with either loop, 17 <= M <= 256 with MMAs in flight
+(activation tiles of at most 64 rows; one consumer warpgroup a CTA at 33-64). The mma kernel serves
+the other M up to 256. The per-M measurements: results/kernels/NOTES.md (h100_families.json).
+Measured and not kept: decoding into shared
 memory for a shared-operand MMA (the decoded tile's shared-memory traffic bounded it near half the
 bf16 rate), three or four consumer warpgroups and 128-row tiles (register spills).
 
@@ -258,6 +259,8 @@ def pick_config(M: int, N: int, K: int) -> dict:
     blocks a ring stage."""
     BM = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 or MMA_IN_FLIGHT else 128
     KB = 2 if BM <= 64 else 1
+    if MMA_IN_FLIGHT and 32 < M <= 64:  # one warpgroup a CTA, a deeper ring: 7B layer at M 64 160 us against 201
+        return dict(BM=BM, NWG=1, KB=KB, STAGES=6, REGS=232, maxnreg=None, waves=1, in_flight=True)
     return dict(BM=BM, NWG=2, KB=KB, STAGES=4, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT)
 
 
@@ -320,8 +323,8 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
 
 # The M ranges this kernel serves in the dispatch (the door, Plan, one-weight grouped launches): where it
 # beat the other kernels on the layers measured (results/kernels/NOTES.md). 17-32 rows in either form;
-# 65-256 rows only with its MMAs in flight (64-row tiles), where the waited form lost to the mma kernel.
-SERVED_M = ((17, 32), (65, 256)) if MMA_IN_FLIGHT else ((17, 32),)
+# 17-256 rows with its MMAs in flight (64-row tiles), where the waited form lost to the mma kernel.
+SERVED_M = ((17, 256),) if MMA_IN_FLIGHT else ((17, 32),)
 
 
 def serves(x2: torch.Tensor) -> bool:
