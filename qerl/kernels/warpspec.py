@@ -26,9 +26,9 @@ Split-K partials are summed in a fixed order by the last program of a tile (bitw
 Where it serves (SERVED_M): 17 <= M <= 32 with either loop, 17 <= M <= 256 with MMAs in flight
 (activation tiles of at most 64 rows; one consumer warpgroup a CTA at 33-64). The mma kernel serves
 the other M up to 256. The per-M measurements: results/kernels/NOTES.md (h100_families.json).
-Measured and not kept: decoding into shared
-memory for a shared-operand MMA (the decoded tile's shared-memory traffic bounded it near half the
-bf16 rate), three or four consumer warpgroups and 128-row tiles (register spills).
+Measured and not kept: decoding into shared memory for a shared-operand MMA (the decoded tile's
+shared-memory traffic bounded it near half the bf16 rate), three or four consumer warpgroups and
+128-row tiles (register spills).
 
 Requires Gluon with warp_specialize, TMA and mbarriers (Triton >= 3.6) and an sm_90 GPU;
 ``available()`` says whether it can run (a self-test against the fp32 reference at the first call).
