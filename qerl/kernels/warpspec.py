@@ -23,7 +23,7 @@ producer warp:
     another's MMA runs), and each writes its own epilogue.
 Split-K partials are summed in a fixed order by the last program of a tile (bitwise repeatable).
 
-Where it serves (SERVED_M): 17 <= M <= 32 with either loop, 17 <= M <= 256 with MMAs in flight
+Where it serves (SERVED_M): 17 <= M <= 32 with either loop, and with MMAs in flight also 38 <= M <= 256
 (activation tiles of at most 64 rows; one consumer warpgroup a CTA at 33-64). The mma kernel serves
 the other M up to 256. The per-M measurements: results/kernels/NOTES.md (h100_families.json).
 Measured and not kept: decoding into shared memory for a shared-operand MMA (the decoded tile's
@@ -323,8 +323,9 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
 
 # The M ranges this kernel serves in the dispatch (the door, Plan, one-weight grouped launches): where it
 # beat the other kernels on the layers measured (results/kernels/NOTES.md). 17-32 rows in either form;
-# 17-256 rows with its MMAs in flight (64-row tiles), where the waited form lost to the mma kernel.
-SERVED_M = ((17, 256),) if MMA_IN_FLIGHT else ((17, 32),)
+# with its MMAs in flight also 38-256 rows (64-row tiles; at 33-37 the mma kernel measured faster, and
+# the waited form lost to it from 33 rows on).
+SERVED_M = ((17, 32), (38, 256)) if MMA_IN_FLIGHT else ((17, 32),)
 
 
 def serves(x2: torch.Tensor) -> bool:
