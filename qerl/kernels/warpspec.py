@@ -126,8 +126,9 @@ if HAVE_WS:
 
     @gluon.jit
     def _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, j, acc, a_prev, wg: gl.constexpr, KB: gl.constexpr,
-                  NWG: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr):
-        """Ring stage j of a consumer warpgroup with its MMAs left in flight: (acc, A of the MMA in flight)."""
+                  NWG: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr, IN_FLIGHT: gl.constexpr):
+        """Ring stage j of a consumer warpgroup: wait for it, decode and multiply its KB blocks, hand a stage
+        back. Returns (acc, the A operand of the MMA left in flight; unchanged when each MMA is waited)."""
         STAGES: gl.constexpr = ready.type.shape[0]
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
@@ -135,11 +136,16 @@ if HAVE_WS:
             idx = (s * KB + kb) * NWG + wg
             a = _ws_decode(w_bufs.index(idx), s_bufs.index(idx), ASM, a_l)
             acc = warpgroup_mma(a, x_bufs.index(s * KB + kb).permute((1, 0)), acc, is_async=True)
-            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
-            a_prev = a
-            if kb == 0:
-                if j > 0:  # the previous stage's last MMA has completed
-                    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
+            if IN_FLIGHT:
+                acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
+                a_prev = a
+                if kb == 0:
+                    if j > 0:  # the previous stage's last MMA has completed
+                        mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1)
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
+        if not IN_FLIGHT:  # every warp of this warpgroup issued (so had decoded) the MMAs now completed
+            mbarrier.arrive(empty.index(s), count=1)
         return acc, a_prev
 
     @gluon.jit
@@ -152,10 +158,10 @@ if HAVE_WS:
         warpgroup MMA, left in flight with IN_FLIGHT, else waited at once); two warpgroups share a CTA
         so that one decodes while the other's MMA runs. Then its own epilogue (split-K partials summed
         in a fixed order by the last program of the tile)."""
-        STAGES: gl.constexpr = ready.type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
         acc = gl.zeros([64, BM], gl.float32, layout=mma)
+        a_prev = gl.zeros([64, 64], gl.bfloat16, layout=a_l)
         if IN_FLIGHT:
             # Each MMA stays in flight while the next block is decoded: wait(1) after issuing block b
             # completes block b - 1, so a stage goes back to the producer one block late (at the first
@@ -163,24 +169,16 @@ if HAVE_WS:
             # its registers live (unwritten) until the MMA has read them. The first stage is peeled (a
             # split has at least one): no path then reaches the final wait without an MMA, which ptxas
             # would otherwise answer by serialising every MMA (its C7515).
-            a_prev = gl.zeros([64, 64], gl.bfloat16, layout=a_l)
-            acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, 0, acc, a_prev, wg, KB, NWG, ASM, a_l)
+            acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, 0, acc, a_prev, wg, KB, NWG, ASM, a_l,
+                                    IN_FLIGHT)
             for it in range(i0 + 1, i1):
                 acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, it - i0, acc, a_prev, wg, KB, NWG,
-                                        ASM, a_l)
+                                        ASM, a_l, IN_FLIGHT)
             acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         else:
             for it in range(i0, i1):
-                j = it - i0
-                s = j % STAGES
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                for kb in gl.static_range(KB):
-                    idx = (s * KB + kb) * NWG + wg
-                    a = _ws_decode(w_bufs.index(idx), s_bufs.index(idx), ASM, a_l)
-                    acc = warpgroup_mma(a, x_bufs.index(s * KB + kb).permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                # every warp of this warpgroup issued (so had decoded) the MMAs that have now completed
-                mbarrier.arrive(empty.index(s), count=1)
+                acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, it - i0, acc, a_prev, wg, KB, NWG,
+                                        ASM, a_l, IN_FLIGHT)
         if IS_NV:
             alpha = 128.0 / gl.load(gs_ptr)
         else:
