@@ -8,7 +8,7 @@ family on its own, so the thresholds can be re-derived on another GPU, model or 
   - ``mma``: the tensor-core kernel on the compute layout (mma.sync up to 32 rows, its warpgroup-MMA
     variant above on sm_90);
   - ``ws``: the warp-specialised kernel with its MMAs in flight where the installed Triton allows
-    it (``warpspec.MMA_IN_FLIGHT``), ``ws_waited`` the same kernel with each MMA waited at once;
+    it (``qerl.kernels.MMA_IN_FLIGHT``), ``ws_waited`` the same kernel with each MMA waited at once;
     ``ws_bm64``: in flight with 64-row activation tiles above 64 rows (each weight tile decoded once a
     64-row tile, against 128-row tiles that hold twice the accumulators);
   - ``bf16``: cuBLAS on the bf16 weight.
@@ -55,29 +55,21 @@ def _git_sha() -> str:
 
 
 def _family_fn(family: str, fmt: str, t: dict, cache: dict, w: torch.Tensor, n: int, k: int):
-    """x -> y for one family on one weight copy, or None where the family cannot run this weight."""
-    from qerl.kernels import common, layout, mma, warpspec
-
+    """x -> y for one family on one weight copy (``cache`` keeps its compute layout, as a QuantLinear's)."""
     if family == "bf16":
         return lambda x: F.linear(x, w)
     if family == "door":
         return lambda x: kernels.linear(x, fmt, t, n, k, backend="triton", cache=cache)
-    is_nv = common.scale_mode(fmt)
-    args = layout.weight_args(cache, t, is_nv, n)
-    if args is None:
-        return None
-    pc, sc, gs, _ = args
     if family == "mma":
-        return lambda x: mma.grouped_linear(x, [args], k, is_nv)[0]
-    if not warpspec.HAVE_WS:
-        return None
+        return lambda x: kernels.linear_tuned(x, fmt, t, kind="mma", cache=cache)
     if family == "ws":
-        return lambda x: warpspec.linear(x, pc, sc, gs, n, k, is_nv, cache=cache)
+        return lambda x: kernels.linear_tuned(x, fmt, t, kind="warpspec", cache=cache)
     if family == "ws_waited":
-        return lambda x: warpspec.linear(x, pc, sc, gs, n, k, is_nv, cache=cache, config={"in_flight": False})
-    if family == "ws_bm64":
-        return lambda x: warpspec.linear(x, pc, sc, gs, n, k, is_nv, cache=cache,
-                                         config={"BM": min(64, warpspec.pick_config(x.shape[0], n, k)["BM"]), "KB": 2})
+        return lambda x: kernels.linear_tuned(x, fmt, t, kind="warpspec", cache=cache, config={"in_flight": False})
+    if family == "ws_bm64":  # 64-row activation tiles at every M (two consumer warpgroups)
+        return lambda x: kernels.linear_tuned(x, fmt, t, kind="warpspec", cache=cache,
+                                              config={"BM": 16 if x.shape[0] <= 16 else 32 if x.shape[0] <= 32 else 64,
+                                                      "KB": 2, "NWG": 2, "STAGES": 4})
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
@@ -91,8 +83,6 @@ def check(families, ms, n=1000, k=4096) -> dict:
         cache = {}
         for f in families:
             fn = _family_fn(f, fmt, t, cache, wd.to(torch.bfloat16), n, k)
-            if fn is None:
-                continue
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ wd.T
@@ -111,7 +101,7 @@ def check(families, ms, n=1000, k=4096) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b", choices=list(LAYER_CONFIGS))
     ap.add_argument("--m", nargs="+", type=int, default=list(range(9, 257)), help="rows M (default 9..256)")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
@@ -121,8 +111,6 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         sys.exit("error: kernel_families needs a CUDA GPU")
     import triton
-
-    from qerl.kernels import warpspec
 
     dev = torch.cuda.get_device_properties(0)
     bad = check(args.families, args.m)
@@ -159,7 +147,7 @@ def main(argv=None) -> dict:
         command="python -m benchmarks.kernel_families " + " ".join(argv if argv is not None else sys.argv[1:]),
         git_sha=_git_sha(), gpu=dev.name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         env=dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                 cuda=torch.version.cuda, mma_in_flight=warpspec.MMA_IN_FLIGHT),
+                 cuda=torch.version.cuda, mma_in_flight=kernels.MMA_IN_FLIGHT),
         failed_check={f: v for f, v in bad.items() if v},
         layer_us={f: {str(m): round(v, 2) for m, v in layer[f].items()} for f in timed},
         winner={str(m): f for m, f in winners.items()}, summary=summary)

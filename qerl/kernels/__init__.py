@@ -8,7 +8,9 @@ Public API (see CONTRACTS.md):
     grouped_linear(x, weights)       -> [x W_i^T] of 1-3 Weights sharing x in one launch, or None
     make_plan(weight, device)        -> Plan (per-weight launch state) or None off the Triton backend
     decode(fmt, tensors, dtype, rows=None, cols=None, out=None) -> W (or a block of it), dense
-    linear_tuned, grad_input_tuned, kernel_name   heuristics overridden / named (benchmarks)
+    linear_tuned, grad_input_tuned, kernel_name   heuristics overridden / named (benchmarks); linear_tuned's
+                                     kind picks a family ("gemv", "dot", "scratch", "mma", "warpspec")
+    MMA_IN_FLIGHT                    whether the installed Triton keeps register-A MMAs in flight (>= 3.7)
     lora_a_tuned, lora_out_tuned, lora_a_config   the same for the decode step's LoRA kernels
     scratch_bytes(device=None), buffer_bytes(), release_scratch(), resolve_backend(backend, fmt, device)
     rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
@@ -321,13 +323,30 @@ def decode(fmt: str, tensors: dict, dtype: torch.dtype = torch.bfloat16, rows: t
 
 
 def linear_tuned(x: torch.Tensor, fmt: str, tensors: dict, kind: str | None = None, config: dict | None = None,
-                 split_k: int | None = None) -> torch.Tensor:
-    """The Triton forward with its heuristics overridden (benchmark sweeps, tests): ``kind`` "gemv",
-    "dot" or "scratch", a launch ``config`` and ``split_k`` instead of the choice by M."""
+                 split_k: int | None = None, cache: dict | None = None) -> torch.Tensor:
+    """The Triton forward with its heuristics overridden (benchmarks, tests): ``kind`` names the family
+    instead of the choice by M: "gemv", "dot" or "scratch", or on the compute layout "mma" (the
+    tensor-core kernel of qerl.kernels.mma) or "warpspec" (the warp-specialised Hopper kernel; bf16 x,
+    sm_90); ``config`` and ``split_k`` replace the family's launch rule. The compute-layout families keep
+    the layout in ``cache`` (as a QuantLinear's kernel cache) and raise ValueError for a weight without one."""
     from qerl.kernels import common, ops
 
+    is_nv = common.scale_mode(fmt)
+    if kind in ("mma", "warpspec"):
+        from qerl.kernels import layout, mma, warpspec
+
+        N, K = tensors["weight_packed"].shape[0], x.shape[-1]
+        w = layout.weight_args(cache if cache is not None else {}, tensors, is_nv, N)
+        if w is None:
+            raise ValueError(f"kind={kind!r}: this weight has no exact compute layout")
+        x2 = common.as_rows(x, K)
+        if kind == "mma":
+            y = mma.grouped_linear(x2, [w], K, is_nv, config=config, split_k=split_k)[0]
+        else:
+            y = warpspec.linear(x2, w[0], w[1], w[2], N, K, is_nv, config=config, split_k=split_k, cache=cache)
+        return y.view(*x.shape[:-1], N)
     return ops.launch_linear(x, tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_global_scale"),
-                             common.scale_mode(fmt), kind=kind, config=config, split_k=split_k)
+                             is_nv, kind=kind, config=config, split_k=split_k)
 
 
 def grad_input_tuned(dy: torch.Tensor, fmt: str, tensors: dict, kind: str | None = None,
@@ -374,6 +393,7 @@ def lora_out_tuned(ys: list, h: torch.Tensor | None, Bs: list, biases: list, sca
 # Names the door serves from the Triton modules, imported on first use.
 _LAZY = {
     "Plan": "plan",
+    "MMA_IN_FLIGHT": "warpspec",  # whether the installed Triton keeps register-A warpgroup MMAs in flight
     "gumbel_argmax": "sampling",
     **{name: "fused" for name in ("rmsnorm", "add_rmsnorm", "add_rmsnorm_lora_a", "rope_cache_write", "silu_mul",
                                   "lora_a", "lora_out", "lora_silu_mul")},
