@@ -87,3 +87,21 @@ def test_strided_rows_gpu():
     y = warpspec.linear(x, pc, sc, t["weight_global_scale"], 384, 512, True)
     ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
     assert float((y.float() - ref).norm() / ref.norm()) < 5e-3
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("kind", ["mma", "warpspec"])
+def test_the_door_runs_a_named_family_gpu(kind):
+    """kernels.linear_tuned(kind=...) runs one compute-layout family whatever M (benchmarks compare them)."""
+    from qerl import kernels
+
+    dev = torch.device("cuda")
+    t = formats.quantize(torch.randn(384, 1024, device=dev) * 0.02, "nvfp4")
+    w = formats.dequantize(t, "nvfp4", dtype=torch.float32)
+    cache = {}
+    for M in (5, 20, 50, 130):
+        x = torch.randn(M, 1024, device=dev, dtype=torch.bfloat16)
+        y = kernels.linear_tuned(x, "nvfp4", t, kind=kind, cache=cache)
+        ref = x.float() @ w.T
+        assert float((y.float() - ref).norm() / ref.norm()) < 5e-3, (kind, M)
