@@ -97,8 +97,12 @@ GPUS ?= $(shell $(PY) -c "import torch;print(' '.join(map(str, range(max(1, torc
 aqn-paired: ## the paired AQN experiment (PLAN.md): 32 runs + the exploratory arm on one GPU, then the analysis
 	$(PY) -m experiments.aqn_paired --profile $(PROFILE) --parallel $(AQN_PARALLEL) $(ARGS)
 
-aqn-equivalence: ## the AQN equivalence test (results/aqn_equivalence/PLAN.md): 128 pairs over GPUS x AQN_PER_GPU, then the analysis
-	$(PY) -m experiments.aqn_equivalence --gpus $(GPUS) --per-gpu $(AQN_PER_GPU) $(ARGS)
+# The AQN equivalence test (results/aqn_equivalence/PLAN.md): 256 runs, AQN_PER_GPU at once on each GPU of GPUS
+# (default: every GPU here), both arms of a pair on one GPU; call it again to resume. Without a GPU: a dry run.
+AQN_DRY = $(shell $(PY) -c "import torch;print('' if torch.cuda.is_available() else '--dry-run')" 2>/dev/null || echo --dry-run)
+aqn-equivalence: ## the AQN equivalence test (PLAN.md): 128 pairs over GPUS x AQN_PER_GPU, then the analysis (no GPU: the plan)
+	$(if $(AQN_DRY),@echo "aqn-equivalence: no GPU here: a dry run (the plan; nothing runs)")
+	$(PY) -m experiments.aqn_equivalence --gpus $(GPUS) --per-gpu $(AQN_PER_GPU) $(AQN_DRY) $(ARGS)
 
 fig9: ## Fig. 9: AQN noise schedulers (exponential, linear, cosine, logarithmic)
 	$(call EXP,fig9_noise_schedulers)

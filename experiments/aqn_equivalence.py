@@ -5,16 +5,17 @@ Arms ``noaqn`` (nvfp4_lora) and ``aqn`` (nvfp4_lora_aqn, sigma 1e-2 -> 5e-4), se
 training). Expected runtime: 256 runs of ~110 s each while sharing a GPU; on 8 GPUs at 12 runs a GPU,
 about 5 minutes of runs plus loading.
 
-    python -m experiments.aqn_equivalence --dry-run                  # the plan: every run, its GPU slot and command
+    python -m experiments.aqn_equivalence --gpus 0 1 2 3 --per-gpu 12 --dry-run   # the plan: each GPU's runs, commands
     python -m experiments.aqn_equivalence --gpus 0 1 2 3 4 5 6 7 --per-gpu 12
     python -m experiments.aqn_equivalence --analyze-only             # table.csv, the figure, NOTES.md
-    make aqn-equivalence
+    make aqn-equivalence                                             # every GPU of the machine, 12 runs each
 
 Runs go to results/aqn_equivalence/small/runs/<arm>-s<seed>/ exactly as aqn_paired writes them (run.json,
 only the small files kept); a finished run is never run again, so a stopped study resumes where it
-stopped. The runs themselves are started by aqn_paired's launcher (``aqn_paired.run_all``); spreading
-them over several GPUs is ``assign_gpus``'s plan, which that launcher does not yet take (see
-``launch``).
+stopped (call it again; ``--time-budget`` / ``--stop-at`` bound one call). The runs are launcher Tasks
+(experiments.launch, the one launcher; ``pending``), started ``--per-gpu`` at once on each GPU of
+``--gpus``; the pairs are dealt out whole over the GPUs (``assign_gpus``), so both arms of a seed run
+on the same GPU.
 
 The analysis (``analyze``), by the plan's rules: only pairs whose two runs finished, share the git sha
 and differ in nothing but AQN; TOST with margin 0.02, the paired t-test, 90% and 95% t and bootstrap CIs,
@@ -27,11 +28,15 @@ import argparse
 import csv
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
 from experiments import aqn_paired
+from experiments._common import Artefact, Outputs, declare
 from experiments.aqn_power import t_cdf, t_quantile
+from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_tasks
+from qerl.logging import git_info
 
 CONTROL, TREATED = aqn_paired.CONTROL, aqn_paired.TREATED
 ARMS = (CONTROL, TREATED)
@@ -130,6 +135,10 @@ def pairs(out: Path, runs: dict) -> tuple[list[int], dict[int, str]]:
 TABLE_COLUMNS = ["endpoint", "role", "comparison", "n", "mean_diff", "sd", "t", "p_t", "p_tost_low", "p_tost_high",
                  "p_tost", "ci90_low", "ci90_high", "ci95_low", "ci95_high", "boot90_low", "boot90_high",
                  "boot95_low", "boot95_high", "n_pos", "n_neg", "p_sign", "verdict"]
+# What this study writes into <out>/ (its artefact.json): table.csv's columns, the figure it draws itself
+# beside them, and the notebook that shows it
+ARTEFACT = Artefact("aqn_equivalence", "experiments.aqn_equivalence", Outputs(
+    figure_file="paired_differences.png", columns=tuple(TABLE_COLUMNS), notebook="notebooks/rewards.ipynb"))
 
 
 def analyze(out: Path = OUT, min_pairs: int = MIN_PAIRS) -> dict:
@@ -257,63 +266,102 @@ def plan_runs(seeds=SEEDS) -> list[tuple[str, int]]:
     return aqn_paired.plan_runs(ARMS, seeds)
 
 
-def assign_gpus(todo: list[tuple[str, int]], gpus: list[int], per_gpu: int) -> list[list[tuple[str, int]]]:
-    """The runs each of ``len(gpus) * per_gpu`` slots takes, one after the other (slot i on
-    gpus[i % len(gpus)]). Pairs are dealt out whole, so both arms of a seed run on the same GPU and each
-    GPU holds as many runs of one arm as of the other: no arm is tied to a GPU."""
-    slots = len(gpus) * per_gpu
-    seeds = list(dict.fromkeys(s for _, s in todo))
-    out: list[list[tuple[str, int]]] = [[] for _ in range(slots)]
-    for k, seed in enumerate(seeds):
-        out[k % slots] += [r for r in todo if r[1] == seed]
+def assign_gpus(seeds, gpus) -> dict[str, list[int]]:
+    """{GPU: the seeds whose runs it takes}: the pairs dealt out whole, in the plan's order, one GPU after
+    the other. Both arms of a seed run on one GPU, so each GPU holds as many runs of one arm as of the
+    other: no arm is tied to a GPU."""
+    out: dict[str, list[int]] = {str(g): [] for g in gpus}
+    for k, seed in enumerate(dict.fromkeys(seeds)):
+        out[str(gpus[k % len(gpus)])].append(seed)
     return out
 
 
-def launch(args, out: Path) -> dict[str, int]:
-    """Start the runs not yet finished. aqn_paired's launcher runs them all on one GPU (``--parallel``
-    at once); over several GPUs it needs the slot plan of ``assign_gpus`` (a GPU per launched process,
-    CUDA_VISIBLE_DEVICES), which experiments/_common's launcher is to take."""
-    ns = argparse.Namespace(profile="small", seeds=list(args.seeds), arms=list(ARMS),
-                            parallel=args.per_gpu * max(len(args.gpus), 1), time_budget=args.time_budget,
-                            stop_at=args.stop_at, data_dir=None, max_steps=args.max_steps, train_flags=args.train_flags,
-                            dry_run=args.dry_run)
-    if len(args.gpus) > 1 and not args.dry_run:
-        print(f"note: the launcher runs on one GPU; {len(args.gpus)} GPUs asked for (assign_gpus has the plan)",
-              file=sys.stderr)
-    return aqn_paired.run_all(ns, out)
+def seed_of(task: Task) -> int:
+    """The seed of a run from its name, <arm>-s<seed>."""
+    return int(task.name.rpartition("-s")[2])
+
+
+def study_args(args: argparse.Namespace) -> argparse.Namespace:
+    """aqn_paired's arguments for this study's runs: the small profile, the two primary arms, --seeds."""
+    return argparse.Namespace(profile="small", seeds=list(args.seeds), arms=list(ARMS), data_dir=None,
+                              max_steps=args.max_steps, train_flags=args.train_flags)
+
+
+def pending(args: argparse.Namespace, out: Path) -> list[Task]:
+    """The planned runs not finished yet (a finished run is never run again), as launcher Tasks in the
+    plan's order (aqn_paired.pending: its commands, its small-files-only clean-up). With --gpus, each
+    is pinned to its pair's GPU (``assign_gpus`` of the pairs still to run), so a resumed study deals
+    what is left over all GPUs again."""
+    todo = aqn_paired.pending(study_args(args), out)
+    if args.gpus:
+        gpu_of = {s: g for g, seeds in assign_gpus([seed_of(t) for t in todo], args.gpus).items() for s in seeds}
+        for t in todo:
+            t.gpu = gpu_of[seed_of(t)]
+    return todo
+
+
+def print_plan(args: argparse.Namespace, todo: list[Task], out: Path, commands: bool = False) -> None:
+    """The plan: pairs, runs finished and to run, how many at once, the estimated time and the runs each
+    GPU takes (``commands``: every command too)."""
+    seeds = list(dict.fromkeys(args.seeds))
+    total = len(plan_runs(seeds))
+    at_once = concurrency(**launch_kwargs(args))
+    per = aqn_paired.RUN_S["small"]
+    where = (f"{len(args.gpus)} GPU{'s' * (len(args.gpus) > 1)} x {args.per_gpu} runs" if args.gpus and args.per_gpu
+             else f"{at_once} runs" + (f" over GPUs {' '.join(args.gpus)}" if args.gpus else
+                                      " (no --gpus: CUDA_VISIBLE_DEVICES left alone)"))
+    print(f"aqn_equivalence: {len(seeds)} pairs (seeds {min(seeds)}-{max(seeds)}) = {total} runs; "
+          f"{total - len(todo)} finished, {len(todo)} to run, {where} at once "
+          f"(~{per} s each while sharing a GPU: ~{len(todo) * per / at_once / 60:.0f} min); {out / 'runs'}",
+          flush=True)
+    if args.gpus:
+        for g, mine in assign_gpus([seed_of(t) for t in todo], args.gpus).items():
+            n = sum(1 for t in todo if t.gpu == g)
+            print(f"  GPU {g}: {len(mine)} pairs, {n} runs, seeds {' '.join(map(str, mine)) or '-'}")
+    if commands:
+        for t in todo:
+            print(f"  {t.name}" + (f" [GPU {t.gpu}]" if t.gpu is not None else "") + f": {shlex.join(t.command)}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.strip().split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
-    ap.add_argument("--gpus", nargs="+", type=int, default=[0], help="GPU indices to spread the runs over")
-    ap.add_argument("--per-gpu", type=int, default=12, help="runs at once on each GPU")
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="the pairs' seeds (default: the "
+                    "plan's 100-227; its replacement seeds 228, 229, ... are added here)")
+    add_launch_args(ap, parallel=12)
     ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none)")
-    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped")
+    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped (left "
+                    "unfinished; the next call redoes them)")
     ap.add_argument("--max-steps", type=int, default=0, help="override max_steps (pipeline checks only)")
     ap.add_argument("--train-flags", default="", help="extra `qerl train` flags that do not change the computation")
     ap.add_argument("--analyze-only", action="store_true", help="run nothing; rebuild the analysis")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, each GPU's runs and the commands; "
+                    "run and write nothing")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    if args.per_gpu < 1:
-        print(f"error: --per-gpu must be >= 1, got {args.per_gpu}", file=sys.stderr)
+    try:
+        kw = launch_kwargs(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        todo = [(a, s) for a, s in plan_runs(args.seeds) if not aqn_paired.is_done(out / "runs" / f"{a}-s{s}")]
-        for i, slot in enumerate(assign_gpus(todo, args.gpus, args.per_gpu)):
-            print(f"slot {i} (GPU {args.gpus[i % len(args.gpus)]}): {' '.join(f'{a}-s{s}' for a, s in slot)}")
-    codes = {} if args.analyze_only else launch(args, out)
-    if args.dry_run:
-        return 0
+    codes: dict[str, int] = {}
+    if not args.analyze_only:
+        todo = pending(args, out)
+        print_plan(args, todo, out, commands=args.dry_run)
+        if args.dry_run:
+            return 0
+        if todo:
+            aqn_paired.prepare_model("small")
+            codes = run_tasks(todo, **kw, time_budget=args.time_budget, stop_at=args.stop_at, git=git_info())
     res = analyze(out)
+    declare(ARTEFACT, out)
     print(verdict_sentence(res["primary"]))
+    print(f"wrote {out / 'table.csv'}, per_seed.csv, paired_differences.png, NOTES.md")
     return 1 if any(c != 0 for c in codes.values()) else 0
 
 

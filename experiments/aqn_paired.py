@@ -397,11 +397,11 @@ def run_all(args, out: Path) -> dict[str, int]:
             print("  " + shlex.join(t.command))
         return {}
     if todo:
-        _convert_model_once(args.profile)
+        prepare_model(args.profile)
     return run_tasks(todo, **launch_kwargs(args), time_budget=args.time_budget, stop_at=args.stop_at, git=git_info())
 
 
-def _convert_model_once(profile: str) -> None:
+def prepare_model(profile: str) -> None:
     """Convert the profile's GGUF model into its cache before the runs start, so that the parallel
     runs load it instead of each converting it (what a failure means, each run then says itself)."""
     from qerl.config import make_config

@@ -107,7 +107,7 @@ def simulated_tost_power(n: int, sd: float = SD, margin: float = MARGIN, alpha: 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--sd", type=float, default=SD)
     ap.add_argument("--margin", type=float, default=MARGIN)
     ap.add_argument("--alpha", type=float, default=ALPHA)

@@ -6,13 +6,15 @@ starts a process.
 
 Public API:
 
-    Task(name, command, folder, done=run_complete, planned=None, on_exit=None)
+    Task(name, command, folder, done=run_complete, planned=None, on_exit=None, gpu=None)
         One run: ``command`` (an argv list) runs with ``folder`` as its run folder; its output is
         appended to ``folder/log.txt``. ``done(folder)`` says whether the folder already holds a
         finished run (default ``run_complete``): such a task is skipped, so calling again resumes
         where the last call stopped (``resumable(tasks)`` lists what is left). ``planned`` (a dict)
         is written to ``folder/planned.json`` when the task starts, with the command and the start
         time; ``on_exit(task, exit_code)`` runs when the process ends (e.g. to delete checkpoints).
+        ``gpu``: run it on this GPU of run_tasks' ``gpus`` only (a study that keeps the two arms of a
+        pair on one GPU); None: on the least busy one.
 
     run_tasks(tasks, parallel=1, gpus=None, per_gpu=None, time_budget=0, stop_at=0, env=None,
               git=None) -> {task name: exit code}
@@ -20,11 +22,12 @@ Public API:
         ``gpus`` (ids as CUDA_VISIBLE_DEVICES names them; each process sees its one GPU), so
         ``len(gpus) * per_gpu`` at once; without ``per_gpu``, ``parallel`` at once, each on the
         least busy GPU of ``gpus``; without ``gpus``, ``parallel`` at once and CUDA_VISIBLE_DEVICES
-        left alone. ``time_budget`` (s): no task starts after it; ``stop_at`` (s): tasks still
-        running then are stopped (terminate, then kill after 15 s) and stay unfinished for the next
-        call. When a task ends, ``folder/run.json`` records the command, the working directory, the
-        exit code, the GPU, the start time, the wall seconds and ``git`` (sha, dirty flag); a failed
-        task's last log lines are printed.
+        left alone. Tasks start in order, except that a task pinned to a full GPU lets the next
+        one that can start go first. ``time_budget`` (s): no task starts after it; ``stop_at`` (s):
+        tasks still running then are stopped (terminate, then kill after 15 s) and stay unfinished
+        for the next call. When a task ends, ``folder/run.json`` records the command, the working
+        directory, the exit code, the GPU, the start time, the wall seconds and ``git`` (sha, dirty
+        flag); a failed task's last log lines are printed.
 
     run_complete(folder, kind="train") -> bool
         A finished run folder: ``summary.json`` with status ok (``kind="eval"``: ``eval.json``
@@ -90,6 +93,7 @@ class Task:
     planned: dict | None = None
     on_exit: Callable[[Task, int], None] | None = None
     record: dict = field(default_factory=dict)  # extra fields for run.json
+    gpu: str | None = None  # pinned to this GPU of run_tasks' gpus (None: the least busy one)
 
     def is_done(self) -> bool:
         return self.folder.exists() and self.done(self.folder)
@@ -167,6 +171,9 @@ def run_tasks(tasks: list[Task], parallel: int = 1, gpus: list | None = None, pe
     if per_gpu is not None and not gpus:
         raise ValueError("per_gpu needs gpus")
     slots = concurrency(parallel, gpus, per_gpu)
+    stray = sorted({str(t.gpu) for t in tasks if t.gpu is not None} - set(gpus))
+    if stray:
+        raise ValueError(f"tasks pinned to GPUs {' '.join(stray)}, not among gpus {' '.join(gpus) or '(none)'}")
     base_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_SILENT": "true",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     todo = resumable(tasks)
@@ -174,10 +181,24 @@ def run_tasks(tasks: list[Task], parallel: int = 1, gpus: list | None = None, pe
     codes: dict[str, int] = {}
     t_start = last_progress = time.time()
 
-    def free_gpu() -> str | None:
+    def next_task() -> tuple[int, str | None] | None:
+        """The index in todo of the first task that can start now, and its GPU (None: CUDA_VISIBLE_DEVICES
+        left alone)."""
         load = {g: sum(1 for r in running if r.gpu == g) for g in gpus}
-        g = min(gpus, key=lambda g: load[g])
-        return g if per_gpu is None or load[g] < per_gpu else None
+
+        def free(g: str) -> bool:
+            return per_gpu is None or load[g] < per_gpu
+
+        for i, t in enumerate(todo):
+            if t.gpu is not None:
+                if free(str(t.gpu)):
+                    return i, str(t.gpu)
+                continue
+            if not gpus:
+                return i, None
+            g = min(gpus, key=lambda g: load[g])
+            return (i, g) if free(g) else None
+        return None
 
     while todo or running:
         if stop_at and running and time.time() - t_start > stop_at:
@@ -198,10 +219,10 @@ def run_tasks(tasks: list[Task], parallel: int = 1, gpus: list | None = None, pe
                      f"({' '.join(t.name for t in todo)})")
                 todo = []
                 break
-            gpu = free_gpu() if gpus else None
-            if gpus and gpu is None:
+            pick = next_task()
+            if pick is None:
                 break
-            task = todo.pop(0)
+            task, gpu = todo.pop(pick[0]), pick[1]
             task.folder.mkdir(parents=True, exist_ok=True)
             started = _now()
             if task.planned is not None:

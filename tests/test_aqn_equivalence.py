@@ -103,18 +103,111 @@ def test_pairs_with_another_commit_or_other_settings_are_left_out(tmp_path):
     assert "left out, seed 200: git sha differs" in (tmp_path / "NOTES.md").read_text()
 
 
-def test_tost_and_plan_of_runs():
+def test_tost():
     from experiments import aqn_equivalence as eq
 
     lo, hi, p = eq.tost([0.001, -0.002, 0.0015, -0.0005] * 10)
     assert p == max(lo, hi) < 1e-6
     assert eq.tost([0.05, 0.06, 0.04, 0.05])[2] > 0.5  # clearly outside the margin
+
+
+# ---------------------------------------------------------------------------------------- planning and running
+def _args(*argv):
+    from experiments import aqn_equivalence as eq
+
+    return eq.parse_args(list(argv))
+
+
+def test_plan_deals_pairs_whole_over_the_gpus(tmp_path):
+    from experiments import aqn_equivalence as eq
+
     todo = eq.plan_runs()
     assert len(todo) == 256 and todo[:3] == [("noaqn", 100), ("aqn", 100), ("noaqn", 101)]
-    slots = eq.assign_gpus(todo, [0, 1, 2, 3, 4, 5, 6, 7], 12)
-    assert len(slots) == 96 and sorted(r for s in slots for r in s) == sorted(todo)
-    for gpus, per in (([0, 1, 2, 3, 4, 5, 6, 7], 12), ([0, 1], 2)):  # no arm tied to a GPU
-        slots = eq.assign_gpus(todo, gpus, per)
-        for g in range(len(gpus)):
-            arms = [a for i in range(g, len(slots), len(gpus)) for a, _ in slots[i]]
-            assert arms.count("aqn") == arms.count("noaqn") > 0
+    assert {s for _, s in todo} == set(range(100, 228))  # the plan's seeds
+    by_gpu = eq.assign_gpus([s for _, s in todo], ["0", "1", "2", "3"])
+    assert [len(v) for v in by_gpu.values()] == [32] * 4 and sorted(sum(by_gpu.values(), [])) == list(range(100, 228))
+    tasks = eq.pending(_args("--out", str(tmp_path), "--gpus", "0", "1", "2", "3", "--per-gpu", "12"), tmp_path)
+    assert len(tasks) == 256 and {t.name for t in tasks} == {f"{a}-s{s}" for a, s in todo}
+    gpu = {t.name: t.gpu for t in tasks}
+    for g in ("0", "1", "2", "3"):  # both arms of a seed on one GPU: as many runs of each arm on every GPU
+        arms = [t.name.rpartition("-s")[0] for t in tasks if t.gpu == g]
+        assert arms.count("aqn") == arms.count("noaqn") == 32
+    assert all(gpu[f"aqn-s{s}"] == gpu[f"noaqn-s{s}"] for s in range(100, 228))
+    assert "--seed 100" in " ".join(tasks[0].command) and "--method nvfp4_lora " in " ".join(tasks[0].command) + " "
+    assert not (tmp_path / "runs").exists()  # planning writes nothing
+    # without --gpus nothing is pinned (the launcher leaves CUDA_VISIBLE_DEVICES alone)
+    assert all(t.gpu is None for t in eq.pending(_args("--out", str(tmp_path)), tmp_path))
+
+
+def test_a_resumed_study_plans_only_the_unfinished_runs(tmp_path):
+    from experiments import aqn_equivalence as eq
+
+    _study(tmp_path, [0.0] * 10)  # seeds 100-109 finished in both arms
+    _write_run(tmp_path, "noaqn", 110, 0.5)  # seed 110: only its noaqn run finished
+    _write_run(tmp_path, "aqn", 111, 0.5)
+    (tmp_path / "runs" / "aqn-s111" / "summary.json").unlink()  # cut off: not finished, runs again
+    tasks = eq.pending(_args("--out", str(tmp_path), "--gpus", "0", "1", "--per-gpu", "3"), tmp_path)
+    names = [t.name for t in tasks]
+    assert len(names) == 256 - 21 and names[:3] == ["aqn-s110", "noaqn-s111", "aqn-s111"]
+    assert not {f"{a}-s{s}" for a in ("noaqn", "aqn") for s in range(100, 110)} & set(names)
+    assert {t.gpu for t in tasks} == {"0", "1"} and tasks[1].gpu == tasks[2].gpu
+
+
+def test_dry_run_prints_the_plan_and_each_gpus_runs_and_writes_nothing(tmp_path, capsys):
+    from experiments import aqn_equivalence as eq
+
+    assert eq.main(["--out", str(tmp_path / "eq"), "--gpus", "0", "1", "2", "3", "--per-gpu", "12", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "128 pairs (seeds 100-227) = 256 runs; 0 finished, 256 to run, 4 GPUs x 12 runs at once" in out
+    for g in range(4):
+        assert f"GPU {g}: 32 pairs, 64 runs, seeds {100 + g} {104 + g} " in out
+    assert "noaqn-s100 [GPU 0]: " in out and "aqn-s100 [GPU 0]: " in out and "aqn-s101 [GPU 1]: " in out
+    assert not (tmp_path / "eq").exists()
+    assert eq.main(["--out", str(tmp_path / "eq"), "--per-gpu", "4", "--dry-run"]) == 2  # --per-gpu needs --gpus
+
+
+FAKE_TRAIN = r"""
+import json, os, sys
+from pathlib import Path
+a = sys.argv[1:]
+out = Path(a[a.index("--output-dir") + 1]); out.mkdir(parents=True, exist_ok=True)
+seed = int(a[a.index("--seed") + 1]); aqn = a[a.index("--method") + 1].endswith("_aqn")
+(out / "config.json").write_text(json.dumps({"method": a[a.index("--method") + 1], "aqn": aqn, "seed": seed,
+    "loss_type": "grpo", "output_dir": str(out), "provenance": {"git_sha": "b" * 40},
+    "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+(out / "metrics.jsonl").write_text("".join(json.dumps({"step": t, "reward": 0.5}) + "\n" for t in range(1, 31)))
+(out / "checkpoints").mkdir()
+(out / "summary.json").write_text(json.dumps({"status": "ok", "eval/arith/accuracy": 0.4 + 0.01 * aqn,
+                                              "eval/arith/samples": 16}))
+"""
+
+
+def test_the_study_runs_through_the_launcher_and_resumes(tmp_path, monkeypatch):
+    """Stand-in training commands (no training): the runs spread over two GPUs, two at once on each, both
+    arms of a seed on one GPU; the analysis and artefact.json follow; a second call starts nothing."""
+    import json
+
+    from experiments import aqn_equivalence as eq
+    from experiments import aqn_paired as A
+    from experiments import launch as L
+
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    real = A.command
+    monkeypatch.setattr(A, "command", lambda args, arm, seed, d: [A.sys.executable, str(script),
+                                                                  *real(args, arm, seed, d)[4:]])
+    monkeypatch.setattr(A, "prepare_model", lambda profile: None)
+    monkeypatch.setattr(L, "POLL_S", 0.05)
+    out = tmp_path / "small"
+    argv = ["--out", str(out), "--seeds", "100", "101", "102", "103", "--gpus", "0", "1", "--per-gpu", "2"]
+    assert eq.main(argv) == 0
+    rec = {d.name: json.loads((d / "run.json").read_text()) for d in (out / "runs").iterdir()}
+    assert len(rec) == 8 and {r["gpu"] for r in rec.values()} == {"0", "1"}
+    assert all(rec[f"aqn-s{s}"]["gpu"] == rec[f"noaqn-s{s}"]["gpu"] for s in range(100, 104))
+    cfg = json.loads((out / "runs" / "aqn-s101" / "config.json").read_text())
+    assert cfg["gpu"] == rec["aqn-s101"]["gpu"]  # the process saw its one GPU
+    assert not (out / "runs" / "aqn-s101" / "checkpoints").exists()  # only the small files stay
+    assert json.loads((out / "artefact.json").read_text())["artefact"] == "aqn_equivalence"
+    assert "undecided" in (out / "table.csv").read_text()  # 4 pairs: fewer than the plan's 120
+    monkeypatch.setattr(A, "command", lambda *a: pytest.fail("a finished run was started again"))
+    assert eq.main(argv) == 0

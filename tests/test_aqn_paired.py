@@ -152,7 +152,7 @@ def test_run_loop_keeps_small_files_records_the_command_and_skips_finished_runs(
     real = A.command
     monkeypatch.setattr(A, "command", lambda args, arm, seed, d: [A.sys.executable, str(script),
                                                                   *real(args, arm, seed, d)[4:]])
-    monkeypatch.setattr(A, "_convert_model_once", lambda profile: None)
+    monkeypatch.setattr(A, "prepare_model", lambda profile: None)
     monkeypatch.setattr(L, "POLL_S", 0.2)
     out = tmp_path / "small"
     argv = ["--out", str(out), "--seeds", "0", "1", "2", "--arms", "noaqn", "aqn", "--parallel", "3",

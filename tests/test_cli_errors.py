@@ -249,12 +249,17 @@ def _parsers():
 
 def test_no_parser_takes_abbreviations():
     assert all(p.allow_abbrev is False for p in _parsers())
-    # the experiment and benchmark scripts too: every ArgumentParser( in the repository says allow_abbrev=False
-    import re
+    # the experiment and benchmark scripts too: every ArgumentParser(...) call in the repository passes
+    # allow_abbrev=False (read from the syntax tree, so a keyword after a nested call counts too)
+    import ast
 
-    calls = [(f, m.group(0)) for d in ("qerl", "experiments", "benchmarks") for f in sorted((ROOT / d).rglob("*.py"))
-             for m in re.finditer(r"ArgumentParser\([^)]*", f.read_text())]
-    assert calls and not [(str(f), c) for f, c in calls if "allow_abbrev=False" not in c]
+    calls = [(f, n) for d in ("qerl", "experiments", "benchmarks") for f in sorted((ROOT / d).rglob("*.py"))
+             for n in ast.walk(ast.parse(f.read_text(), str(f))) if isinstance(n, ast.Call)
+             and (n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)) == "ArgumentParser"]
+    assert len(calls) > 10 and any(f.parent.name == "benchmarks" for f, _ in calls)
+    assert not [f"{f.relative_to(ROOT)}:{n.lineno}" for f, n in calls
+                if not any(k.arg == "allow_abbrev" and isinstance(k.value, ast.Constant) and k.value.value is False
+                           for k in n.keywords)]
 
 
 @pytest.mark.parametrize("argv,flag,near", [

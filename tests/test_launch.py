@@ -86,3 +86,20 @@ def test_bad_launch_flags_are_refused():
         with pytest.raises(ValueError, match=msg):
             L.launch_kwargs(ap.parse_args(argv))
     assert L.concurrency(**L.launch_kwargs(ap.parse_args(["--gpus", "0", "1", "2", "--per-gpu", "4"]))) == 12
+
+
+def test_pinned_tasks_run_on_their_gpu_and_let_others_pass(script, tmp_path):
+    """A task pinned to a full GPU waits there; the next task that can start goes first."""
+    tasks = _tasks(script, tmp_path / "runs", 4, sleep=0.4)
+    for t in tasks[:3]:
+        t.gpu = "1"
+    codes = L.run_tasks(tasks, gpus=["0", "1"], per_gpu=1)
+    assert codes == {f"r{i}": 0 for i in range(4)}
+    spans = {t.name: json.loads((t.folder / "interval.json").read_text()) for t in tasks}
+    assert [spans[f"r{i}"][0] for i in range(4)] == ["1", "1", "1", "0"]
+    pinned = sorted((a, b) for g, a, b in spans.values() if g == "1")
+    assert all(b1 <= a2 for (_, b1), (a2, _) in zip(pinned, pinned[1:]))  # one at a time on GPU 1
+    assert spans["r3"][1] < spans["r1"][1]  # r3 (GPU 0) did not wait behind r1, pinned to the busy GPU 1
+    tasks[0].gpu = "7"
+    with pytest.raises(ValueError, match="pinned to GPUs 7"):
+        L.run_tasks(tasks, gpus=["0", "1"], per_gpu=1)

@@ -105,7 +105,7 @@ def test_artefacts_declare_their_outputs():
     from qerl import plots
 
     arts = {a.name: a for a in C.all_artefacts()}
-    assert {"table1", "table2_bigmath", "fig4_reward_curves", "table3", "rollout", "aqn_paired"} <= set(arts)
+    assert {"table1", "table2_bigmath", "fig4_reward_curves", "table3", "rollout", "aqn_paired", "aqn_equivalence"} <= set(arts)
     for name, art in arts.items():
         out = art.outputs
         assert out.columns, name
