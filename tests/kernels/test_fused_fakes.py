@@ -79,7 +79,12 @@ def test_every_fused_op_has_a_fake():
     assert {name for name, _, _ in _cases()} == set(ops), "a fused op has no case in this test"
 
 
-@pytest.mark.parametrize("case", range(len(_cases())), ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(_cases())])
+# The case names for the parametrisation: building the cases runs a kernel (lora_a), which on a GPU machine
+# (no interpreter) would fail at collection on CPU tensors; there the module is skipped anyway.
+_CASE_NAMES = [n for n, _, _ in _cases()] if fused.INTERPRETED else []
+
+
+@pytest.mark.parametrize("case", range(len(_CASE_NAMES)), ids=[f"{n}-{i}" for i, n in enumerate(_CASE_NAMES)])
 def test_fused_op_traces_under_torch_compile(case):
     """fullgraph aot_eager (fake-tensor tracing, then the kernels) returns what the eager call returns."""
     torch._dynamo.reset()
