@@ -29,8 +29,8 @@ Backends:
   - "reference": qerl.formats.dequantize to fp32, matmul in fp32, result cast to x.dtype.
   - "triton": fused dequantize-and-multiply kernels, for the formats whose spec lists "triton"
     (E2M1 codes with E4M3 or E8M0 scales): the tensor-core kernel of qerl.kernels.mma on the
-    compute layout for decode batches (with a cache; from 17 to 32 rows on sm_90 the warp-specialised
-    kernel of qerl.kernels.warpspec on the same layout), the GEMV (qerl.kernels.gemv) and tiled
+    compute layout for decode batches (with a cache; on sm_90 the warp-specialised kernel of
+    qerl.kernels.warpspec on the same layout at the rows it serves: warpspec.SERVED_M), the GEMV (qerl.kernels.gemv) and tiled
     kernels (qerl.kernels.dot) for small and mid M, decode + cuBLAS (qerl.kernels.scratch) from
     M = 128 and for grad-input (launched by qerl.kernels.ops).
     Raises RuntimeError when it cannot run (tensors not on CUDA and TRITON_INTERPRET unset,
@@ -224,7 +224,7 @@ def _mma_linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     if w is None:
         return None
     x2 = common.as_rows(x, in_features)
-    if warpspec.serves(x2):  # 17-32 rows: the warp-specialised Hopper kernel
+    if warpspec.serves(x2):  # the rows the warp-specialised Hopper kernel serves (warpspec.SERVED_M)
         y = warpspec.linear(x2, w[0], w[1], w[2], out_features, in_features, is_nv, cache=cache)
     else:
         y = mma.grouped_linear(x2, [w], in_features, is_nv)[0]
@@ -290,7 +290,7 @@ def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]
             for w in weights]
     if any(a is None for a in args):
         return None
-    if len(weights) == 1 and warpspec.serves(x):  # 17-32 rows of one weight: the warp-specialised kernel
+    if len(weights) == 1 and warpspec.serves(x):  # one weight at the rows the warp-specialised kernel serves
         return [warpspec.linear(x, args[0][0], args[0][1], args[0][2], args[0][3], K, is_nv, cache=weights[0].cache)]
     # 2-3 weights stay one grouped launch of the mma kernel: at 32 rows it beat one warp-specialised
     # launch a weight (7B layer as the decode step runs it 1.55x bf16 against 1.31x, H100)

@@ -79,7 +79,7 @@ class Plan:
     def _mma_linear(self, x2: torch.Tensor, out: torch.Tensor, cl: tuple) -> None:
         """out = x2 W^T through qerl.kernels.mma on the compute layout cl; its launch kept as a DirectLaunch per
         (M, row stride), like the small-M Triton kernels (host time of eager calls)."""
-        if warpspec.serves(x2):  # 17-32 rows: the warp-specialised Hopper kernel
+        if warpspec.serves(x2):  # the rows the warp-specialised Hopper kernel serves (warpspec.SERVED_M)
             warpspec.linear(x2, cl[0], cl[1], self.gs, self.N, self.K, self.is_nv, out=out, cache=self._mma)
             return
         dkey = ("mma", x2.shape[0], x2.stride(0), cl[0].data_ptr())
