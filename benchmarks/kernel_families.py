@@ -26,32 +26,19 @@ Run:   python -m benchmarks.kernel_families                      (qwen2.5-7b, M 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import speed_common as sc
 from benchmarks.bench_kernels import n_copies, time_graph
 from qerl import formats, kernels
 from qerl.arch import LAYER_CONFIGS, linear_shapes
 
 FAMILIES = ("bf16", "door", "mma", "ws", "ws_waited", "ws_bm64")
 TOL = 2e-2
-
-
-def _git_sha() -> str:
-    sha = os.environ.get("QERL_GIT_SHA")
-    if sha:
-        return sha
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _family_fn(family: str, fmt: str, t: dict, cache: dict, w: torch.Tensor, n: int, k: int):
@@ -82,6 +69,8 @@ def check(families, ms, n=1000, k=4096) -> dict:
         wd = formats.dequantize(t, fmt, dtype=torch.float32)
         cache = {}
         for f in families:
+            if f == "bf16":  # cuBLAS on the dequantized weight: the timing baseline, not a 4-bit kernel
+                continue
             fn = _family_fn(f, fmt, t, cache, wd.to(torch.bfloat16), n, k)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -92,8 +81,6 @@ def check(families, ms, n=1000, k=4096) -> dict:
                 except Exception as e:  # noqa: BLE001 - a family that cannot run an M is reported, not timed
                     print(f"  {f} {fmt} M={m}: {type(e).__name__}: {str(e)[:100]}")
                     err = float("inf")
-                if f == "bf16":
-                    continue  # bf16 of the dequantized weight: the timing baseline, not a 4-bit kernel
                 if not err < TOL:
                     bad[f].append(m)
                     print(f"  {f} {fmt} M={m}: rel err {err:.3g}")
@@ -110,8 +97,6 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("error: kernel_families needs a CUDA GPU")
-    import triton
-
     dev = torch.cuda.get_device_properties(0)
     bad = check(args.families, args.m)
     timed = [f for f in args.families if not bad[f]]
@@ -142,20 +127,15 @@ def main(argv=None) -> dict:
     winners = {m: min((f for f in timed if f != "bf16"), key=lambda f: layer[f][m]) for m in args.m}
     summary = {f"{args.model}/layer/M{m}/{f}_over_bf16": round(layer["bf16"][m] / layer[f][m], 3)
                for m in args.m for f in timed if f != "bf16"} if "bf16" in timed else {}
+    prov = sc.provenance()  # gpu, git_sha (QERL_GIT_SHA on a copy without .git), date, versions
+    prov["env"]["mma_in_flight"] = kernels.MMA_IN_FLIGHT
     out = dict(
         what=f"{args.model} decoder layer (sum of its seven linears), {args.fmt}, microseconds a layer per family",
         command="python -m benchmarks.kernel_families " + " ".join(argv if argv is not None else sys.argv[1:]),
-        git_sha=_git_sha(), gpu=dev.name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        env=dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                 cuda=torch.version.cuda, mma_in_flight=kernels.MMA_IN_FLIGHT),
-        failed_check={f: v for f, v in bad.items() if v},
+        **prov, failed_check={f: v for f, v in bad.items() if v},
         layer_us={f: {str(m): round(v, 2) for m, v in layer[f].items()} for f in timed},
         winner={str(m): f for m, f in winners.items()}, summary=summary)
-    os.makedirs(args.out, exist_ok=True)
-    name = dev.name.split()[1].lower() if len(dev.name.split()) > 1 else "gpu"
-    path = os.path.join(args.out, f"{name}_families.json")
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+    path = sc.write_json(out, args.out, f"{prov['gpu']}_families")
     print(f"{'M':>4} " + " ".join(f"{f:>10}" for f in timed) + "  winner")
     for m in args.m:
         print(f"{m:>4} " + " ".join(f"{layer[f][m]:10.1f}" for f in timed) + f"  {winners[m]}")

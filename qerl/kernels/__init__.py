@@ -212,22 +212,25 @@ class Weight:
 
 
 def _mma_linear(x: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_features: int,
-                cache: dict) -> torch.Tensor | None:
-    """x W^T through the tensor-core kernel on the compute layout kept in ``cache``, or None where
-    that kernel does not apply (M, dtype or layout of x; a weight without an exact layout)."""
+                cache: dict, kind: str | None = None, config: dict | None = None,
+                split_k: int | None = None) -> torch.Tensor | None:
+    """x W^T through a tensor-core kernel on the compute layout kept in ``cache``, or None where none
+    applies (M, dtype or layout of x; a weight without an exact layout). ``kind`` "mma" / "warpspec"
+    names the kernel (linear_tuned) instead of the choice by M, with ``config`` / ``split_k``."""
     from qerl.kernels import common, layout, mma, warpspec
 
-    if not mma.applies(x, in_features):
+    if kind is None and not mma.applies(x, in_features):
         return None
     is_nv = common.scale_mode(fmt)
     w = layout.weight_args(cache, tensors, is_nv, out_features)
     if w is None:
         return None
     x2 = common.as_rows(x, in_features)
-    if warpspec.serves(x2):  # the rows the warp-specialised Hopper kernel serves (warpspec.SERVED_M)
-        y = warpspec.linear(x2, w[0], w[1], w[2], out_features, in_features, is_nv, cache=cache)
+    if kind == "warpspec" or (kind is None and warpspec.serves(x2)):  # the rows warpspec.SERVED_M names
+        y = warpspec.linear(x2, w[0], w[1], w[2], out_features, in_features, is_nv, config=config, split_k=split_k,
+                            cache=cache)
     else:
-        y = mma.grouped_linear(x2, [w], in_features, is_nv)[0]
+        y = mma.grouped_linear(x2, [w], in_features, is_nv, config=config, split_k=split_k)[0]
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -331,22 +334,14 @@ def linear_tuned(x: torch.Tensor, fmt: str, tensors: dict, kind: str | None = No
     the layout in ``cache`` (as a QuantLinear's kernel cache) and raise ValueError for a weight without one."""
     from qerl.kernels import common, ops
 
-    is_nv = common.scale_mode(fmt)
     if kind in ("mma", "warpspec"):
-        from qerl.kernels import layout, mma, warpspec
-
-        N, K = tensors["weight_packed"].shape[0], x.shape[-1]
-        w = layout.weight_args(cache if cache is not None else {}, tensors, is_nv, N)
-        if w is None:
+        N = tensors["weight_packed"].shape[0]
+        y = _mma_linear(x, fmt, tensors, N, x.shape[-1], cache if cache is not None else {}, kind, config, split_k)
+        if y is None:
             raise ValueError(f"kind={kind!r}: this weight has no exact compute layout")
-        x2 = common.as_rows(x, K)
-        if kind == "mma":
-            y = mma.grouped_linear(x2, [w], K, is_nv, config=config, split_k=split_k)[0]
-        else:
-            y = warpspec.linear(x2, w[0], w[1], w[2], N, K, is_nv, config=config, split_k=split_k, cache=cache)
-        return y.view(*x.shape[:-1], N)
+        return y
     return ops.launch_linear(x, tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_global_scale"),
-                             is_nv, kind=kind, config=config, split_k=split_k)
+                             common.scale_mode(fmt), kind=kind, config=config, split_k=split_k)
 
 
 def grad_input_tuned(dy: torch.Tensor, fmt: str, tensors: dict, kind: str | None = None,

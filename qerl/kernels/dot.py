@@ -21,9 +21,9 @@ splits such a register-A dot along K and leaves its last part in flight across t
 (``warp_group_dot_wait`` pendings 1 on Triton 3.7, 7 on 3.6, in the sm_90 TTGIR). That wait names the
 accumulator registers but not the A operand's, so the register allocator may hand them to the next
 tile's decode while the MMA still reads them (the hazard of triton issue #9433, on a path the 3.7
-fix does not cover). On Triton 3.7.1 it gave wrong products on the H100 (M 64, 3584 x 3584: relative
-error 0.026 NVFP4, 7e12 MXFP4); 3.6 emits the same pattern. So the launcher (``ops.linear_call``)
-never swaps for fp32 activations: both operands then stay in shared memory, safe on every Triton.
+fix does not cover; wrong products on the H100 under 3.7.1, results/kernels/NOTES.md). So the
+launcher (``ops.linear_call``) never swaps for fp32 activations: both operands then stay in shared
+memory, safe on every Triton.
 
 Reference: ``qerl.kernels.linear_reference`` / ``grad_input_reference`` (dequantize, fp32 matmul).
 """
