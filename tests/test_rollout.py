@@ -116,6 +116,77 @@ def test_eos_lengths_and_ignore_eos():
     assert (full.completion_mask.sum(1) == 40).all() and full.truncated.all()
 
 
+def _eos_likely(model, strength=0.6):
+    """Make token 2 (EOS) likely, so that rows end at different steps."""
+    with torch.no_grad():
+        model.lm_head.weight[2] += strength * model.lm_head.weight.norm(dim=1).mean() * torch.nn.functional.normalize(
+            model.model.norm.weight, dim=0)
+    return model
+
+
+def test_buckets():
+    from qerl.rollout.fast import buckets
+
+    assert buckets(64) == [64, 32, 16, 8, 4, 2, 1]
+    assert buckets(48) == [48, 32, 16, 8, 4, 2, 1]
+    assert buckets(1) == [1]
+    assert buckets(3) == [3, 2, 1]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_compaction_equals_the_static_batch(model_type):
+    """Finished rows leave the batch: the same tokens, log-probs and lengths as the static batch (fp32,
+    eager), with the decode steps run at shrinking buckets and far fewer row-steps."""
+    model = make_tiny_model(model_type, dtype=torch.float32)
+    if model_type == "llama":
+        _eos_likely(model)
+    prompts = [PROMPTS[i % 4] + [30 + i] for i in range(12)]
+    caps = [3, 40, 9, 17, 2, 33, 6, 1, 25, 12, 40, 5]  # forced lengths, plus EOS where it comes first
+    kw = dict(temperature=1.0, seed=3, seq_ids=list(range(100, 112)))
+    static = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2, compact=False)
+    comp = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2)
+    a = static.generate(prompts, caps, **kw)
+    b = comp.generate(prompts, caps, **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=0)
+    lengths = b.completion_mask.sum(1)
+    assert (lengths <= torch.tensor(caps)).all()
+    assert torch.equal(lengths[b.truncated], torch.tensor(caps)[b.truncated])  # no EOS: ended at its cap
+    st, cs = static.last_stats, comp.last_stats
+    assert st["compactions"] == 0 and list(st["bucket_steps"]) == [12]
+    assert cs["compactions"] >= 3 and cs["decode_steps"] == st["decode_steps"] == sum(cs["bucket_steps"].values())
+    assert list(cs["bucket_steps"]) == sorted(cs["bucket_steps"], reverse=True)  # the batch only shrinks
+    assert set(cs["bucket_steps"]) <= {12, 8, 4, 2, 1} and min(cs["bucket_steps"]) <= 2
+    row_steps = sum(n * k for n, k in cs["bucket_steps"].items())
+    assert row_steps < 0.6 * 12 * st["decode_steps"]
+    assert cs["useful_tokens"] == st["useful_tokens"] == int(lengths.sum())
+    # the reference engine with the same caps agrees too
+    he = GenerateEngine(model, eos_token_ids=[2])
+    he.pad_id = 0
+    c = he.generate(prompts, caps, **kw)
+    assert torch.equal(a.completion_ids, c.completion_ids) and torch.equal(a.truncated, c.truncated)
+
+
+def test_caps_end_sequences_and_bad_caps():
+    model = make_tiny_model("llama", dtype=torch.float32)
+    fe = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=3)
+    full = fe.generate(PROMPTS, 20, temperature=1.0, seed=5, ignore_eos=True)
+    out = fe.generate(PROMPTS, [20, 4, 11, 1], temperature=1.0, seed=5, ignore_eos=True)
+    assert out.completion_mask.sum(1).tolist() == [20, 4, 11, 1] and out.truncated.all()
+    for i, n in enumerate([20, 4, 11, 1]):  # each sequence is a prefix of its uncapped sample
+        assert torch.equal(out.completion_ids[i, :n], full.completion_ids[i, :n])
+        assert (out.completion_ids[i, n:] == 0).all()
+    with pytest.raises(ValueError, match="3 caps for 4 prompts"):
+        fe.generate(PROMPTS, [4, 4, 4])
+    with pytest.raises(ValueError, match=">= 1"):
+        fe.generate(PROMPTS, [4, 0, 4, 4])
+    with pytest.raises(ValueError, match=">= 1"):
+        fe.generate(PROMPTS, 0)
+
+
 def test_stop_strings():
     tok = make_tiny_tokenizer()
     model = make_tiny_model("llama", dtype=torch.float32)
