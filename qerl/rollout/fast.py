@@ -69,6 +69,7 @@ from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, rmsnorm, rope_cache_wr
 from qerl.rollout.common import (
     RolloutOutput,
     apply_stop_strings,
+    as_token_lists,
     batch_keys,
     caps_list,
     eos_ids,
@@ -149,6 +150,9 @@ class FastEngine:
             dtype as HF does, for exact greedy parity tests.
         fused: decode through the fused Triton kernels (default: on CUDA when the model allows it,
             i.e. a SiLU MLP; True on the CPU needs TRITON_INTERPRET=1).
+        max_batch: the most sequences decoded at once (the cache's rows; default: every prompt of a
+            call). A call with more prompts runs them in waves of max_batch, each compacting as its
+            sequences end.
         compact: finished sequences leave the batch (default): when the sequences still running fit a
             smaller bucket (``buckets``), they are packed into its rows and its graphs replay. False
             keeps the static batch: every row runs until the last sequence ends.
@@ -160,7 +164,8 @@ class FastEngine:
 
     def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None, pad_id: int | None = None,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
-                 logits_fp32: bool = True, fused: bool | None = None, compact: bool = True):
+                 logits_fp32: bool = True, fused: bool | None = None, compact: bool = True,
+                 max_batch: int | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
             raise ValueError(f"FastEngine supports model types {SUPPORTED}, got {getattr(cfg, 'model_type', None)!r}; "
@@ -197,6 +202,9 @@ class FastEngine:
         self.graphs: dict = {}
         self._pool = None
         self.compact = bool(compact)
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
         self.stats = {"captures": 0, "replays": 0, "host_syncs": 0, "compactions": 0}
         self.last_stats: dict = {}
 
@@ -404,9 +412,28 @@ class FastEngine:
             raise ValueError("stop_strings need a tokenizer")
         if not (temperature > 0 or greedy):
             raise ValueError("temperature must be > 0 (or pass greedy=True)")
+        prompts = as_token_lists(prompts)
+        caps = caps_list(max_new_tokens, len(prompts))
+        sids = list(range(len(prompts))) if seq_ids is None else [int(i) for i in seq_ids]
+        if len(sids) != len(prompts):
+            raise ValueError(f"seq_ids has {len(sids)} ids for {len(prompts)} prompts")
+        kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, seed=seed, ignore_eos=ignore_eos,
+                  stop_strings=stop_strings)
+        W = self.max_batch or len(prompts)
+        if len(prompts) <= W:
+            return self._generate(prompts, caps, seq_ids=sids, **kw)
+        outs, stats = [], []
+        for lo in range(0, len(prompts), W):  # waves of max_batch sequences
+            outs.append(self._generate(prompts[lo:lo + W], caps[lo:lo + W], seq_ids=sids[lo:lo + W], **kw))
+            stats.append(self.last_stats)
+        self.last_stats = merge_stats(stats)
+        return concat_outputs(outs, self.pad_id)
+
+    def _generate(self, prompts, caps, temperature, top_p, top_k, greedy, seed, seq_ids, ignore_eos,
+                  stop_strings) -> RolloutOutput:
+        """``generate`` of at most max_batch prompts, caps given per prompt."""
         ids, mask = left_pad(prompts, self.pad_id, self.device)
         B, P = ids.shape
-        caps = caps_list(max_new_tokens, B)
         M = max(caps)
         b = self._ensure_buffers(B, P + M)
         sampling = (float(temperature), int(top_k), float(top_p), bool(greedy), bool(ignore_eos))
@@ -472,7 +499,7 @@ class FastEngine:
         cmask = (torch.arange(C, device=self.device)[None] < lengths[:, None]).long()
         self.stats["compactions"] += compactions
         self.last_stats = {"decode_steps": steps - 1, "bucket_steps": at_bucket, "compactions": compactions,
-                           "useful_tokens": int(lengths.sum())}
+                           "useful_tokens": int(lengths.sum()), "waves": 1}
         return RolloutOutput(ids, mask, b.out_ids[:B, :C] * cmask + self.pad_id * (1 - cmask), cmask,
                              b.out_lp[:B, :C] * cmask, b.out_ent[:B, :C] * cmask, ~b.eos[:B].clone())
 
@@ -499,3 +526,35 @@ class FastEngine:
         for cache in (*b.k, *b.v):  # moves, not indexes: the bucket's graphs read contiguous rows
             cache[:m, :, :used] = cache[idx, :, :used]
 
+
+def merge_stats(stats: list[dict]) -> dict:
+    """``last_stats`` of several waves as one: steps, compactions and tokens summed, per bucket too."""
+    out = {"decode_steps": 0, "bucket_steps": {}, "compactions": 0, "useful_tokens": 0, "waves": len(stats)}
+    for st in stats:
+        for k in ("decode_steps", "compactions", "useful_tokens"):
+            out[k] += st[k]
+        for n, k in st["bucket_steps"].items():
+            out["bucket_steps"][n] = out["bucket_steps"].get(n, 0) + k
+    out["bucket_steps"] = dict(sorted(out["bucket_steps"].items(), reverse=True))
+    return out
+
+
+def concat_outputs(outs: list[RolloutOutput], pad_id: int) -> RolloutOutput:
+    """RolloutOutputs of consecutive prompt groups as one: prompts left-padded, completions right-padded
+    to the longest."""
+    P = max(o.prompt_ids.shape[1] for o in outs)
+    C = max(o.completion_ids.shape[1] for o in outs)
+
+    def left(x, fill):
+        return F.pad(x, (P - x.shape[1], 0), value=fill)
+
+    def right(x, fill):
+        return F.pad(x, (0, C - x.shape[1]), value=fill)
+
+    return RolloutOutput(torch.cat([left(o.prompt_ids, pad_id) for o in outs]),
+                         torch.cat([left(o.prompt_mask, 0) for o in outs]),
+                         torch.cat([right(o.completion_ids, pad_id) for o in outs]),
+                         torch.cat([right(o.completion_mask, 0) for o in outs]),
+                         torch.cat([right(o.logprobs, 0.0) for o in outs]),
+                         torch.cat([right(o.entropy, 0.0) for o in outs]),
+                         torch.cat([o.truncated for o in outs]))
