@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -159,7 +160,8 @@ class FastEngine:
 
     ``stats`` counts over the engine's life (graph captures, replays, host syncs, compactions);
     ``last_stats`` describes the last ``generate`` call: decode steps in all and at each bucket
-    (``bucket_steps``), compactions, and the useful (non-pad) completion tokens.
+    (``bucket_steps``), compactions and the seconds their moves took (``compaction_s``, timed
+    on the GPU), the useful (non-pad) completion tokens, and the waves of max_batch.
     """
 
     def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None, pad_id: int | None = None,
@@ -467,7 +469,7 @@ class FastEngine:
         windows = sorted({min(b.L, WINDOW * 2 ** i) for i in range(32) if WINDOW * 2 ** (i - 1) < b.L})
         # the host looks at the done flags every sync_every steps when sequences can end before M
         check = not ignore_eos or bool(stop_strings) or min(caps) < M
-        n, steps, at_bucket, compactions = B, 1, {}, 0
+        n, steps, at_bucket, compactions, compact_s = B, 1, {}, 0, 0.0
         from qerl.logging import progress
 
         bar = progress(M, "rollout", unit="tok", unit_scale=B)  # batch tokens and tokens/s
@@ -480,8 +482,11 @@ class FastEngine:
                 if self.compact:
                     m = next(k for k in reversed(buckets(B)) if k >= running.numel())
                     if m < n:
+                        t0 = time.perf_counter()
                         self._compact(running, m, P + t - 1)
-                        n, compactions = m, compactions + 1
+                        if self.device.type == "cuda":  # the host just synced: time the moves alone
+                            torch.cuda.synchronize(self.device)
+                        n, compactions, compact_s = m, compactions + 1, compact_s + time.perf_counter() - t0
             if self.cuda_graphs:
                 window = next(w for w in windows if w > P + t - 1)
                 self._graph(window, sampling, n).replay()
@@ -499,7 +504,7 @@ class FastEngine:
         cmask = (torch.arange(C, device=self.device)[None] < lengths[:, None]).long()
         self.stats["compactions"] += compactions
         self.last_stats = {"decode_steps": steps - 1, "bucket_steps": at_bucket, "compactions": compactions,
-                           "useful_tokens": int(lengths.sum()), "waves": 1}
+                           "compaction_s": compact_s, "useful_tokens": int(lengths.sum()), "waves": 1}
         return RolloutOutput(ids, mask, b.out_ids[:B, :C] * cmask + self.pad_id * (1 - cmask), cmask,
                              b.out_lp[:B, :C] * cmask, b.out_ent[:B, :C] * cmask, ~b.eos[:B].clone())
 
@@ -529,9 +534,10 @@ class FastEngine:
 
 def merge_stats(stats: list[dict]) -> dict:
     """``last_stats`` of several waves as one: steps, compactions and tokens summed, per bucket too."""
-    out = {"decode_steps": 0, "bucket_steps": {}, "compactions": 0, "useful_tokens": 0, "waves": len(stats)}
+    out = {"decode_steps": 0, "bucket_steps": {}, "compactions": 0, "compaction_s": 0.0, "useful_tokens": 0,
+           "waves": len(stats)}
     for st in stats:
-        for k in ("decode_steps", "compactions", "useful_tokens"):
+        for k in ("decode_steps", "compactions", "compaction_s", "useful_tokens"):
             out[k] += st[k]
         for n, k in st["bucket_steps"].items():
             out["bucket_steps"][n] = out["bucket_steps"].get(n, 0) + k
