@@ -98,8 +98,9 @@ class Batch:
 
 
 def rollout(cfg, engine, model, prompt_ids: list, step: int, sigma: float, first: int = 0,
-            ignore_eos: bool = False) -> tuple[RolloutOutput, int]:
-    """Sample ``cfg.max_completion_length`` tokens after each prompt; returns (rollout, noisy modules).
+            ignore_eos: bool = False, lengths: list[int] | None = None) -> tuple[RolloutOutput, int]:
+    """Sample up to ``cfg.max_completion_length`` tokens after each prompt (``lengths``: one cap per
+    prompt instead, as the speed benchmarks force a length mix); returns (rollout, noisy modules).
 
     AQN noise of std ``sigma`` is on the norm weights during sampling only (restored bitwise after);
     ``cfg.aqn_mode == "upstream"``: the accumulated noise of qerl.noise.UpstreamNoise instead.
@@ -107,10 +108,23 @@ def rollout(cfg, engine, model, prompt_ids: list, step: int, sigma: float, first
     """
     model.eval()
     with rollout_noise(model, cfg.aqn_config(), step, cfg.max_steps, sigma) as n_noisy:
-        ro = engine.generate(prompt_ids, cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+        caps = cfg.max_completion_length if lengths is None else lengths
+        ro = engine.generate(prompt_ids, caps, temperature=cfg.temperature, top_p=cfg.top_p,
                              top_k=cfg.top_k, seed=cfg.seed * 7919 + step,
                              seq_ids=list(range(first, first + len(prompt_ids))), ignore_eos=ignore_eos)
     return ro, n_noisy
+
+
+def decode_step_metrics(engine) -> dict:
+    """This rank's last rollout: decode steps in all and at each batch size (the engine's buckets:
+    finished sequences leave the batch, qerl.rollout.fast), and how often the batch shrank. Empty for
+    an engine that keeps no such record (the reference engine)."""
+    st = getattr(engine, "last_stats", None) or {}
+    if "decode_steps" not in st:
+        return {}
+    out = {"rollout/decode_steps": st["decode_steps"], "rollout/compactions": st.get("compactions", 0)}
+    out.update({f"rollout/decode_steps_bs{n}": k for n, k in sorted(st.get("bucket_steps", {}).items(), reverse=True)})
+    return out
 
 
 def score(cfg, tokenizer, pad_id: int, ro: RolloutOutput, golds: list, counts: list[int], first: int,
@@ -360,6 +374,7 @@ def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict], s
     metrics: dict = {"aqn/sigma": sigma, "aqn/stage": stage, "aqn/num_modules": n_noisy, "time/rollout_s": t_roll_max,
                      "throughput/rollout_tokens_per_s": n_compl / max(t_roll_max, 1e-9),
                      "sampling/entropy": ent_sum / max(ent_n, 1.0)}
+    metrics.update(decode_step_metrics(engine))
     metrics.update(scored)
     t1 = time.perf_counter()
     reuse = reuse_training_logprobs(cfg, batch.idx.numel())

@@ -116,6 +116,94 @@ def test_eos_lengths_and_ignore_eos():
     assert (full.completion_mask.sum(1) == 40).all() and full.truncated.all()
 
 
+def _eos_likely(model, strength=0.6):
+    """Make token 2 (EOS) likely, so that rows end at different steps."""
+    with torch.no_grad():
+        model.lm_head.weight[2] += strength * model.lm_head.weight.norm(dim=1).mean() * torch.nn.functional.normalize(
+            model.model.norm.weight, dim=0)
+    return model
+
+
+def test_buckets():
+    from qerl.rollout.fast import buckets
+
+    assert buckets(64) == [64, 32, 16, 8, 4, 2, 1]
+    assert buckets(48) == [48, 32, 16, 8, 4, 2, 1]
+    assert buckets(1) == [1]
+    assert buckets(3) == [3, 2, 1]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_compaction_equals_the_static_batch(model_type):
+    """Finished rows leave the batch: the same tokens, log-probs and lengths as the static batch (fp32,
+    eager), with the decode steps run at shrinking buckets and far fewer row-steps."""
+    model = make_tiny_model(model_type, dtype=torch.float32)
+    if model_type == "llama":
+        _eos_likely(model)
+    prompts = [PROMPTS[i % 4] + [30 + i] for i in range(12)]
+    caps = [3, 40, 9, 17, 2, 33, 6, 1, 25, 12, 40, 5]  # forced lengths, plus EOS where it comes first
+    kw = dict(temperature=1.0, seed=3, seq_ids=list(range(100, 112)))
+    static = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2, compact=False)
+    comp = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2)
+    a = static.generate(prompts, caps, **kw)
+    b = comp.generate(prompts, caps, **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=0)
+    lengths = b.completion_mask.sum(1)
+    assert (lengths <= torch.tensor(caps)).all()
+    assert torch.equal(lengths[b.truncated], torch.tensor(caps)[b.truncated])  # no EOS: ended at its cap
+    st, cs = static.last_stats, comp.last_stats
+    assert st["compactions"] == 0 and list(st["bucket_steps"]) == [12]
+    assert cs["compactions"] >= 3 and cs["decode_steps"] == st["decode_steps"] == sum(cs["bucket_steps"].values())
+    assert list(cs["bucket_steps"]) == sorted(cs["bucket_steps"], reverse=True)  # the batch only shrinks
+    assert set(cs["bucket_steps"]) <= {12, 8, 4, 2, 1} and min(cs["bucket_steps"]) <= 2
+    row_steps = sum(n * k for n, k in cs["bucket_steps"].items())
+    assert row_steps < 0.6 * 12 * st["decode_steps"]
+    assert cs["useful_tokens"] == st["useful_tokens"] == int(lengths.sum())
+    # the reference engine with the same caps agrees too
+    he = GenerateEngine(model, eos_token_ids=[2])
+    he.pad_id = 0
+    c = he.generate(prompts, caps, **kw)
+    assert torch.equal(a.completion_ids, c.completion_ids) and torch.equal(a.truncated, c.truncated)
+
+
+def test_waves_of_max_batch_equal_one_batch():
+    """More sequences than max_batch: waves of max_batch, each compacting; the same tokens as one batch."""
+    model = _eos_likely(make_tiny_model("qwen2", dtype=torch.float32), 0.4)
+    prompts = [PROMPTS[i % 4] + [50 + i] * (i % 3) for i in range(11)]
+    caps = [4 + (5 * i) % 23 for i in range(11)]
+    kw = dict(temperature=1.0, seed=9, seq_ids=list(range(200, 211)))
+    one = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2).generate(prompts, caps, **kw)
+    fe = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2, max_batch=4)
+    waves = fe.generate(prompts, caps, **kw)
+    assert fe.last_stats["waves"] == 3 and max(fe.last_stats["bucket_steps"]) == 4
+    for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(one, f), getattr(waves, f)), f
+    torch.testing.assert_close(one.logprobs, waves.logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_batch"):
+        FastEngine(model, eos_token_ids=[2], max_batch=0)
+
+
+def test_caps_end_sequences_and_bad_caps():
+    model = make_tiny_model("llama", dtype=torch.float32)
+    fe = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=3)
+    full = fe.generate(PROMPTS, 20, temperature=1.0, seed=5, ignore_eos=True)
+    out = fe.generate(PROMPTS, [20, 4, 11, 1], temperature=1.0, seed=5, ignore_eos=True)
+    assert out.completion_mask.sum(1).tolist() == [20, 4, 11, 1] and out.truncated.all()
+    for i, n in enumerate([20, 4, 11, 1]):  # each sequence is a prefix of its uncapped sample
+        assert torch.equal(out.completion_ids[i, :n], full.completion_ids[i, :n])
+        assert (out.completion_ids[i, n:] == 0).all()
+    with pytest.raises(ValueError, match="3 caps for 4 prompts"):
+        fe.generate(PROMPTS, [4, 4, 4])
+    with pytest.raises(ValueError, match=">= 1"):
+        fe.generate(PROMPTS, [4, 0, 4, 4])
+    with pytest.raises(ValueError, match=">= 1"):
+        fe.generate(PROMPTS, 0)
+
+
 def test_stop_strings():
     tok = make_tiny_tokenizer()
     model = make_tiny_model("llama", dtype=torch.float32)
@@ -354,6 +442,48 @@ def test_seeded_rollouts_repeat_token_for_token(smollm2_gpu):
         for other in (b, c):
             assert torch.equal(a.completion_ids, other.completion_ids), f"batch {bs}: tokens differ"
             assert torch.equal(a.logprobs, other.logprobs), f"batch {bs}: log-probs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compaction_and_waves_match_the_static_batch_smollm2(smollm2_gpu):
+    """The embedded model in NVFP4 + LoRA under CUDA graphs, greedy, 48 sequences with their own caps:
+    finished rows leaving the batch (a graph per bucket) and waves of 16 give the static batch's tokens
+    within the greedy-closeness rule. The bound is twice the drift between two valid batchings of the
+    static engine (all 48 against the first 16 alone: other batch sizes, other kernel tiles), at least
+    0.1. Seeded sampled runs with compaction repeat token for token."""
+    import copy
+    from types import SimpleNamespace
+
+    from qerl.quantize import QuantizeConfig, quantize_
+
+    model, tok = smollm2_gpu
+    model = copy.deepcopy(model).cuda()
+    quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator(device=p.device).manual_seed(1))
+    prompts = _chat_prompts(tok, QUESTIONS) * 16
+    caps = [1 + (37 * i) % 150 for i in range(44)] + [170, 200, 230, 260]
+    caps = [caps[(7 * i) % 48] for i in range(48)]
+    kw = dict(greedy=True, ignore_eos=True)
+    static = FastEngine(model, tok, max_seq_len=512, compact=False)
+    a = static.generate(prompts, caps, **kw)
+    sub = static.generate(prompts[:16], caps[:16], **kw)
+    first16 = SimpleNamespace(**{f: getattr(a, f)[:16] for f in ("completion_ids", "completion_mask", "logprobs")})
+    tol = max(0.1, 2 * greedy_drift(sub, first16))
+    fe = FastEngine(model, tok, max_seq_len=512)
+    b = fe.generate(prompts, caps, **kw)
+    assert fe.last_stats["compactions"] >= 4 and min(fe.last_stats["bucket_steps"]) == 1
+    assert b.completion_mask.sum(1).tolist() == caps
+    assert_greedy_close(a, b, tol)
+    w = FastEngine(model, tok, max_seq_len=512, max_batch=16)
+    assert_greedy_close(a, w.generate(prompts, caps, **kw), tol)
+    assert w.last_stats["waves"] == 3
+    s1 = fe.generate(prompts, caps, temperature=1.0, seed=5, ignore_eos=True)
+    s2 = FastEngine(model, tok, max_seq_len=512).generate(prompts, caps, temperature=1.0, seed=5, ignore_eos=True)
+    assert torch.equal(s1.completion_ids, s2.completion_ids) and torch.equal(s1.logprobs, s2.logprobs)
 
 
 def _logprob_gap(model, out) -> float:

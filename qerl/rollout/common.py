@@ -18,6 +18,7 @@ Logits are computed in fp32 (``qerl.forward.lm_logits``, which the training forw
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,19 @@ def left_pad(seqs, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         ids[i, n - len(s):] = torch.tensor(s, dtype=torch.long)
         mask[i, n - len(s):] = 1
     return ids.to(device), mask.to(device)
+
+
+def caps_list(max_new_tokens, batch: int) -> list[int]:
+    """``max_new_tokens`` (an int, or one int per sequence) as one cap per sequence, each >= 1."""
+    if isinstance(max_new_tokens, numbers.Integral):
+        caps = [int(max_new_tokens)] * batch
+    else:
+        caps = [int(c) for c in max_new_tokens]
+    if len(caps) != batch:
+        raise ValueError(f"max_new_tokens has {len(caps)} caps for {batch} prompts")
+    if min(caps) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {min(caps)}")
+    return caps
 
 
 # ----------------------------------------------------------------------------------------------

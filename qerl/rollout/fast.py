@@ -17,9 +17,22 @@ One ``generate`` call:
    A graph holds the whole step: embedding, every layer, fp32 logits, sampling (temperature,
    top-k, top-p, seeded Gumbel-max, see common.py), the write of token / log-prob / entropy, EOS
    bookkeeping, and the advance of the step counters. The host only replays; it reads the done
-   flags every ``sync_every`` steps to stop early (and to apply stop strings), never per token.
-   Graphs are keyed by (B, L, sampling settings) and captured on first use (a warm-up pass, then
-   the capture), so the first call at a new batch size is slower: time the second.
+   flags every ``sync_every`` steps to stop early, compact and apply stop strings, never per token.
+   Graphs are keyed by (B, L, bucket, window, sampling settings) and captured on first use (a
+   warm-up pass, then the capture) into one shared memory pool, so the first call at a new batch
+   size is slower: time the second.
+4. Finished sequences leave the batch (``compact=True``, the default). At each host check the
+   engine counts the sequences still running; when they fit a smaller bucket (the batch, then the
+   powers of two below it: 64, 32, ..., 1), it packs their rows, K/V cache slots and decode state
+   into the first rows and replays that bucket's graphs from then on (rows left over in the bucket
+   copy a running row and write to a scratch sequence). The cache rows are moved, not indexed, so
+   a bucket's graphs read contiguous rows and the attention kernels are the static engine's. Rows
+   write their tokens, log-probs and lengths to their sequence's place, so the output is laid out
+   as the prompts were. A sequence samples from its own keys (seed, seq_id, t), so compaction does
+   not change what it samples, given the same logits (the 4-bit kernels differ by rounding between
+   batch sizes: a near tie may break differently, as between any two batch sizes). Each sequence
+   may have its own cap (``max_new_tokens`` as a list), which is how the benchmarks force a mix of
+   completion lengths. ``last_stats`` says how many decode steps ran at each bucket.
 
 Without CUDA (CPU tests) the same step function runs eagerly; ``cuda_graphs=False`` does the same
 on a GPU (for debugging and for measuring what the graphs buy).
@@ -45,7 +58,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +70,9 @@ from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, rmsnorm, rope_cache_wr
 from qerl.rollout.common import (
     RolloutOutput,
     apply_stop_strings,
+    as_token_lists,
     batch_keys,
+    caps_list,
     eos_ids,
     left_pad,
     sample_tokens,
@@ -85,21 +101,40 @@ def _rotate_half(x):
 
 @dataclass
 class _Buffers:
+    """The engine's state. Row tensors ([B, ...]) hold the sequences being decoded, packed into the first
+    rows (a bucket's CUDA graphs read rows [:bucket]); sequence tensors ([B + 1, ...]) are indexed by the
+    sequence's place in the call's prompt list, their last row a scratch row the padding rows write to."""
     B: int
     L: int
     k: list
     v: list
-    key_valid: torch.Tensor  # [B, L] bool
-    tok: torch.Tensor  # [B] next input token
-    pos: torch.Tensor  # [B] its position id
-    cpos: torch.Tensor  # [1] its cache slot
+    key_valid: torch.Tensor  # rows [B, L] bool
+    tok: torch.Tensor  # rows [B] next input token
+    pos: torch.Tensor  # rows [B] its position id
+    keys: torch.Tensor  # rows [B] sampling keys
+    rowseq: torch.Tensor  # rows [B] the sequence a row decodes (B: a padding row)
+    cpos: torch.Tensor  # [1] the cache slot the next step writes
     t: torch.Tensor  # [] index of the token the next step samples
-    done: torch.Tensor  # [B] bool
-    lengths: torch.Tensor  # [B]
-    keys: torch.Tensor  # [B] sampling keys
-    out_ids: torch.Tensor  # [B, L]
-    out_lp: torch.Tensor  # [B, L] fp32
-    out_ent: torch.Tensor  # [B, L] fp32
+    done: torch.Tensor  # sequences [B + 1] bool: ended (EOS, stop string or its cap)
+    eos: torch.Tensor  # sequences [B + 1] bool: ended by EOS or a stop string (not truncated)
+    lengths: torch.Tensor  # sequences [B + 1]
+    cap: torch.Tensor  # sequences [B + 1] its max_new_tokens
+    out_ids: torch.Tensor  # sequences [B + 1, L]
+    out_lp: torch.Tensor  # sequences [B + 1, L] fp32
+    out_ent: torch.Tensor  # sequences [B + 1, L] fp32
+
+    def rows(self, n: int) -> _Buffers:
+        """The same state with the row tensors cut to the first n rows (a bucket's view)."""
+        if n == self.B:
+            return self
+        cut = {f: getattr(self, f)[:n] for f in ("key_valid", "tok", "pos", "keys", "rowseq")}
+        return replace(self, k=[x[:n] for x in self.k], v=[x[:n] for x in self.v], **cut)
+
+
+def buckets(batch: int) -> list[int]:
+    """The batch sizes a call of ``batch`` sequences decodes at: the batch itself, then the powers of two
+    below it, largest first (64 -> [64, 32, 16, 8, 4, 2, 1]; 48 -> [48, 32, ..., 1])."""
+    return [batch] + [1 << i for i in range(batch.bit_length() - 1, -1, -1) if (1 << i) < batch]
 
 
 class FastEngine:
@@ -116,11 +151,23 @@ class FastEngine:
             dtype as HF does, for exact greedy parity tests.
         fused: decode through the fused Triton kernels (default: on CUDA when the model allows it,
             i.e. a SiLU MLP; True on the CPU needs TRITON_INTERPRET=1).
+        max_batch: the most sequences decoded at once (the cache's rows; default: every prompt of a
+            call). A call with more prompts runs them in waves of max_batch, each compacting as its
+            sequences end.
+        compact: finished sequences leave the batch (default): when the sequences still running fit a
+            smaller bucket (``buckets``), they are packed into its rows and its graphs replay. False
+            keeps the static batch: every row runs until the last sequence ends.
+
+    ``stats`` counts over the engine's life (graph captures, replays, host syncs, compactions);
+    ``last_stats`` describes the last ``generate`` call: decode steps in all and at each bucket
+    (``bucket_steps``), compactions and the seconds their moves took (``compaction_s``, timed
+    on the GPU), the useful (non-pad) completion tokens, and the waves of max_batch.
     """
 
     def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None, pad_id: int | None = None,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
-                 logits_fp32: bool = True, fused: bool | None = None):
+                 logits_fp32: bool = True, fused: bool | None = None, compact: bool = True,
+                 max_batch: int | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
             raise ValueError(f"FastEngine supports model types {SUPPORTED}, got {getattr(cfg, 'model_type', None)!r}; "
@@ -156,7 +203,12 @@ class FastEngine:
         self.buf: _Buffers | None = None
         self.graphs: dict = {}
         self._pool = None
-        self.stats = {"captures": 0, "replays": 0, "host_syncs": 0}
+        self.compact = bool(compact)
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.stats = {"captures": 0, "replays": 0, "host_syncs": 0, "compactions": 0}
+        self.last_stats: dict = {}
 
     def _resolve_fused(self, fused, cfg) -> bool:
         why = None
@@ -182,18 +234,17 @@ class FastEngine:
             torch.cuda.empty_cache()
         dev, dt = self.device, self.dtype
         shape = (B, self.n_kv, L, self.head_dim)
+
+        def z(*size, dtype=torch.long):
+            return torch.zeros(size, dtype=dtype, device=dev)
+
         self.buf = _Buffers(
             B=B, L=L,
             k=[torch.zeros(shape, dtype=dt, device=dev) for _ in self.layers],
             v=[torch.zeros(shape, dtype=dt, device=dev) for _ in self.layers],
-            key_valid=torch.zeros((B, L), dtype=torch.bool, device=dev),
-            tok=torch.zeros(B, dtype=torch.long, device=dev), pos=torch.zeros(B, dtype=torch.long, device=dev),
-            cpos=torch.zeros(1, dtype=torch.long, device=dev), t=torch.zeros((), dtype=torch.long, device=dev),
-            done=torch.zeros(B, dtype=torch.bool, device=dev), lengths=torch.zeros(B, dtype=torch.long, device=dev),
-            keys=torch.zeros(B, dtype=torch.long, device=dev),
-            out_ids=torch.zeros((B, L), dtype=torch.long, device=dev),
-            out_lp=torch.zeros((B, L), dtype=torch.float32, device=dev),
-            out_ent=torch.zeros((B, L), dtype=torch.float32, device=dev))
+            key_valid=z(B, L, dtype=torch.bool), tok=z(B), pos=z(B), keys=z(B), rowseq=z(B), cpos=z(1), t=z(),
+            done=z(B + 1, dtype=torch.bool), eos=z(B + 1, dtype=torch.bool), lengths=z(B + 1), cap=z(B + 1),
+            out_ids=z(B + 1, L), out_lp=z(B + 1, L, dtype=torch.float32), out_ent=z(B + 1, L, dtype=torch.float32))
         return self.buf
 
     def cache_bytes(self) -> int:
@@ -201,12 +252,12 @@ class FastEngine:
         return 0 if b is None else sum(t.numel() * t.element_size() for t in b.k + b.v)
 
     # ------------------------------------------------------------------------------ the model
-    def _layers(self, h, pos, write, attn_mask, window):
-        """Every decoder layer on h [B, T, H]; K/V written by ``write(i, k, v)``; attention over cache[:w]."""
+    def _layers(self, b, h, pos, write, attn_mask, window):
+        """Every decoder layer on h [B, T, H] (B = the rows of ``b``); K/V written by ``write(i, k, v)``;
+        attention over cache[:w]."""
         B, T, _ = h.shape
         cos, sin = self.inner.rotary_emb(h, pos)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        b = self.buf
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -226,10 +277,11 @@ class FastEngine:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
 
-    def _fused_layers(self, h, window, mask):
-        """The decode step's layers through the fused kernels (see the module docstring) on h [B, 1, H];
-        returns the final-normed hidden state [B, H] (the final norm fused with the last residual add)."""
-        b, B = self.buf, h.shape[0]
+    def _fused_layers(self, b, h, window, mask):
+        """The decode step's layers through the fused kernels (see the module docstring) on h [B, 1, H]
+        (B = the rows of ``b``); returns the final-normed hidden state [B, H] (the final norm fused with
+        the last residual add)."""
+        B = h.shape[0]
         cos, sin = self.inner.rotary_emb(h, b.pos[:, None])
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         # the key mask as an additive float mask, once per step (a bool mask is converted per SDPA call)
@@ -273,29 +325,36 @@ class FastEngine:
             return lm_logits(h, self.head.weight)
         return self.head(h).float()
 
-    def _sample_and_record(self, logits, sampling):
-        """Sample token t, write it with its log-prob and entropy, update EOS state, advance counters."""
-        b = self.buf
+    def _sample_and_record(self, b, logits, sampling):
+        """Sample token t for the rows of ``b``, write it with its log-prob and entropy to the rows'
+        sequences, update their end state (EOS, cap), advance the counters. Padding rows write to the
+        scratch sequence, which is always done."""
         temperature, top_k, top_p, greedy, ignore_eos = sampling
+        seq = b.rowseq
+        done = b.done[seq]
         tok, lp, ent = sample_tokens(logits, temperature, top_k, top_p, greedy, b.keys, b.t)
-        tok = torch.where(b.done, torch.full_like(tok, self.pad_id), tok)
-        tix = b.t.view(1)
-        b.out_ids.index_copy_(1, tix, tok[:, None])
-        b.out_lp.index_copy_(1, tix, torch.where(b.done, 0.0, lp)[:, None])
-        b.out_ent.index_copy_(1, tix, torch.where(b.done, 0.0, ent)[:, None])
+        tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+        col = b.t.expand(seq.shape)
+        b.out_ids.index_put_((seq, col), tok)
+        b.out_lp.index_put_((seq, col), torch.where(done, 0.0, lp))
+        b.out_ent.index_put_((seq, col), torch.where(done, 0.0, ent))
+        ended = done | (b.t + 1 >= b.cap[seq])
         if not ignore_eos:
-            hit = (tok[:, None] == self.eos[None, :]).any(-1) & ~b.done
-            b.lengths.copy_(torch.where(hit, b.t + 1, b.lengths))
-            b.done.logical_or_(hit)
+            hit = (tok[:, None] == self.eos[None, :]).any(-1) & ~done
+            b.lengths.index_put_((seq,), torch.where(hit, b.t + 1, b.lengths[seq]))
+            b.eos.index_put_((seq,), b.eos[seq] | hit)
+            ended = ended | hit
+        b.done.index_put_((seq,), ended)
         b.tok.copy_(tok)
         b.t.add_(1)
 
     @torch.no_grad()
-    def _decode_step(self, window, sampling):
-        """One decode step on the state buffers (what a CUDA graph holds). No autograd, also when
-        called outside ``generate`` (graph warm-up and capture): the fused epilogues write into
-        the base outputs in place, which autograd forbids on a custom op's output view."""
-        b = self.buf
+    def _decode_step(self, window, sampling, n: int | None = None):
+        """One decode step of the first n rows (default: all) on the state buffers (what a CUDA graph holds). No
+        autograd, also when called outside ``generate`` (graph warm-up and capture): the fused
+        epilogues write into the base outputs in place, which autograd forbids on a custom op's
+        output view."""
+        b = self.buf.rows(self.buf.B if n is None else n)
 
         def write(i, k, v):
             b.k[i].index_copy_(2, b.cpos, k)
@@ -305,22 +364,25 @@ class FastEngine:
         h = self.inner.embed_tokens(b.tok[:, None])
         mask = b.key_valid[:, None, None, :window]
         if self.fused:
-            logits = self._logits(self._fused_layers(h, window, mask), normed=True)
+            logits = self._logits(self._fused_layers(b, h, window, mask), normed=True)
         else:
-            logits = self._logits(self._layers(h, b.pos[:, None], write, mask, window)[:, -1])
-        self._sample_and_record(logits, sampling)
+            logits = self._logits(self._layers(b, h, b.pos[:, None], write, mask, window)[:, -1])
+        self._sample_and_record(b, logits, sampling)
         b.pos.add_(1)
         b.cpos.add_(1)
 
-    def _graph(self, window, sampling):
-        key = (self.buf.B, self.buf.L, window, sampling)
+    def _graph(self, window, sampling, n: int | None = None):
+        """The CUDA graph of one decode step of the first n rows (default: all) over attention window
+        ``window``, captured on first use (warm-up pass, state restored, then the capture)."""
+        n = self.buf.B if n is None else n
+        key = (self.buf.B, self.buf.L, n, window, sampling)
         g = self.graphs.get(key)
         if g is None:
             st = torch.cuda.Stream()
             st.wait_stream(torch.cuda.current_stream())
             saved = [t.clone() for t in self._state()]
             with torch.cuda.stream(st):  # warm-up: Triton compiles/launch caches, split-K workspaces
-                self._decode_step(window, sampling)
+                self._decode_step(window, sampling, n)
             torch.cuda.current_stream().wait_stream(st)
             for t, s in zip(self._state(), saved):
                 t.copy_(s)
@@ -328,38 +390,66 @@ class FastEngine:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):  # records the step; nothing runs
-                self._decode_step(window, sampling)
+                self._decode_step(window, sampling, n)
             self.graphs[key] = g
             self.stats["captures"] += 1
         return g
 
     def _state(self):
+        """What a decode step changes besides the cache rows it writes and the outputs at column t."""
         b = self.buf
-        return [b.tok, b.pos, b.cpos, b.t, b.done, b.lengths, b.key_valid]
+        return [b.tok, b.pos, b.cpos, b.t, b.done, b.eos, b.lengths, b.key_valid]
 
     # ------------------------------------------------------------------------------ generate
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, greedy: bool = False, seed: int = 0, seq_ids: list[int] | None = None,
-                 ignore_eos: bool = False, stop_strings: list[str] | None = None) -> RolloutOutput:
-        """Sample (or greedily decode) ``max_new_tokens`` tokens for each prompt. Same contract as
-        GenerateEngine.generate: sequence i's sampling is keyed by (seed, seq_ids[i])."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, greedy: bool = False, seed: int = 0,
+                 seq_ids: list[int] | None = None, ignore_eos: bool = False,
+                 stop_strings: list[str] | None = None) -> RolloutOutput:
+        """Sample (or greedily decode) up to ``max_new_tokens`` tokens for each prompt (an int, or one cap
+        per prompt: sequence i then ends after max_new_tokens[i] tokens, truncated unless it met EOS
+        first). Same contract as GenerateEngine.generate: sequence i's sampling is keyed by
+        (seed, seq_ids[i]), so its tokens do not depend on the batch, the bucket or the row it runs in."""
         if stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
         if not (temperature > 0 or greedy):
             raise ValueError("temperature must be > 0 (or pass greedy=True)")
+        prompts = as_token_lists(prompts)
+        caps = caps_list(max_new_tokens, len(prompts))
+        sids = list(range(len(prompts))) if seq_ids is None else [int(i) for i in seq_ids]
+        if len(sids) != len(prompts):
+            raise ValueError(f"seq_ids has {len(sids)} ids for {len(prompts)} prompts")
+        kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, seed=seed, ignore_eos=ignore_eos,
+                  stop_strings=stop_strings)
+        W = self.max_batch or len(prompts)
+        if len(prompts) <= W:
+            return self._generate(prompts, caps, seq_ids=sids, **kw)
+        outs, stats = [], []
+        for lo in range(0, len(prompts), W):  # waves of max_batch sequences
+            outs.append(self._generate(prompts[lo:lo + W], caps[lo:lo + W], seq_ids=sids[lo:lo + W], **kw))
+            stats.append(self.last_stats)
+        self.last_stats = merge_stats(stats)
+        return concat_outputs(outs, self.pad_id)
+
+    def _generate(self, prompts, caps, temperature, top_p, top_k, greedy, seed, seq_ids, ignore_eos,
+                  stop_strings) -> RolloutOutput:
+        """``generate`` of at most max_batch prompts, caps given per prompt."""
         ids, mask = left_pad(prompts, self.pad_id, self.device)
         B, P = ids.shape
-        b = self._ensure_buffers(B, P + max_new_tokens)
+        M = max(caps)
+        b = self._ensure_buffers(B, P + M)
         sampling = (float(temperature), int(top_k), float(top_p), bool(greedy), bool(ignore_eos))
-        # ---- state
+        # ---- state: row i decodes sequence i until the first compaction
         b.keys.copy_(batch_keys(seed, seq_ids, B, self.device))
+        b.rowseq.copy_(torch.arange(B, device=self.device))
         b.key_valid.zero_()
         b.key_valid[:, :P] = mask.bool()
+        b.cap[:B] = torch.tensor(caps, device=self.device)
+        b.cap[B] = 1
+        b.lengths.copy_(b.cap)
         b.done.zero_()
-        b.lengths.fill_(max_new_tokens)
+        b.done[B] = True  # the scratch sequence of padding rows
+        b.eos.zero_()
         b.t.zero_()
         # ---- prefill (eager: one pass over the prompts through the GEMM path)
         pos = positions_from_mask(mask)
@@ -371,43 +461,106 @@ class FastEngine:
             b.k[i][:, :, :P] = k
             b.v[i][:, :, :P] = v
 
-        h = self._layers(self.inner.embed_tokens(ids), pos, write, pmask, P)
-        self._sample_and_record(self._logits(h[:, -1]), sampling)
+        h = self._layers(b, self.inner.embed_tokens(ids), pos, write, pmask, P)
+        self._sample_and_record(b, self._logits(h[:, -1]), sampling)
         b.pos.copy_(pos[:, -1] + 1)
         b.cpos.fill_(P)
-        # ---- decode
+        # ---- decode: the first n rows run; at each host check, finished rows leave (``_compact``)
         windows = sorted({min(b.L, WINDOW * 2 ** i) for i in range(32) if WINDOW * 2 ** (i - 1) < b.L})
-        steps = 1
+        # the host looks at the done flags every sync_every steps when sequences can end before M
+        check = not ignore_eos or bool(stop_strings) or min(caps) < M
+        n, steps, at_bucket, compactions, compact_s = B, 1, {}, 0, 0.0
         from qerl.logging import progress
 
-        bar = progress(max_new_tokens, "rollout", unit="tok", unit_scale=B)  # batch tokens and tokens/s
+        bar = progress(M, "rollout", unit="tok", unit_scale=B)  # batch tokens and tokens/s
         bar.update(1)
-        for t in range(1, max_new_tokens):
-            if (not ignore_eos or stop_strings) and t % self.sync_every == 0:
-                if self._check_done(stop_strings, t):
+        for t in range(1, M):
+            if check and t % self.sync_every == 0:
+                running = self._check_done(stop_strings, t, n)
+                if running.numel() == 0:
                     break
+                if self.compact:
+                    m = next(k for k in reversed(buckets(B)) if k >= running.numel())
+                    if m < n:
+                        t0 = time.perf_counter()
+                        self._compact(running, m, P + t - 1)
+                        if self.device.type == "cuda":  # the host just synced: time the moves alone
+                            torch.cuda.synchronize(self.device)
+                        n, compactions, compact_s = m, compactions + 1, compact_s + time.perf_counter() - t0
             if self.cuda_graphs:
                 window = next(w for w in windows if w > P + t - 1)
-                self._graph(window, sampling).replay()
+                self._graph(window, sampling, n).replay()
                 self.stats["replays"] += 1
             else:  # eager: attend over exactly the keys so far, as HF's dynamic cache does
-                self._decode_step(P + t, sampling)
+                self._decode_step(P + t, sampling, n)
+            at_bucket[n] = at_bucket.get(n, 0) + 1
             steps = t + 1
             bar.update(1)
         bar.close()
         if stop_strings:
-            self._check_done(stop_strings, steps)
+            self._check_done(stop_strings, steps, n)
         C = steps
-        lengths = b.lengths.clamp(max=C)
-        done = b.done.clone()
+        lengths = b.lengths[:B].clamp(max=C)
         cmask = (torch.arange(C, device=self.device)[None] < lengths[:, None]).long()
-        return RolloutOutput(ids, mask, b.out_ids[:, :C] * cmask + self.pad_id * (1 - cmask), cmask,
-                             b.out_lp[:, :C] * cmask, b.out_ent[:, :C] * cmask, ~done)
+        self.stats["compactions"] += compactions
+        self.last_stats = {"decode_steps": steps - 1, "bucket_steps": at_bucket, "compactions": compactions,
+                           "compaction_s": compact_s, "useful_tokens": int(lengths.sum()), "waves": 1}
+        return RolloutOutput(ids, mask, b.out_ids[:B, :C] * cmask + self.pad_id * (1 - cmask), cmask,
+                             b.out_lp[:B, :C] * cmask, b.out_ent[:B, :C] * cmask, ~b.eos[:B].clone())
 
-    def _check_done(self, stop_strings, t: int) -> bool:
-        """Host check every sync_every steps: apply stop strings, report whether every row is done."""
+    def _check_done(self, stop_strings, t: int, n: int) -> torch.Tensor:
+        """Host check every sync_every steps: apply stop strings; the rows (of the first n) still running."""
         b = self.buf
         self.stats["host_syncs"] += 1
         if stop_strings:
-            apply_stop_strings(self.tokenizer, b.out_ids, b.done, b.lengths, t, stop_strings)
-        return bool(b.done.all())
+            B = b.B
+            apply_stop_strings(self.tokenizer, b.out_ids[:B], b.eos[:B], b.lengths[:B], t, stop_strings)
+            b.done[:B] |= b.eos[:B]
+        return torch.nonzero(~b.done[b.rowseq[:n]]).flatten()
+
+    def _compact(self, running: torch.Tensor, m: int, used: int) -> None:
+        """Pack the running rows into rows [:m] (the bucket m >= len(running)) with their cache slots
+        [:used]; the rows left over copy the first running row and decode the scratch sequence."""
+        b = self.buf
+        r = running.numel()
+        idx = torch.cat([running, running[:1].expand(m - r)])
+        for x in (b.tok, b.pos, b.keys, b.rowseq):
+            x[:m] = x[idx]
+        b.rowseq[r:m] = b.B
+        b.key_valid[:m, :used] = b.key_valid[idx, :used]
+        for cache in (*b.k, *b.v):  # moves, not indexes: the bucket's graphs read contiguous rows
+            cache[:m, :, :used] = cache[idx, :, :used]
+
+
+def merge_stats(stats: list[dict]) -> dict:
+    """``last_stats`` of several waves as one: steps, compactions and tokens summed, per bucket too."""
+    out = {"decode_steps": 0, "bucket_steps": {}, "compactions": 0, "compaction_s": 0.0, "useful_tokens": 0,
+           "waves": len(stats)}
+    for st in stats:
+        for k in ("decode_steps", "compactions", "compaction_s", "useful_tokens"):
+            out[k] += st[k]
+        for n, k in st["bucket_steps"].items():
+            out["bucket_steps"][n] = out["bucket_steps"].get(n, 0) + k
+    out["bucket_steps"] = dict(sorted(out["bucket_steps"].items(), reverse=True))
+    return out
+
+
+def concat_outputs(outs: list[RolloutOutput], pad_id: int) -> RolloutOutput:
+    """RolloutOutputs of consecutive prompt groups as one: prompts left-padded, completions right-padded
+    to the longest."""
+    P = max(o.prompt_ids.shape[1] for o in outs)
+    C = max(o.completion_ids.shape[1] for o in outs)
+
+    def left(x, fill):
+        return F.pad(x, (P - x.shape[1], 0), value=fill)
+
+    def right(x, fill):
+        return F.pad(x, (0, C - x.shape[1]), value=fill)
+
+    return RolloutOutput(torch.cat([left(o.prompt_ids, pad_id) for o in outs]),
+                         torch.cat([left(o.prompt_mask, 0) for o in outs]),
+                         torch.cat([right(o.completion_ids, pad_id) for o in outs]),
+                         torch.cat([right(o.completion_mask, 0) for o in outs]),
+                         torch.cat([right(o.logprobs, 0.0) for o in outs]),
+                         torch.cat([right(o.entropy, 0.0) for o in outs]),
+                         torch.cat([o.truncated for o in outs]))

@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 
 from qerl.forward import decoder_and_head, lm_logits, positions_from_mask
-from qerl.rollout.common import RolloutOutput, apply_stop_strings, batch_keys, eos_ids, left_pad, sample_tokens
+from qerl.rollout.common import (
+    RolloutOutput,
+    apply_stop_strings,
+    batch_keys,
+    caps_list,
+    eos_ids,
+    left_pad,
+    sample_tokens,
+)
 
 
 class GenerateEngine:
@@ -31,11 +39,12 @@ class GenerateEngine:
         self.pad_id = int(pad_id)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, seed: int = 0, seq_ids: list[int] | None = None,
                  ignore_eos: bool = False, stop_strings: list[str] | None = None) -> RolloutOutput:
-        """Sample completions. Sequence i draws its tokens from the keys (seed, seq_ids[i]) (see
-        qerl.rollout.common), so its sample does not depend on the batch it is in."""
+        """Sample completions of up to ``max_new_tokens`` tokens (an int, or one cap per prompt). Sequence
+        i draws its tokens from the keys (seed, seq_ids[i]) (see qerl.rollout.common), so its sample
+        does not depend on the batch it is in."""
         from transformers import DynamicCache
 
         if stop_strings and self.tokenizer is None:
@@ -46,13 +55,16 @@ class GenerateEngine:
         ids, mask = left_pad(prompts, self.pad_id, device)
         eos = self.eos.to(device)
         B = ids.size(0)
+        caps = torch.tensor(caps_list(max_new_tokens, B), device=device)
+        max_new_tokens = int(caps.max())
         keys = batch_keys(seed, seq_ids, B, device)
         cache = DynamicCache()
         out_ids = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         out_lp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
         out_ent = torch.zeros_like(out_lp)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)  # ended: EOS, a stop string or the cap
+        ended_eos = torch.zeros(B, dtype=torch.bool, device=device)
+        lengths = caps.clone()
         pos = positions_from_mask(mask)
         inp, attn = ids, mask
         t = 0
@@ -68,12 +80,14 @@ class GenerateEngine:
             out_ids[:, t] = nxt
             out_lp[:, t] = torch.where(done, 0.0, lp)
             out_ent[:, t] = torch.where(done, 0.0, ent)
+            capped = (t + 1 >= caps) & ~done
             if not ignore_eos:
                 hit = torch.isin(nxt, eos) & ~done
                 lengths = torch.where(hit, t + 1, lengths)
-                done |= hit
+                ended_eos |= hit
             if stop_strings:
-                apply_stop_strings(self.tokenizer, out_ids, done, lengths, t + 1, stop_strings)
+                apply_stop_strings(self.tokenizer, out_ids, ended_eos, lengths, t + 1, stop_strings)
+            done |= ended_eos | capped
             if bool(done.all()):  # one host sync per token: this is the simple engine
                 break
             inp = nxt[:, None]
@@ -84,4 +98,4 @@ class GenerateEngine:
         ar = torch.arange(C, device=device)[None]
         cmask = (ar < lengths[:, None]).long()
         return RolloutOutput(ids, mask, out_ids[:, :C] * cmask + self.pad_id * (1 - cmask), cmask,
-                             out_lp[:, :C] * cmask, out_ent[:, :C] * cmask, ~done)
+                             out_lp[:, :C] * cmask, out_ent[:, :C] * cmask, ~ended_eos)
