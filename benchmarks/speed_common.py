@@ -27,6 +27,7 @@ from qerl.config import table_bases
 from qerl.logging import environment
 from qerl.qlinear import QuantLinear
 from qerl.quantize import QuantizeConfig, model_size_bytes
+from qerl.rollout.fast import buckets
 
 MODELS = {
     **PAPER_MODELS,  # "qwen2.5-7b" -> "Qwen/Qwen2.5-7B-Instruct" (qerl.arch)
@@ -193,13 +194,14 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 
 def make_fast_engine(model, batch: int, max_seq_len: int, kind: str = "fast", cuda_graphs: bool | None = None,
-                     fused: bool | None = None):
-    """qerl.rollout.make_engine for fixed-length rollouts (EOS = the config's, pad 0); keyword
-    arguments this version of the engine does not take are dropped."""
+                     fused: bool | None = None, compact: bool = True):
+    """qerl.rollout.make_engine for benchmark rollouts (EOS = the config's, pad 0); ``compact=False``:
+    the static batch (finished rows stay). Keyword arguments this version of the engine does not take
+    are dropped."""
     from qerl import rollout
 
     kw = dict(eos_token_ids=[int(getattr(model.config, "eos_token_id", 0) or 0)], pad_id=0,
-              max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, fused=fused)
+              max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, fused=fused, compact=compact)
     if kind == "fast":
         accepted = inspect.signature(rollout.FastEngine.__init__).parameters
         kw = {k: v for k, v in kw.items() if k in accepted}
@@ -207,6 +209,73 @@ def make_fast_engine(model, batch: int, max_seq_len: int, kind: str = "fast", cu
 
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=False, ignore_eos=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# completion lengths
+#
+# A GRPO rollout's completions differ in length: most answers end well before the cap and a few run
+# to it (the response-length curves of DAPO, arXiv 2503.14476, Fig. 6, and of DeepSeek-R1-style
+# GRPO runs show a mean far below the cap with a long tail). The benchmarks time either every
+# sequence at the cap (``fixed``, the paper's Table 3 setting) or a clipped log-normal: ``mix`` is
+# median cap / 4 with the 95th percentile at the cap, so about 5% of the sequences reach the cap and
+# the mean is about 0.33 of it. Each sequence is forced to end at its drawn length (EOS ignored, the
+# engine's per-sequence cap), so both engines decode exactly the same tokens.
+Z95 = 1.6448536269514722  # the standard normal's 95th percentile
+
+
+def parse_lengths(spec: str) -> dict:
+    """``fixed`` | ``mix`` | ``lognormal:median=M,p95=Q`` (M, Q in tokens, or fractions of the cap when
+    <= 1) as a dict; a clear ValueError otherwise."""
+    spec = spec.strip()
+    if spec == "fixed":
+        return {"kind": "fixed"}
+    if spec == "mix":
+        return {"kind": "lognormal", "median": 0.25, "p95": 1.0}
+    kind, _, rest = spec.partition(":")
+    if kind != "lognormal" or not rest:
+        raise ValueError(f"lengths {spec!r}: expected 'fixed', 'mix' or 'lognormal:median=M,p95=Q'")
+    out = {"kind": "lognormal"}
+    for item in rest.split(","):
+        k, _, v = item.partition("=")
+        if k not in ("median", "p95") or not v:
+            raise ValueError(f"lengths {spec!r}: unknown or empty field {item!r} (median=, p95=)")
+        try:
+            out[k] = float(v)
+        except ValueError:
+            raise ValueError(f"lengths {spec!r}: {k}={v!r} is not a number") from None
+    if "median" not in out:
+        raise ValueError(f"lengths {spec!r}: median= is required")
+    out.setdefault("p95", 1.0)
+    if not 0 < out["median"] < out["p95"]:
+        raise ValueError(f"lengths {spec!r}: need 0 < median < p95")
+    return out
+
+
+def draw_lengths(spec: str | dict, n: int, cap: int, seed: int = 0) -> list[int]:
+    """``n`` completion lengths in [1, cap] from the spec (``parse_lengths``), seeded (numpy PCG64:
+    the same lengths on every machine)."""
+    import numpy as np
+
+    d = parse_lengths(spec) if isinstance(spec, str) else spec
+    if d["kind"] == "fixed":
+        return [int(cap)] * n
+
+    def tokens(v):
+        return v * cap if v <= 1 else v
+
+    median, p95 = tokens(d["median"]), tokens(d["p95"])
+    x = np.random.Generator(np.random.PCG64(seed)).lognormal(math.log(median), math.log(p95 / median) / Z95, n)
+    return [int(v) for v in np.clip(np.rint(x), 1, cap)]
+
+
+def length_summary(lengths: list[int], cap: int) -> dict:
+    """median, 95th percentile, mean, max, sum and the fraction at the cap of drawn lengths (result rows)."""
+    import numpy as np
+
+    a = np.asarray(lengths, dtype=float)
+    return {"median": float(np.median(a)), "p95": float(np.percentile(a, 95)), "mean": float(a.mean()),
+            "max": int(a.max()), "total": int(a.sum()), "at_cap_frac": float((a >= cap).mean())}
 
 
 def decode_windows(prompt_len: int, completion_len: int) -> list[int]:
@@ -221,7 +290,8 @@ def decode_windows(prompt_len: int, completion_len: int) -> list[int]:
 
 
 def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, vocab: int) -> float:
-    """Capture every CUDA graph the timed call will replay, without a full-length rollout.
+    """Capture every CUDA graph the timed call will replay, without a full-length rollout (with a
+    compacting engine: every window at every batch bucket).
 
     A 2-token call at the real prompt length allocates the (B, L) buffers and warms the prefill GEMMs
     (Triton autotuning keys on M). Then each attention window w the timed call uses is captured:
@@ -234,9 +304,12 @@ def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, voc
     windows = decode_windows(prompt_len, completion_len) if getattr(engine, "cuda_graphs", False) else []
     key = (float(SAMPLING["temperature"]), int(SAMPLING["top_k"]), float(SAMPLING["top_p"]), bool(SAMPLING["greedy"]),
            bool(SAMPLING["ignore_eos"]))  # FastEngine's graph key for these settings
+    # a compacting engine replays each window at every batch bucket the sequences can shrink to
+    sizes = buckets(batch) if getattr(engine, "compact", False) else [batch]
     for w in windows:
         if hasattr(engine, "_graph"):
-            engine._graph(w, key)
+            for n in sizes:
+                engine._graph(w, key, n)
         elif w - 2 != prompt_len:
             engine.generate(random_prompts(batch, max(1, w - 2), vocab, seed=w), 2, seed=1, **SAMPLING)
     sync()

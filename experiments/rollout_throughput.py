@@ -27,6 +27,15 @@ norm + lm_head + the B looked-up embedding rows + KV cache (layers x 2 x B x kv_
 mean context x 2 bytes, mean context = prompt + completion / 2); copy bandwidth = bytes read +
 written by a 1 GiB device-to-device copy, measured in the same run (as bench_kernels.py).
 
+A length mix (``--lengths mix``, or ``lognormal:median=M,p95=Q``; see benchmarks/speed_common.py):
+each sequence of a batch is forced to end at a length drawn once (seeded) from a clipped log-normal,
+the default median cap / 4 with the 95th percentile at the cap (``--completion`` is the cap). Every
+method then decodes the same tokens. Rows: each method with the engine's default, finished sequences
+leaving the batch (``compact``: true), and NVFP4 again with the static batch (``compact``: false,
+every row runs until the longest sequence ends). useful_tokens_per_s = the drawn lengths' sum /
+seconds of the whole rollout (prefill included); ``bucket_steps`` says how many decode steps ran at
+each batch size. Summary: ``<model>/bs<B>_mix/nvfp4_over_bf16`` and ``.../nvfp4_over_static``.
+
 Writes <out>/<gpu>.json: gpu, git_sha, date, env, copy_bandwidth_tbps, targets, paper_reference
 (the paper's vLLM numbers, H100, as a labelled reference only), rows, and `summary` with exactly
 the keys of issue #5; prints a table; the last stdout line is the summary as one JSON object.
@@ -36,6 +45,8 @@ Run (GPU; expected minutes on an H200 in brackets):
   python -m experiments.rollout_throughput --models qwen2.5-32b                       [~6]
   python -m experiments.rollout_throughput --models qwen2.5-3b qwen2.5-7b --methods bf16 nvfp4 \\
       --batch 2 --ranks 16 32 64 --completion 256                                     [~3]
+  python -m experiments.rollout_throughput --models qwen2.5-7b --methods bf16 nvfp4 --batch 64 \
+      --lengths mix --completion 2048                                                 [~3]
   python -m experiments.rollout_throughput --merge a/h200.json b/h200.json --out results/rollout   (CPU)
 """
 
@@ -67,6 +78,8 @@ TARGETS = {}
 for _m in SUMMARY_MODELS:
     TARGETS.update({f"{_m}/bs1/nvfp4_over_bf16": 2.5, f"{_m}/bs8/nvfp4_over_bf16": 2.0,
                     f"{_m}/bs64/nvfp4_over_bf16": 1.5,  # issue 14: batch 64, prompt 256, completion 1024
+                    # issue 36: batch 64, the `mix` lengths at cap 2048, useful tokens/s
+                    f"{_m}/bs64_mix/nvfp4_over_bf16": 1.6, f"{_m}/bs64_mix/nvfp4_over_static": 1.4,
                     f"{_m}/bs1/roofline_fraction": 0.70, f"{_m}/bs1/nvfp4_over_nf4": 3.0,
                     f"{_m}/bs1/nvfp4_over_hf_generate_bf16": 10.0})
 SUMMARY_KEYS = tuple(TARGETS)
@@ -138,6 +151,39 @@ def time_fast_engine(model, model_key: str, method: str, batch: int, rank: int, 
     return row
 
 
+def time_mix_row(model, model_key: str, method: str, batch: int, rank: int, prompt_len: int, lengths: list[int],
+                 spec: str, vocab: int, compact: bool) -> dict:
+    """One fast-engine row on a length mix: every graph captured in the warm-up (every bucket with
+    ``compact``), then one timed rollout in which sequence i ends at lengths[i]."""
+    cap = max(lengths)
+    row = dict(model=model_key, method=method, engine="fast", batch=batch, lora_rank=rank, prompt_len=prompt_len,
+               completion_len=cap, lengths=spec, compact=compact, length_stats=sc.length_summary(lengths, cap))
+    engine = sc.make_fast_engine(model, batch, prompt_len + cap, compact=compact)
+    row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, cap, vocab)
+    row["cuda_graphs"], row["fused"] = bool(getattr(engine, "cuda_graphs", False)), bool(getattr(engine, "fused", False))
+    prompts = sc.random_prompts(batch, prompt_len, vocab, seed=0)
+    n0 = sc.captures(engine)
+    sc.reset_peak()
+    sc.sync()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, lengths, seed=0, **sc.SAMPLING)
+    sc.sync()
+    total = time.perf_counter() - t0
+    got = out.completion_mask.sum(1).tolist()
+    if got != list(lengths):
+        raise RuntimeError(f"the engine did not end the sequences at their drawn lengths: {got[:8]}... vs {lengths[:8]}...")
+    st = getattr(engine, "last_stats", {})
+    useful = int(sum(lengths))
+    row.update(seconds=total, useful_tokens=useful, useful_tokens_per_s=useful / total, tokens_per_s=useful / total,
+               captures_during_timing=sc.captures(engine) - n0, peak_gib=sc.peak_gib(),
+               decode_steps=st.get("decode_steps"), compactions=st.get("compactions"),
+               compaction_s=st.get("compaction_s"),
+               bucket_steps={str(k): v for k, v in (st.get("bucket_steps") or {}).items()},
+               row_steps=sum(k * v for k, v in (st.get("bucket_steps") or {}).items()) or None)
+    del engine, out
+    return row
+
+
 def time_hf_generate(model, model_key: str, batch: int, rank: int, prompt_len: int, new_tokens: int,
                      vocab: int) -> dict:
     """HF transformers generate (dynamic cache, eager) on the bf16 LoRA model: a per-token rate."""
@@ -185,7 +231,7 @@ def _pick(rows, model, method, batch, rank=SUMMARY_RANK, completion=None, fused=
     row whose graph warm-up failed ran eagerly), then fused decode, then the longest completion
     unless given."""
     hits = [r for r in rows if r.get("model") == model and r.get("method") == method and r.get("batch") == batch
-            and r.get("lora_rank") == rank and r.get("tokens_per_s") and (completion is None or r["completion_len"] == completion)
+            and r.get("lengths", "fixed") == "fixed" and r.get("lora_rank") == rank and r.get("tokens_per_s") and (completion is None or r["completion_len"] == completion)
             and (fused is None or bool(r.get("fused")) == fused)]
     return max(hits, key=lambda r: (bool(r.get("cuda_graphs", True)), bool(r.get("fused")), r["completion_len"],
                                     r.get("date", ""))) if hits else None
@@ -215,6 +261,36 @@ def _ratio(rows, model, batch, num, den):
     return None, None
 
 
+def mix_ratios(rows: list[dict]) -> dict:
+    """Every length-mix ratio the rows allow: ``<model>/bs<B>_<lengths>/nvfp4_over_bf16`` and
+    ``.../nvfp4_over_static`` (useful tokens/s, the same drawn lengths)."""
+    out = {}
+    for r in rows:
+        if r.get("lengths", "fixed") != "fixed" and r.get("method") == QERL_FORMAT and r.get("compact"):
+            tag = "mix" if r["lengths"] == "mix" else r["lengths"]
+            for den, key in (("bf16", "nvfp4_over_bf16"), ("static", "nvfp4_over_static")):
+                v, _ = _mix_ratio(rows, r["model"], r["batch"], QERL_FORMAT, den, r["lengths"])
+                out[f"{r['model']}/bs{r['batch']}_{tag}/{key}"] = v
+    return out
+
+
+def _mix_ratio(rows, model, batch, num, den, spec="mix"):
+    """useful tokens/s of ``num`` (compacting) over ``den`` ("bf16": bf16 compacting; "static": ``num``
+    with the static batch) on the same drawn lengths."""
+    def pick(method, compact):
+        hits = [r for r in rows if r.get("model") == model and r.get("batch") == batch and r.get("method") == method
+                and r.get("lengths") == spec and bool(r.get("compact")) == compact and r.get("useful_tokens_per_s")]
+        return max(hits, key=lambda r: r.get("date", "")) if hits else None
+
+    a = pick(num, True)
+    b = pick(num, False) if den == "static" else pick(den, True)
+    if a is None or b is None or a.get("length_stats") != b.get("length_stats"):
+        return None, None
+    return (a["useful_tokens_per_s"] / b["useful_tokens_per_s"],
+            f"{num} compacting / {den}, {spec} lengths (median {a['length_stats']['median']:.0f}, "
+            f"max {a['length_stats']['max']}), useful tokens/s")
+
+
 def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """(summary with exactly SUMMARY_KEYS, notes saying which rows each value came from)."""
     summary, notes = {}, {}
@@ -225,6 +301,8 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
                                        "bs1/nvfp4_over_nf4": (1, QERL_FORMAT, QLORA_FORMAT),
                                        "bs1/nvfp4_over_hf_generate_bf16": (1, QERL_FORMAT, "hf_generate_bf16")}.items():
             summary[f"{m}/{key}"], notes[f"{m}/{key}"] = _ratio(rows, m, batch, num, den)
+        for num, den, key in ((QERL_FORMAT, "bf16", "nvfp4_over_bf16"), (QERL_FORMAT, "static", "nvfp4_over_static")):
+            summary[f"{m}/bs64_mix/{key}"], notes[f"{m}/bs64_mix/{key}"] = _mix_ratio(rows, m, 64, num, den)
         r = _pick(rows, m, "nvfp4", 1)
         summary[f"{m}/bs1/roofline_fraction"] = r.get("roofline_fraction") if r else None
         notes[f"{m}/bs1/roofline_fraction"] = f"nvfp4 C={r['completion_len']}" if r else None
@@ -241,7 +319,7 @@ def assemble(rows: list[dict], prov: dict, copy_tbps: float | None, settings: di
                                   "nvfp4_over_bf16": PAPER_RATIOS,
                                   "source": "QeRL paper (vLLM, one H100 80GB, prompt 256, completion 2048), "
                                             "as listed in docs/design.md; reference only"},
-              "summary": summary, "summary_notes": notes, "rows": rows}
+              "summary": summary, "summary_notes": notes, "mix_ratios": mix_ratios(rows), "rows": rows}
     if prov.get("gpu") == "h200":
         result["gpu_note"] = ("Measured on an H200 (141 GB HBM3e, ~4.8 TB/s), not the paper's H100 80GB: absolute "
                               "tokens/s are higher and the 32B bf16 model fits in memory here.")
@@ -259,7 +337,8 @@ def merge(paths: list[str], out: str) -> dict:
         for r in f["rows"]:
             r.setdefault("copy_tbps", f.get("copy_bandwidth_tbps"))
             k = (r.get("model"), r.get("method"), r.get("engine"), r.get("batch"), r.get("lora_rank"),
-                 r.get("prompt_len"), r.get("completion_len"), bool(r.get("fused")))
+                 r.get("prompt_len"), r.get("completion_len"), bool(r.get("fused")), r.get("lengths", "fixed"),
+                 r.get("compact", True))
             keyed[k] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
     prov["runs"] = [{"file": str(p), "git_sha": f.get("git_sha"), "date": f.get("date"),
@@ -287,6 +366,9 @@ def print_table(rows):
         def f(key, fmt, r=r):
             return _cell(r, key, fmt)
         status = " OOM" if r.get("oom") else (" FAILED" if r.get("error") else "")
+        if r.get("lengths", "fixed") != "fixed":
+            status += (f" [{r['lengths']}, {'compacting' if r.get('compact') else 'static'}, useful tok/s; "
+                       f"steps per batch size {r.get('bucket_steps')}]")
         print(f"{r['model']:12s} {r['method']:17s} {'yes' if r.get('fused') else 'no':5s} {r['batch']:2d} {r['lora_rank']:3d} {r['completion_len']:5d} "
               f"{f('tokens_per_s', '9.1f')} {f('decode_tokens_per_s', '9.1f')} {f('ms_per_decode_step', '8.2f')} "
               f"{f('roofline_fraction', '8.3f')} {f('peak_gib', '8.1f')} {f('paper_vllm_tokens_per_s', '7.1f')}{status}")
@@ -333,7 +415,19 @@ def run(args) -> dict:
             extra = dict(build_s=build_s, model_size_gb=sizes["model_size_bytes"] / 1e9, lora_gb=sizes["lora_bytes"] / 1e9)
             for rank in args.ranks:
                 sc.set_lora_rank(model, rank, seed=args.seed)
-                if fmt in args.methods:
+                if fmt in args.methods and args.lengths != "fixed":
+                    for b in args.batch:
+                        lengths = sc.draw_lengths(args.lengths, b, args.completion, seed=args.seed)
+                        for compact in ([True, False] if fmt == QERL_FORMAT else [True]):
+                            row = guarded(dict(model=mk, method=fmt, engine="fast", batch=b, lora_rank=rank,
+                                               prompt_len=args.prompt, completion_len=args.completion,
+                                               lengths=args.lengths, compact=compact),
+                                          time_mix_row, model, mk, fmt, b, rank, args.prompt, lengths, args.lengths,
+                                          vocab, compact)
+                            rows.append({**row, **extra})
+                            print_table(rows[-1:])
+                            save()
+                elif fmt in args.methods:
                     for b in args.batch:
                         for fu in {"on": [None], "off": [False], "both": [False, None]}[args.fused]:  # None: where it can
                             row = guarded(dict(model=mk, method=fmt, engine="fast", batch=b, lora_rank=rank,
@@ -357,11 +451,22 @@ def run(args) -> dict:
     result, path = save(complete=True)
     print_table(rows)
     print(f"\nwrote {path} ({time.time() - t_start:.0f} s)")
+    for k, v in result["mix_ratios"].items():
+        if k not in TARGETS:
+            print(f"{k:45s} {'-' if v is None else f'{v:.3f}':>8s}")
     for k, v in result["summary"].items():
         status = "n/a" if v is None else ("ok" if v >= TARGETS[k] else "MISSED")
         print(f"{k:45s} {'-' if v is None else f'{v:.3f}':>8s}  target >= {TARGETS[k]}  {status}  "
               f"[{result['summary_notes'][k]}]")
     return result
+
+
+def _lengths_arg(spec: str) -> str:
+    try:
+        sc.parse_lengths(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 def parse_args(argv=None):
@@ -374,6 +479,10 @@ def parse_args(argv=None):
     ap.add_argument("--ranks", nargs="+", type=int, default=[SUMMARY_RANK], help="LoRA ranks (alpha = 2 r)")
     ap.add_argument("--prompt", type=int, default=256, help="prompt length in tokens (paper: 256)")
     ap.add_argument("--completion", type=int, default=2048, help="completion length, fixed (paper: 2048)")
+    ap.add_argument("--lengths", default="fixed", type=_lengths_arg,
+                    help="completion lengths: fixed (every sequence at --completion), mix (clipped log-normal, "
+                         "median --completion / 4, 95th percentile at it), or lognormal:median=M,p95=Q; with a mix, "
+                         "NVFP4 is also timed with the static batch")
     ap.add_argument("--hf-completion", type=int, default=128, help="new tokens of the HF generate baseline")
     ap.add_argument("--hf-batch", nargs="+", type=int, default=[1], help="batch sizes of the HF generate baseline")
     ap.add_argument("--fused", choices=("on", "off", "both"), default="on",

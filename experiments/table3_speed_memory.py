@@ -43,6 +43,13 @@ Run (GPU; expected minutes on an H100 in brackets; must-have rows first):
   python -m experiments.table3_speed_memory --merge a/h100.json b/h100.json --out results/table3   (CPU)
 A row can also be given as ``--row MODEL/bsB[/cC][/mbM][/gcon|gcoff]`` (repeatable), e.g. the RL
 batch row above: 64 completions of 512 tokens, micro-batch 8 (the paper's Table 4).
+
+``--lengths mix`` (benchmarks/speed_common.py: a clipped log-normal, median cap / 4, 95th percentile at
+the cap) draws each row's completion lengths once (seeded, the same for every method) and forces sequence
+i to end at lengths[i]: the rollout's finished sequences leave the batch (the engine's default) and the
+training phases see the real mix. Summary: ``qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16``.
+  python -m experiments.table3_speed_memory --row qwen2.5-7b/bs64/c2048/mb8 --methods nvfp4 bf16 \
+      --lengths mix --out results/table3/bs64_mix                                              [~5]
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ SUMMARY_KEYS = (
     "qwen2.5-7b/bs8/train_nvfp4_over_bf16",
     "qwen2.5-14b/bs8/train_nvfp4_over_bf16",
     "qwen2.5-7b/bs64/e2e_nvfp4_over_bf16",
+    "qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16",
 )
 TARGETS = {
     "qwen2.5-14b/bs8/e2e_nvfp4_over_bf16": ">= 1.7",
@@ -101,6 +109,7 @@ TARGETS = {
     "qwen2.5-7b/bs8/train_nvfp4_over_bf16": ">= 0.9 (issue #18: old log-probs + update)",
     "qwen2.5-14b/bs8/train_nvfp4_over_bf16": ">= 0.9 (issue #18: old log-probs + update)",
     "qwen2.5-7b/bs64/e2e_nvfp4_over_bf16": "measured (an RL batch: 64 x 512 tokens, micro-batch 8)",
+    "qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16": ">= 1.3 (issue 36: 64 sequences, the mix lengths at cap 2048)",
 }
 # The paper's values (one H100 80GB, vLLM rollouts, its own training stack), as listed in
 # docs/design.md: a labelled reference only.
@@ -139,16 +148,16 @@ def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: i
 
 
 def grpo_step(cfg, model, engine, opt, sched, prompt_ids: list | None, advantages: torch.Tensor, reuse: bool,
-              timer, ro: RolloutOutput | None = None) -> dict:
+              timer, ro: RolloutOutput | None = None, lengths: list[int] | None = None) -> dict:
     """One GRPO step of the trainer's phases on one process, with given ``advantages`` in place of
-    rewards: ``qerl.step.rollout`` of ``prompt_ids`` at exactly ``cfg.max_completion_length`` tokens
-    (skipped when ``ro`` is given), ``qerl.step.logprobs`` (``reuse``: none, the update's forward
+    rewards: ``qerl.step.rollout`` of ``prompt_ids`` at exactly ``cfg.max_completion_length`` tokens, or
+    sequence i at exactly ``lengths[i]`` (skipped when ``ro`` is given), ``qerl.step.logprobs`` (``reuse``: none, the update's forward
     gives them) and ``qerl.step.update``, each timed by ``timer`` as "rollout", "logprob", "update".
     Returns the update's metrics and ``num_tokens_step`` (prompt + completion tokens)."""
     if ro is None:
         sigma = cfg.aqn_config().sigma_at(0, cfg.max_steps)[1]
         with timer("rollout"):
-            ro, _ = qstep.rollout(cfg, engine, model, prompt_ids, 0, sigma, ignore_eos=True)
+            ro, _ = qstep.rollout(cfg, engine, model, prompt_ids, 0, sigma, ignore_eos=True, lengths=lengths)
     n = ro.completion_ids.size(0)
     batch = qstep.Batch.given(ro, advantages, [n], 0)
     with timer("logprob"):
@@ -223,7 +232,11 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
     reuse = args.old_logprobs == "reuse"
     row = dict(model=spec.model, method=method, batch=spec.batch, grad_ckpt=spec.grad_ckpt, micro_batch=spec.micro_batch,
                prompt_len=args.prompt, completion_len=spec.completion, old_logprobs=args.old_logprobs,
-               optimizer=type(opt).__name__, oom=False, **extra)
+               optimizer=type(opt).__name__, oom=False, lengths=args.lengths, **extra)
+    # the completion lengths: every sequence at the cap, or a mix drawn once (the same for every method)
+    lengths = sc.draw_lengths(args.lengths, spec.batch, spec.completion, seed=args.seed)
+    if args.lengths != "fixed":
+        row["length_stats"] = sc.length_summary(lengths, spec.completion)
     ph = sc.PhaseTimer()
     engine = None
     try:
@@ -240,19 +253,23 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
             ph = sc.PhaseTimer()  # the step's phases; an OOM reports the one it happened in
             adv = torch.randn(spec.batch, generator=torch.Generator().manual_seed(cfg.seed))
             t0 = time.perf_counter()
-            m = grpo_step(cfg, model, engine, opt, sched, prompts * spec.batch, adv, reuse, ph)
+            m = grpo_step(cfg, model, engine, opt, sched, prompts * spec.batch, adv, reuse, ph,
+                          lengths=None if args.lengths == "fixed" else lengths)
             steps.append(dict(ph.seconds, step=time.perf_counter() - t0))
             opt.zero_grad(set_to_none=True)
             model.eval()
             tokens = m["num_tokens_step"] - spec.batch * args.prompt
-            if tokens != spec.batch * spec.completion:
-                raise RuntimeError(f"rollout returned {tokens} completion tokens, expected {spec.batch} x {spec.completion}")
-            info = {"loss": m["loss"], "completion_tokens": tokens}
+            if tokens != sum(lengths):
+                raise RuntimeError(f"rollout returned {tokens} completion tokens, expected {sum(lengths)} "
+                                   f"({spec.batch} sequences, lengths {args.lengths})")
+            st = getattr(engine, "last_stats", None) or {}
+            info = {"loss": m["loss"], "completion_tokens": tokens, "decode_steps": st.get("decode_steps"),
+                    "bucket_steps": {str(k): v for k, v in (st.get("bucket_steps") or {}).items()}}
         med = {k: statistics.median(st[k] for st in steps) for k in steps[0]}
         row.update(rollout_s=med["rollout"], logprob_s=med["logprob"], update_s=med["update"],
                    train_s=statistics.median(st["logprob"] + st["update"] for st in steps), step_s=med["step"],
                    rollout_share=med["rollout"] / med["step"], peak_gib=sc.peak_gib(),
-                   rollout_tokens_per_s=spec.batch * spec.completion / med["rollout"],
+                   rollout_tokens_per_s=sum(lengths) / med["rollout"],
                    scratch_gib=qkernels.scratch_bytes() / 2**30, timed_steps=len(steps),  # decode scratch (in peak)
                    **({"steps": steps} if len(steps) > 1 else {}), **info)
     except Exception as e:  # noqa: BLE001 - a row must never take the run down
@@ -274,9 +291,9 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
 # summary
 
 
-def _row(rows, model, method, batch, grad_ckpt=True):
+def _row(rows, model, method, batch, grad_ckpt=True, lengths="fixed"):
     hits = [r for r in rows if r.get("model") == model and r.get("method") == method and r.get("batch") == batch
-            and r.get("grad_ckpt") == grad_ckpt and r.get("step_s")]
+            and r.get("grad_ckpt") == grad_ckpt and r.get("lengths", "fixed") == lengths and r.get("step_s")]
     return max(hits, key=lambda r: r["completion_len"]) if hits else None
 
 
@@ -287,7 +304,7 @@ def _train_s(r: dict) -> float:
 
 def _same_setup(a: dict, b: dict) -> bool:
     """Comparable rows: same lengths and micro-batch, same old-log-prob mode, measured at the same commit."""
-    return all(a.get(k) == b.get(k) for k in ("completion_len", "micro_batch", "prompt_len", "git_sha")) and \
+    return all(a.get(k) == b.get(k) for k in ("completion_len", "micro_batch", "prompt_len", "git_sha", "length_stats")) and \
         a.get("old_logprobs", "forward") == b.get("old_logprobs", "forward")
 
 
@@ -295,13 +312,13 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """(summary with exactly SUMMARY_KEYS, notes on which rows each value came from)."""
     s, notes = {}, {}
 
-    def ratio(key, model, num, den, batch=8, what="step_s"):
-        a, b = _row(rows, model, num, batch), _row(rows, model, den, batch)
+    def ratio(key, model, num, den, batch=8, what="step_s", lengths="fixed"):
+        a, b = _row(rows, model, num, batch, lengths=lengths), _row(rows, model, den, batch, lengths=lengths)
         if a and b and not _same_setup(a, b):
             a = b = None
         time_of = _train_s if what == "train_s" else (lambda r: r["step_s"])
         s[key] = time_of(b) / time_of(a) if a and b else None
-        notes[key] = (f"{den} {what} / {num} {what}, bs{batch}, grad ckpt on, C={a['completion_len']}, "
+        notes[key] = (f"{den} {what} / {num} {what}, bs{batch}, grad ckpt on, C={a['completion_len']} ({lengths}), "
                       f"micro-batch {a['micro_batch']}, old log-probs {a.get('old_logprobs', 'forward')}"
                       if a and b else None)
 
@@ -311,6 +328,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     ratio("qwen2.5-7b/bs8/train_nvfp4_over_bf16", "qwen2.5-7b", "nvfp4", "bf16", what="train_s")
     ratio("qwen2.5-14b/bs8/train_nvfp4_over_bf16", "qwen2.5-14b", "nvfp4", "bf16", what="train_s")
     ratio("qwen2.5-7b/bs64/e2e_nvfp4_over_bf16", "qwen2.5-7b", "nvfp4", "bf16", batch=64)
+    ratio("qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16", "qwen2.5-7b", "nvfp4", "bf16", batch=64, lengths="mix")
     for b in (2, 8):
         r = _row(rows, "qwen2.5-32b", "nvfp4", b)
         s[f"qwen2.5-32b/bs{b}/peak_gib"] = r["peak_gib"] if r else None
@@ -351,7 +369,8 @@ def merge(paths, out):
             r.setdefault("git_sha", f.get("git_sha"))  # each row keeps the commit that measured it
             r.setdefault("date", f.get("date"))
             keyed[(r.get("model"), r.get("method"), r.get("batch"), r.get("grad_ckpt"), r.get("completion_len"),
-                   r.get("memory_cap_gib"), r.get("micro_batch"), r.get("old_logprobs", "forward"))] = r
+                   r.get("memory_cap_gib"), r.get("micro_batch"), r.get("old_logprobs", "forward"),
+                   r.get("lengths", "fixed"))] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
     prov["runs"] = [{"file": str(p), "git_sha": f.get("git_sha"), "date": f.get("date"), "settings": f.get("settings")}
                     for p, f in zip(paths, files)]
@@ -440,6 +459,14 @@ def run(args) -> dict:
     return result
 
 
+def _lengths_arg(spec: str) -> str:
+    try:
+        sc.parse_lengths(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-14b"], choices=list(sc.MODELS))
@@ -449,6 +476,10 @@ def parse_args(argv=None):
     ap.add_argument("--grad-ckpt", nargs="+", default=["on"], choices=["on", "off"], help="gradient checkpointing")
     ap.add_argument("--prompt", type=int, default=256, help="prompt length (paper: 256)")
     ap.add_argument("--completion", type=int, default=2048, help="completion length, fixed (paper: 2048)")
+    ap.add_argument("--lengths", default="fixed", type=_lengths_arg,
+                    help="completion lengths: fixed (every sequence at the completion length) or a mix drawn once "
+                         "per row (mix: clipped log-normal, median cap / 4, 95th percentile at the cap; or "
+                         "lognormal:median=M,p95=Q); see benchmarks/speed_common.py")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per training forward/backward")
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r (alpha = 2 r); paper Table 4: 32")
     ap.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-5)")
