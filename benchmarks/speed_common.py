@@ -333,9 +333,12 @@ def decode_windows(prompt_len: int, completion_len: int) -> list[int]:
     return sorted({next(w for w in windows if w > prompt_len + t - 1) for t in range(1, completion_len)})
 
 
-def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, vocab: int) -> float:
-    """Capture every CUDA graph the timed call will replay, without a full-length rollout (with a
-    compacting engine: every window at every batch bucket).
+def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, vocab: int,
+                   lengths: list[int] | None = None) -> float:
+    """Capture every CUDA graph the timed call will replay, without a full-length rollout: with a
+    compacting engine and ``lengths`` that differ (the timed call's per-sequence caps), every window
+    at every batch bucket; else every window at the whole batch (sequences that all end together
+    never leave the batch).
 
     A 2-token call at the real prompt length allocates the (B, L) buffers and warms the prefill GEMMs
     (Triton autotuning keys on M). Then each attention window w the timed call uses is captured:
@@ -349,8 +352,9 @@ def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, voc
     key = (float(SAMPLING["temperature"]), int(SAMPLING["top_k"]), float(SAMPLING["top_p"]), bool(SAMPLING["greedy"]),
            bool(SAMPLING["ignore_eos"]))  # FastEngine's graph key for these settings
     # a compacting engine replays each window at every batch bucket the sequences can shrink to (the
-    # static batch: the whole batch, _graph's default)
-    sizes = buckets(batch) if getattr(engine, "compact", False) else [None]
+    # static batch, or one length for all: the whole batch, _graph's default)
+    shrinks = getattr(engine, "compact", False) and lengths is not None and len(set(lengths)) > 1
+    sizes = buckets(batch) if shrinks else [None]
     for w in windows:
         if hasattr(engine, "_graph"):
             for n in sizes:

@@ -173,7 +173,7 @@ def time_mix_row(model, model_key: str, method: str, batch: int, rank: int, prom
     engine = sc.make_fast_engine(model, batch, prompt_len + longest, compact=compact)
     if bool(getattr(engine, "compact", False)) != compact:
         raise RuntimeError(f"this engine cannot run compact={compact} (FastEngine without finished-row compaction)")
-    row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, longest, vocab)
+    row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, longest, vocab, lengths)
     row["cuda_graphs"], row["fused"] = bool(getattr(engine, "cuda_graphs", False)), bool(getattr(engine, "fused", False))
     prompts = sc.random_prompts(batch, prompt_len, vocab, seed=0)
     for row["timed_calls"] in (1, 2):  # a second call only if the first one captured a graph after all

@@ -48,10 +48,12 @@ batch row above: 64 completions of 512 tokens, micro-batch 8 (the paper's Table 
 the cap, the cap being the row's completion length) draws each row's completion lengths once (seeded by
 --seed, the same for every method) and the rollout forces sequence i to end at lengths[i]
 (``qerl.step.rollout(..., lengths=...)``, EOS ignored): the rollout's finished sequences leave the batch
-(the engine's default) and the training phases see the real mix (their micro-batches padded to their
-longest sequence, as in training). The row adds ``length_stats`` (median, p95, mean, max, total, fraction
-at the cap), ``decode_steps`` and ``bucket_steps`` (the rollout's decode steps at each batch size), and
-its ``rollout_tokens_per_s`` counts the drawn lengths. Summary:
+(the engine's default) and the training phases see the real mix, as in training (every micro-batch at
+the rollout's width: the batch's longest completion). The row adds ``length_stats`` (median, p95,
+mean, max, total, fraction at the cap), ``decode_steps`` and ``bucket_steps`` (the rollout's decode
+steps at each batch size), and its ``rollout_tokens_per_s`` counts the drawn lengths. The same command
+with ``--models qwen2.5-7b --batch 64`` in place of ``--row`` runs micro-batch 1 (``--micro-batch``).
+Summary:
 ``qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16`` (bf16 step_s / NVFP4 step_s, the same drawn lengths):
   python -m experiments.table3_speed_memory --row qwen2.5-7b/bs64/c2048/mb8 --methods nvfp4 bf16 \\
       --lengths mix --out results/table3/bs64_mix                                              [~5]
@@ -173,13 +175,16 @@ def grpo_step(cfg, model, engine, opt, sched, prompt_ids: list | None, advantage
     return m
 
 
-def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool) -> float:
-    """Engine graphs (short calls) + the step's training phases on one full-length micro-batch."""
+def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool,
+            lengths: list[int] | None = None) -> float:
+    """Engine graphs (short calls; every batch bucket when ``lengths``, the timed rollout's caps,
+    differ) + the step's training phases on one micro-batch as wide as the timed rollout's."""
     t0 = time.perf_counter()
-    sc.warm_up_engine(engine, cfg.num_generations, prompt_len, cfg.max_completion_length, vocab)
+    sc.warm_up_engine(engine, cfg.num_generations, prompt_len, cfg.max_completion_length, vocab, lengths)
     device = model.get_input_embeddings().weight.device
     mb = cfg.micro_batch_size
-    ro = synthetic_rollout(mb, prompt_len, cfg.max_completion_length, vocab, device, seed=1)
+    width = max(lengths) if lengths else cfg.max_completion_length  # the GEMM shapes Triton autotunes on
+    ro = synthetic_rollout(mb, prompt_len, width, vocab, device, seed=1)
     grpo_step(cfg, model, engine, opt, sched, None, torch.randn(mb), reuse, sc.PhaseTimer(), ro=ro)
     opt.zero_grad(set_to_none=True)
     model.eval()
@@ -250,7 +255,8 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
         with ph("engine"):
             engine = sc.make_fast_engine(model, spec.batch, args.prompt + spec.completion)
         with ph("warmup"):
-            warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse)
+            warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse,
+                    None if args.lengths == "fixed" else lengths)
         sc.reset_peak()
         steps = []  # one dict of phase seconds per timed step; the row reports the medians
         prompts = [sc.random_prompts(1, args.prompt, vocab, cfg.seed)[0]]  # one group: a prompt sampled B times

@@ -228,6 +228,31 @@ def _graph_bookkeeping(monkeypatch):
     return made
 
 
+def test_warm_up_captures_the_buckets_only_when_sequences_can_leave():
+    class FakeEngine:
+        cuda_graphs, compact = True, True
+
+        def __init__(self):
+            self.graphs = []
+
+        def generate(self, prompts, n, **kw):
+            pass
+
+        def _graph(self, window, sampling, n=None):
+            self.graphs.append((window, n))
+
+    e = FakeEngine()
+    sc.warm_up_engine(e, 8, 256, 2048, vocab=1000, lengths=[2048] * 8)  # one length for all: no compaction
+    assert e.graphs == [(512, None), (1024, None), (2048, None), (2304, None)]
+    e = FakeEngine()
+    sc.warm_up_engine(e, 8, 256, 2048, vocab=1000, lengths=[2048] + [7] * 7)
+    assert e.graphs == [(w, n) for w in (512, 1024, 2048, 2304) for n in (8, 4, 2, 1)]
+    e = FakeEngine()
+    e.compact = False  # the static batch
+    sc.warm_up_engine(e, 8, 256, 2048, vocab=1000, lengths=[2048] + [7] * 7)
+    assert e.graphs == [(512, None), (1024, None), (2048, None), (2304, None)]
+
+
 @pytest.mark.parametrize("compact", [True, False])
 def test_mix_row_warm_up_captures_every_window_and_bucket(cfg, monkeypatch, compact):
     """The warm-up captures the graphs of every window at every batch bucket, so the timed call (which
@@ -287,3 +312,16 @@ def test_table3_mix_main_on_cpu(tmp_path):
         assert r["rollout_tokens_per_s"] == pytest.approx(sum(lengths) / r["rollout_s"])
         assert sum(r["bucket_steps"].values()) == r["decode_steps"] == max(lengths) - 1 and len(r["bucket_steps"]) > 1
         assert r["captures_during_timing"] == 0
+
+
+def test_figure_11_leaves_the_mix_rows_out(tmp_path):
+    """Mix rows report useful tokens/s (no tokens_per_s): Figure 11 plots the fixed-length rows only."""
+    import pandas as pd
+
+    from qerl import plots
+
+    fixed = dict(model="qwen2.5-7b", method="nvfp4", batch=8, lora_rank=32, completion_len=2048, tokens_per_s=1000.0)
+    mix = pd.DataFrame(_mix_rows(batch=64))
+    assert plots.plot_rollout_throughput(mix, out_dir=tmp_path) is None
+    fig = plots.plot_rollout_throughput(pd.concat([pd.DataFrame([fixed]), mix]), out_dir=tmp_path)
+    assert [ax.get_title() for ax in fig.axes] == ["batch 8"]
