@@ -215,57 +215,101 @@ SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0, greedy=False, ignore_eos=Tr
 # completion lengths
 #
 # A GRPO rollout's completions differ in length: most answers end well before the cap and a few run
-# to it (the response-length curves of DAPO, arXiv 2503.14476, Fig. 6, and of DeepSeek-R1-style
-# GRPO runs show a mean far below the cap with a long tail). The benchmarks time either every
-# sequence at the cap (``fixed``, the paper's Table 3 setting) or a clipped log-normal: ``mix`` is
-# median cap / 4 with the 95th percentile at the cap, so about 5% of the sequences reach the cap and
-# the mean is about 0.33 of it. Each sequence is forced to end at its drawn length (EOS ignored, the
-# engine's per-sequence cap), so both engines decode exactly the same tokens.
+# to it. DAPO (arXiv 2503.14476) shows both: the mean response length it plots over training stays
+# well below its generation cap, and its Overlong Reward Shaping (truncated samples filtered, a soft
+# penalty near the cap) exists because some responses do reach the cap. The
+# benchmarks time either every sequence at the cap (``fixed``, the paper's Table 3 setting) or a
+# clipped log-normal, which has that shape: a bulk of short answers and a long right tail. ``mix``,
+# the documented default, is median cap / 4 with the 95th percentile at the cap (sigma = ln 4 /
+# 1.645 = 0.843), so about 5% of the sequences reach the cap and the mean is about a third of it.
+# These two parameters are a choice that matches that shape, not a fit to a published
+# distribution; ``lognormal:median=M,p95=Q`` times any other. Each sequence is forced to end at its
+# drawn length (EOS ignored, the engine's per-sequence cap), so every engine decodes the same tokens.
 Z95 = 1.6448536269514722  # the standard normal's 95th percentile
+LENGTH_FIELDS = ("median", "p95")
+LENGTHS_HELP = ("fixed (every sequence at the cap) | mix (clipped log-normal: median cap / 4, 95th percentile at "
+                "the cap) | lognormal:median=M[,p95=Q] (tokens, or fractions of the cap when <= 1; p95 defaults to "
+                "the cap)")
 
 
 def parse_lengths(spec: str) -> dict:
-    """``fixed`` | ``mix`` | ``lognormal:median=M,p95=Q`` (M, Q in tokens, or fractions of the cap when
-    <= 1) as a dict; a clear ValueError otherwise."""
-    spec = spec.strip()
-    if spec == "fixed":
+    """``fixed`` | ``mix`` | ``lognormal:median=M[,p95=Q]`` as a dict (M, Q: tokens, or fractions of the
+    cap when <= 1; Q defaults to the cap); a ValueError naming the problem otherwise. Whether M < Q
+    in tokens depends on the cap: ``lognormal_params`` checks that."""
+    text = spec.strip() if isinstance(spec, str) else spec
+    if text == "fixed":
         return {"kind": "fixed"}
-    if spec == "mix":
+    if text == "mix":
         return {"kind": "lognormal", "median": 0.25, "p95": 1.0}
-    kind, _, rest = spec.partition(":")
+    kind, _, rest = str(text).partition(":")
     if kind != "lognormal" or not rest:
-        raise ValueError(f"lengths {spec!r}: expected 'fixed', 'mix' or 'lognormal:median=M,p95=Q'")
+        raise ValueError(f"lengths {spec!r}: expected 'fixed', 'mix' or 'lognormal:median=M[,p95=Q]'")
     out = {"kind": "lognormal"}
     for item in rest.split(","):
-        k, _, v = item.partition("=")
-        if k not in ("median", "p95") or not v:
-            raise ValueError(f"lengths {spec!r}: unknown or empty field {item!r} (median=, p95=)")
+        k, _, v = item.strip().partition("=")
+        if k not in LENGTH_FIELDS or not v:
+            raise ValueError(f"lengths {spec!r}: unknown or empty field {item!r} (expected median=M, p95=Q)")
+        if k in out:
+            raise ValueError(f"lengths {spec!r}: {k}= given twice")
         try:
             out[k] = float(v)
         except ValueError:
             raise ValueError(f"lengths {spec!r}: {k}={v!r} is not a number") from None
+        if not (math.isfinite(out[k]) and out[k] > 0):
+            raise ValueError(f"lengths {spec!r}: {k}={v!r} must be a positive finite number")
     if "median" not in out:
         raise ValueError(f"lengths {spec!r}: median= is required")
     out.setdefault("p95", 1.0)
-    if not 0 < out["median"] < out["p95"]:
-        raise ValueError(f"lengths {spec!r}: need 0 < median < p95")
     return out
 
 
-def draw_lengths(spec: str | dict, n: int, cap: int, seed: int = 0) -> list[int]:
-    """``n`` completion lengths in [1, cap] from the spec (``parse_lengths``), seeded (numpy PCG64:
-    the same lengths on every machine)."""
-    import numpy as np
-
+def lognormal_params(spec: str | dict, cap: int) -> tuple[float, float]:
+    """(mu, sigma) of the log-normal of a ``lognormal`` spec at this cap, in tokens; a ValueError unless
+    1 <= median < p95."""
     d = parse_lengths(spec) if isinstance(spec, str) else spec
-    if d["kind"] == "fixed":
-        return [int(cap)] * n
+    if cap < 1:
+        raise ValueError(f"the length cap must be >= 1, got {cap}")
 
     def tokens(v):
         return v * cap if v <= 1 else v
 
     median, p95 = tokens(d["median"]), tokens(d["p95"])
-    x = np.random.Generator(np.random.PCG64(seed)).lognormal(math.log(median), math.log(p95 / median) / Z95, n)
+    if not 1 <= median < p95:
+        raise ValueError(f"lengths {spec!r} at cap {cap}: need 1 <= median < p95 in tokens, got median {median:g}, "
+                         f"p95 {p95:g}")
+    return math.log(median), math.log(p95 / median) / Z95
+
+
+def check_lengths(spec: str, cap: int) -> str:
+    """``spec`` if it can be drawn at ``cap`` (the CLI's check), else a ValueError."""
+    if parse_lengths(spec)["kind"] != "fixed":
+        lognormal_params(spec, cap)
+    return spec
+
+
+def lengths_arg(spec: str) -> str:
+    """argparse ``type`` of ``--lengths``: the spec if it parses (its check against the cap comes after
+    parsing, ``check_lengths``)."""
+    import argparse
+
+    try:
+        parse_lengths(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def draw_lengths(spec: str | dict, n: int, cap: int, seed: int = 0) -> list[int]:
+    """``n`` completion lengths, integers in [1, cap], from the spec (``parse_lengths``): the log-normal
+    rounded to the nearest integer and clipped to [1, cap]. Seeded with numpy's PCG64 bit generator
+    (no global state; the same lengths on every machine and every torch version)."""
+    import numpy as np
+
+    d = parse_lengths(spec) if isinstance(spec, str) else spec
+    if d["kind"] == "fixed":
+        return [int(cap)] * n
+    mu, sigma = lognormal_params(d, cap)
+    x = np.random.Generator(np.random.PCG64(seed)).lognormal(mu, sigma, n)
     return [int(v) for v in np.clip(np.rint(x), 1, cap)]
 
 
@@ -275,7 +319,7 @@ def length_summary(lengths: list[int], cap: int) -> dict:
 
     a = np.asarray(lengths, dtype=float)
     return {"median": float(np.median(a)), "p95": float(np.percentile(a, 95)), "mean": float(a.mean()),
-            "max": int(a.max()), "total": int(a.sum()), "at_cap_frac": float((a >= cap).mean())}
+            "max": int(a.max()), "total": int(a.sum()), "cap": int(cap), "at_cap_frac": float((a >= cap).mean())}
 
 
 def decode_windows(prompt_len: int, completion_len: int) -> list[int]:
@@ -289,9 +333,12 @@ def decode_windows(prompt_len: int, completion_len: int) -> list[int]:
     return sorted({next(w for w in windows if w > prompt_len + t - 1) for t in range(1, completion_len)})
 
 
-def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, vocab: int) -> float:
-    """Capture every CUDA graph the timed call will replay, without a full-length rollout (with a
-    compacting engine: every window at every batch bucket).
+def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, vocab: int,
+                   lengths: list[int] | None = None) -> float:
+    """Capture every CUDA graph the timed call will replay, without a full-length rollout: with a
+    compacting engine and ``lengths`` that differ (the timed call's per-sequence caps), every window
+    at every batch bucket; else every window at the whole batch (sequences that all end together
+    never leave the batch).
 
     A 2-token call at the real prompt length allocates the (B, L) buffers and warms the prefill GEMMs
     (Triton autotuning keys on M). Then each attention window w the timed call uses is captured:
@@ -304,12 +351,17 @@ def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, voc
     windows = decode_windows(prompt_len, completion_len) if getattr(engine, "cuda_graphs", False) else []
     key = (float(SAMPLING["temperature"]), int(SAMPLING["top_k"]), float(SAMPLING["top_p"]), bool(SAMPLING["greedy"]),
            bool(SAMPLING["ignore_eos"]))  # FastEngine's graph key for these settings
-    # a compacting engine replays each window at every batch bucket the sequences can shrink to
-    sizes = buckets(batch) if getattr(engine, "compact", False) else [batch]
+    # a compacting engine replays each window at every batch bucket the sequences can shrink to (the
+    # static batch, or one length for all: the whole batch, _graph's default)
+    shrinks = getattr(engine, "compact", False) and lengths is not None and len(set(lengths)) > 1
+    sizes = buckets(batch) if shrinks else [None]
     for w in windows:
         if hasattr(engine, "_graph"):
             for n in sizes:
-                engine._graph(w, key, n)
+                if n is None:
+                    engine._graph(w, key)
+                else:
+                    engine._graph(w, key, n)
         elif w - 2 != prompt_len:
             engine.generate(random_prompts(batch, max(1, w - 2), vocab, seed=w), 2, seed=1, **SAMPLING)
     sync()

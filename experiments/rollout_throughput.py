@@ -28,13 +28,21 @@ mean context x 2 bytes, mean context = prompt + completion / 2); copy bandwidth 
 written by a 1 GiB device-to-device copy, measured in the same run (as bench_kernels.py).
 
 A length mix (``--lengths mix``, or ``lognormal:median=M,p95=Q``; see benchmarks/speed_common.py):
-each sequence of a batch is forced to end at a length drawn once (seeded) from a clipped log-normal,
-the default median cap / 4 with the 95th percentile at the cap (``--completion`` is the cap). Every
-method then decodes the same tokens. Rows: each method with the engine's default, finished sequences
-leaving the batch (``compact``: true), and NVFP4 again with the static batch (``compact``: false,
-every row runs until the longest sequence ends). useful_tokens_per_s = the drawn lengths' sum /
-seconds of the whole rollout (prefill included); ``bucket_steps`` says how many decode steps ran at
-each batch size. Summary: ``<model>/bs<B>_mix/nvfp4_over_bf16`` and ``.../nvfp4_over_static``.
+each sequence of a batch is forced to end at a length drawn once per batch size (seeded by --seed,
+numpy PCG64) from a clipped log-normal, the default median cap / 4 with the 95th percentile at the
+cap (``--completion`` is the cap), EOS ignored. Every method then decodes exactly the same tokens.
+Rows: each base format with the engine's default, finished sequences leaving the batch (``compact``:
+true), and ``nvfp4_static``: the NVFP4 model again with the static batch (``compact``: false, every
+row runs until the longest sequence ends; method "nvfp4" in the row). One engine per row, warmed up
+once: its graphs for every attention window at every batch bucket are captured before the timed
+call (``captures_during_timing`` must be 0; a call that captured is timed again).
+  useful_tokens_per_s = the drawn lengths' sum / seconds of the whole rollout (prefill included):
+      pad positions of finished sequences do not count, so the static batch gains nothing from them;
+  decode_steps, bucket_steps = the decode steps in all and at each batch size (engine.last_stats;
+      the static batch runs every step at B); row_steps = sum of bucket x steps (rows decoded);
+  length_stats = the drawn lengths' median, p95, mean, max, total and fraction at the cap.
+Summary: ``<model>/bs64_mix/nvfp4_over_bf16`` and ``.../nvfp4_over_static`` (issue 36's keys); every
+batch size and spec measured is under ``mix_ratios`` (``<model>/bs<B>_mix/...``).
 
 Writes <out>/<gpu>.json: gpu, git_sha, date, env, copy_bandwidth_tbps, targets, paper_reference
 (the paper's vLLM numbers, H100, as a labelled reference only), rows, and `summary` with exactly
@@ -45,8 +53,8 @@ Run (GPU; expected minutes on an H200 in brackets):
   python -m experiments.rollout_throughput --models qwen2.5-32b                       [~6]
   python -m experiments.rollout_throughput --models qwen2.5-3b qwen2.5-7b --methods bf16 nvfp4 \\
       --batch 2 --ranks 16 32 64 --completion 256                                     [~3]
-  python -m experiments.rollout_throughput --models qwen2.5-7b --methods bf16 nvfp4 --batch 64 \
-      --lengths mix --completion 2048                                                 [~3]
+  python -m experiments.rollout_throughput --models qwen2.5-7b --batch 64 --lengths mix --completion 2048 \\
+      --methods bf16 nvfp4 nvfp4_static                                               [~4]
   python -m experiments.rollout_throughput --merge a/h200.json b/h200.json --out results/rollout   (CPU)
 """
 
@@ -71,7 +79,8 @@ ARTEFACT = C.Artefact("rollout", "experiments.rollout_throughput", C.Outputs(
     columns=("gpu", "model", "method", "batch", "lora_rank", "completion_len", "tokens_per_s", "ms_per_decode_step",
              "roofline_fraction", "peak_gib", "paper_vllm_tokens_per_s")))
 
-METHODS = table_bases() + ("hf_generate_bf16",)  # bf16, every registered format, HF generate
+STATIC = f"{QERL_FORMAT}_static"  # NVFP4 with the static batch (compact=False), length-mix rows only
+METHODS = table_bases() + ("hf_generate_bf16", STATIC)  # bf16, every registered format, HF generate, static
 SUMMARY_MODELS = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")
 SUMMARY_RANK = 32
 TARGETS = {}
@@ -152,34 +161,45 @@ def time_fast_engine(model, model_key: str, method: str, batch: int, rank: int, 
 
 
 def time_mix_row(model, model_key: str, method: str, batch: int, rank: int, prompt_len: int, lengths: list[int],
-                 spec: str, vocab: int, compact: bool) -> dict:
-    """One fast-engine row on a length mix: every graph captured in the warm-up (every bucket with
-    ``compact``), then one timed rollout in which sequence i ends at lengths[i]."""
-    cap = max(lengths)
+                 spec: str, cap: int, vocab: int, compact: bool) -> dict:
+    """One fast-engine row on a length mix: every graph captured in the warm-up (every window at every
+    batch bucket with ``compact``), then the timed rollout in which sequence i ends at lengths[i]
+    (its cap, EOS ignored). See the module docstring for the columns."""
+    if len(lengths) != batch or not all(1 <= x <= cap for x in lengths):
+        raise ValueError(f"need {batch} lengths in [1, {cap}], got {len(lengths)} in [{min(lengths)}, {max(lengths)}]")
+    longest = max(lengths)
     row = dict(model=model_key, method=method, engine="fast", batch=batch, lora_rank=rank, prompt_len=prompt_len,
                completion_len=cap, lengths=spec, compact=compact, length_stats=sc.length_summary(lengths, cap))
-    engine = sc.make_fast_engine(model, batch, prompt_len + cap, compact=compact)
-    row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, cap, vocab)
+    engine = sc.make_fast_engine(model, batch, prompt_len + longest, compact=compact)
+    if bool(getattr(engine, "compact", False)) != compact:
+        raise RuntimeError(f"this engine cannot run compact={compact} (FastEngine without finished-row compaction)")
+    row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, longest, vocab, lengths)
     row["cuda_graphs"], row["fused"] = bool(getattr(engine, "cuda_graphs", False)), bool(getattr(engine, "fused", False))
     prompts = sc.random_prompts(batch, prompt_len, vocab, seed=0)
-    n0 = sc.captures(engine)
-    sc.reset_peak()
-    sc.sync()
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, lengths, seed=0, **sc.SAMPLING)
-    sc.sync()
-    total = time.perf_counter() - t0
+    for row["timed_calls"] in (1, 2):  # a second call only if the first one captured a graph after all
+        n0 = sc.captures(engine)
+        sc.reset_peak()
+        sc.sync()
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, list(lengths), seed=0, **sc.SAMPLING)
+        sc.sync()
+        total = time.perf_counter() - t0
+        row["captures_during_timing"] = sc.captures(engine) - n0
+        if row["captures_during_timing"] == 0:
+            break
     got = out.completion_mask.sum(1).tolist()
     if got != list(lengths):
         raise RuntimeError(f"the engine did not end the sequences at their drawn lengths: {got[:8]}... vs {lengths[:8]}...")
-    st = getattr(engine, "last_stats", {})
+    st = getattr(engine, "last_stats", None) or {}
+    if "bucket_steps" not in st:
+        raise RuntimeError("the engine keeps no last_stats (decode steps per batch size): FastEngine with compaction needed")
     useful = int(sum(lengths))
-    row.update(seconds=total, useful_tokens=useful, useful_tokens_per_s=useful / total, tokens_per_s=useful / total,
-               captures_during_timing=sc.captures(engine) - n0, peak_gib=sc.peak_gib(),
+    buckets = {int(k): int(v) for k, v in st["bucket_steps"].items()}
+    row.update(seconds=total, useful_tokens=useful, useful_tokens_per_s=useful / total, peak_gib=sc.peak_gib(),
                decode_steps=st.get("decode_steps"), compactions=st.get("compactions"),
-               compaction_s=st.get("compaction_s"),
-               bucket_steps={str(k): v for k, v in (st.get("bucket_steps") or {}).items()},
-               row_steps=sum(k * v for k, v in (st.get("bucket_steps") or {}).items()) or None)
+               compaction_s=st.get("compaction_s"), bucket_steps={str(k): v for k, v in sorted(buckets.items(), reverse=True)},
+               row_steps=sum(k * v for k, v in buckets.items()),
+               kv_cache_bytes=int(engine.cache_bytes()) if hasattr(engine, "cache_bytes") else None)
     del engine, out
     return row
 
@@ -231,7 +251,8 @@ def _pick(rows, model, method, batch, rank=SUMMARY_RANK, completion=None, fused=
     row whose graph warm-up failed ran eagerly), then fused decode, then the longest completion
     unless given."""
     hits = [r for r in rows if r.get("model") == model and r.get("method") == method and r.get("batch") == batch
-            and r.get("lengths", "fixed") == "fixed" and r.get("lora_rank") == rank and r.get("tokens_per_s") and (completion is None or r["completion_len"] == completion)
+            and r.get("lengths", "fixed") == "fixed" and r.get("lora_rank") == rank and r.get("tokens_per_s")
+            and (completion is None or r["completion_len"] == completion)
             and (fused is None or bool(r.get("fused")) == fused)]
     return max(hits, key=lambda r: (bool(r.get("cuda_graphs", True)), bool(r.get("fused")), r["completion_len"],
                                     r.get("date", ""))) if hits else None
@@ -366,7 +387,8 @@ def print_table(rows):
         def f(key, fmt, r=r):
             return _cell(r, key, fmt)
         status = " OOM" if r.get("oom") else (" FAILED" if r.get("error") else "")
-        if r.get("lengths", "fixed") != "fixed":
+        if r.get("lengths", "fixed") != "fixed":  # tok/s: useful (non-pad) tokens a second
+            r = {**r, "tokens_per_s": r.get("useful_tokens_per_s")}
             status += (f" [{r['lengths']}, {'compacting' if r.get('compact') else 'static'}, useful tok/s; "
                        f"steps per batch size {r.get('bucket_steps')}]")
         print(f"{r['model']:12s} {r['method']:17s} {'yes' if r.get('fused') else 'no':5s} {r['batch']:2d} {r['lora_rank']:3d} {r['completion_len']:5d} "
@@ -394,7 +416,8 @@ def run(args) -> dict:
         # QeRL's format first, QLoRA's (the slowest) last: a run cut off by the time limit keeps the rows
         # that matter most
         order = sorted(table_bases(), key=lambda f: (f != QERL_FORMAT, f == QLORA_FORMAT))
-        fmts = [f for f in order if f in args.methods or (f == "bf16" and "hf_generate_bf16" in args.methods)]
+        fmts = [f for f in order if f in args.methods or (f == "bf16" and "hf_generate_bf16" in args.methods)
+                or (f == QERL_FORMAT and STATIC in args.methods)]
         for fmt in fmts:
             t0 = time.time()
             base = dict(model=mk, method=fmt, batch=None, lora_rank=args.ranks[0], prompt_len=args.prompt,
@@ -415,18 +438,20 @@ def run(args) -> dict:
             extra = dict(build_s=build_s, model_size_gb=sizes["model_size_bytes"] / 1e9, lora_gb=sizes["lora_bytes"] / 1e9)
             for rank in args.ranks:
                 sc.set_lora_rank(model, rank, seed=args.seed)
-                if fmt in args.methods and args.lengths != "fixed":
-                    for b in args.batch:
+                if args.lengths != "fixed":
+                    # the same drawn lengths for every method at a batch size (seeded)
+                    engines = ([True] if fmt in args.methods else []) + \
+                              ([False] if fmt == QERL_FORMAT and STATIC in args.methods else [])
+                    for b, compact in ((b, c) for b in args.batch for c in engines):
                         lengths = sc.draw_lengths(args.lengths, b, args.completion, seed=args.seed)
-                        for compact in ([True, False] if fmt == QERL_FORMAT else [True]):
-                            row = guarded(dict(model=mk, method=fmt, engine="fast", batch=b, lora_rank=rank,
-                                               prompt_len=args.prompt, completion_len=args.completion,
-                                               lengths=args.lengths, compact=compact),
-                                          time_mix_row, model, mk, fmt, b, rank, args.prompt, lengths, args.lengths,
-                                          vocab, compact)
-                            rows.append({**row, **extra})
-                            print_table(rows[-1:])
-                            save()
+                        row = guarded(dict(model=mk, method=fmt, engine="fast", batch=b, lora_rank=rank,
+                                           prompt_len=args.prompt, completion_len=args.completion,
+                                           lengths=args.lengths, compact=compact),
+                                      time_mix_row, model, mk, fmt, b, rank, args.prompt, lengths, args.lengths,
+                                      args.completion, vocab, compact)
+                        rows.append({**row, **extra})
+                        print_table(rows[-1:])
+                        save()
                 elif fmt in args.methods:
                     for b in args.batch:
                         for fu in {"on": [None], "off": [False], "both": [False, None]}[args.fused]:  # None: where it can
@@ -461,35 +486,35 @@ def run(args) -> dict:
     return result
 
 
-def _lengths_arg(spec: str) -> str:
-    try:
-        sc.parse_lengths(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(SUMMARY_MODELS), choices=list(sc.MODELS),
                     help="architectures (random weights)")
     ap.add_argument("--methods", nargs="+", default=["bf16", QLORA_FORMAT, QERL_FORMAT, "hf_generate_bf16"], choices=METHODS,
-                    help="base formats timed with the fast engine, and hf_generate_bf16 (HF generate, bf16 LoRA model)")
+                    help="base formats timed with the fast engine, hf_generate_bf16 (HF generate, bf16 LoRA model), and "
+                         f"{STATIC} (with --lengths: NVFP4 with the static batch)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8], help="batch sizes (sequences per rollout)")
     ap.add_argument("--ranks", nargs="+", type=int, default=[SUMMARY_RANK], help="LoRA ranks (alpha = 2 r)")
     ap.add_argument("--prompt", type=int, default=256, help="prompt length in tokens (paper: 256)")
     ap.add_argument("--completion", type=int, default=2048, help="completion length, fixed (paper: 2048)")
-    ap.add_argument("--lengths", default="fixed", type=_lengths_arg,
-                    help="completion lengths: fixed (every sequence at --completion), mix (clipped log-normal, "
-                         "median --completion / 4, 95th percentile at it), or lognormal:median=M,p95=Q; with a mix, "
-                         "NVFP4 is also timed with the static batch")
+    ap.add_argument("--lengths", default="fixed", type=sc.lengths_arg,
+                    help="completion lengths, the cap being --completion: " + sc.LENGTHS_HELP + f"; with a mix, "
+                         f"{STATIC} in --methods times NVFP4 again with the static batch on the same lengths")
     ap.add_argument("--hf-completion", type=int, default=128, help="new tokens of the HF generate baseline")
     ap.add_argument("--hf-batch", nargs="+", type=int, default=[1], help="batch sizes of the HF generate baseline")
     ap.add_argument("--fused", choices=("on", "off", "both"), default="on",
                     help="fast engine decode through the fused Triton kernels (on: the engine's default, on CUDA), "
                          "the unfused torch ops (off), or both, side by side")
     sc.add_run_args(ap, out="results/rollout")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    try:
+        sc.check_lengths(args.lengths, args.completion)
+    except ValueError as e:
+        ap.error(str(e))
+    if STATIC in args.methods and args.lengths == "fixed":
+        ap.error(f"--methods {STATIC} needs a length mix (--lengths mix): at a fixed length the static batch is "
+                 "the compacting engine's")
+    return args
 
 
 def main(argv=None):

@@ -45,10 +45,17 @@ A row can also be given as ``--row MODEL/bsB[/cC][/mbM][/gcon|gcoff]`` (repeatab
 batch row above: 64 completions of 512 tokens, micro-batch 8 (the paper's Table 4).
 
 ``--lengths mix`` (benchmarks/speed_common.py: a clipped log-normal, median cap / 4, 95th percentile at
-the cap) draws each row's completion lengths once (seeded, the same for every method) and forces sequence
-i to end at lengths[i]: the rollout's finished sequences leave the batch (the engine's default) and the
-training phases see the real mix. Summary: ``qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16``.
-  python -m experiments.table3_speed_memory --row qwen2.5-7b/bs64/c2048/mb8 --methods nvfp4 bf16 \
+the cap, the cap being the row's completion length) draws each row's completion lengths once (seeded by
+--seed, the same for every method) and the rollout forces sequence i to end at lengths[i]
+(``qerl.step.rollout(..., lengths=...)``, EOS ignored): the rollout's finished sequences leave the batch
+(the engine's default) and the training phases see the real mix, as in training (every micro-batch at
+the rollout's width: the batch's longest completion). The row adds ``length_stats`` (median, p95,
+mean, max, total, fraction at the cap), ``decode_steps`` and ``bucket_steps`` (the rollout's decode
+steps at each batch size), and its ``rollout_tokens_per_s`` counts the drawn lengths. The same command
+with ``--models qwen2.5-7b --batch 64`` in place of ``--row`` runs micro-batch 1 (``--micro-batch``).
+Summary:
+``qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16`` (bf16 step_s / NVFP4 step_s, the same drawn lengths):
+  python -m experiments.table3_speed_memory --row qwen2.5-7b/bs64/c2048/mb8 --methods nvfp4 bf16 \\
       --lengths mix --out results/table3/bs64_mix                                              [~5]
 """
 
@@ -168,13 +175,16 @@ def grpo_step(cfg, model, engine, opt, sched, prompt_ids: list | None, advantage
     return m
 
 
-def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool) -> float:
-    """Engine graphs (short calls) + the step's training phases on one full-length micro-batch."""
+def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool,
+            lengths: list[int] | None = None) -> float:
+    """Engine graphs (short calls; every batch bucket when ``lengths``, the timed rollout's caps,
+    differ) + the step's training phases on one micro-batch as wide as the timed rollout's."""
     t0 = time.perf_counter()
-    sc.warm_up_engine(engine, cfg.num_generations, prompt_len, cfg.max_completion_length, vocab)
+    sc.warm_up_engine(engine, cfg.num_generations, prompt_len, cfg.max_completion_length, vocab, lengths)
     device = model.get_input_embeddings().weight.device
     mb = cfg.micro_batch_size
-    ro = synthetic_rollout(mb, prompt_len, cfg.max_completion_length, vocab, device, seed=1)
+    width = max(lengths) if lengths else cfg.max_completion_length  # the GEMM shapes Triton autotunes on
+    ro = synthetic_rollout(mb, prompt_len, width, vocab, device, seed=1)
     grpo_step(cfg, model, engine, opt, sched, None, torch.randn(mb), reuse, sc.PhaseTimer(), ro=ro)
     opt.zero_grad(set_to_none=True)
     model.eval()
@@ -245,10 +255,12 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
         with ph("engine"):
             engine = sc.make_fast_engine(model, spec.batch, args.prompt + spec.completion)
         with ph("warmup"):
-            warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse)
+            warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse,
+                    None if args.lengths == "fixed" else lengths)
         sc.reset_peak()
         steps = []  # one dict of phase seconds per timed step; the row reports the medians
         prompts = [sc.random_prompts(1, args.prompt, vocab, cfg.seed)[0]]  # one group: a prompt sampled B times
+        n0 = sc.captures(engine)  # the warm-up captured every graph the timed rollouts replay
         for _ in range(args.steps):
             ph = sc.PhaseTimer()  # the step's phases; an OOM reports the one it happened in
             adv = torch.randn(spec.batch, generator=torch.Generator().manual_seed(cfg.seed))
@@ -271,6 +283,7 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
                    rollout_share=med["rollout"] / med["step"], peak_gib=sc.peak_gib(),
                    rollout_tokens_per_s=sum(lengths) / med["rollout"],
                    scratch_gib=qkernels.scratch_bytes() / 2**30, timed_steps=len(steps),  # decode scratch (in peak)
+                   captures_during_timing=sc.captures(engine) - n0,
                    **({"steps": steps} if len(steps) > 1 else {}), **info)
     except Exception as e:  # noqa: BLE001 - a row must never take the run down
         row["oom"] = sc.is_oom(e)
@@ -459,14 +472,6 @@ def run(args) -> dict:
     return result
 
 
-def _lengths_arg(spec: str) -> str:
-    try:
-        sc.parse_lengths(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-14b"], choices=list(sc.MODELS))
@@ -476,10 +481,9 @@ def parse_args(argv=None):
     ap.add_argument("--grad-ckpt", nargs="+", default=["on"], choices=["on", "off"], help="gradient checkpointing")
     ap.add_argument("--prompt", type=int, default=256, help="prompt length (paper: 256)")
     ap.add_argument("--completion", type=int, default=2048, help="completion length, fixed (paper: 2048)")
-    ap.add_argument("--lengths", default="fixed", type=_lengths_arg,
-                    help="completion lengths: fixed (every sequence at the completion length) or a mix drawn once "
-                         "per row (mix: clipped log-normal, median cap / 4, 95th percentile at the cap; or "
-                         "lognormal:median=M,p95=Q); see benchmarks/speed_common.py")
+    ap.add_argument("--lengths", default="fixed", type=sc.lengths_arg,
+                    help="completion lengths, drawn once per row, the cap being the row's completion length: "
+                         + sc.LENGTHS_HELP)
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per training forward/backward")
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r (alpha = 2 r); paper Table 4: 32")
     ap.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-5)")
@@ -499,6 +503,11 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
+    try:
+        for spec in row_specs(args):
+            sc.check_lengths(args.lengths, spec.completion)
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 

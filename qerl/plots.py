@@ -457,6 +457,8 @@ def plot_table3_split(rows, results=RESULTS, out_dir=None, name="table3_step_spl
 def plot_rollout_throughput(rows, results=RESULTS, out_dir=None, name="rollout_throughput"):
     """Figure 11 at this scale: generated tokens/s per method, one panel per batch size
     (results/rollout/<gpu>.json rows) -> rollout_throughput.png; None without rows."""
+    if rows is not None and "lengths" in rows:  # length-mix rows report useful tokens/s: not this figure
+        rows = rows[rows["lengths"].isna() | (rows["lengths"] == "fixed")]
     if rows is None or rows.empty:
         _note("no rollout rows to plot")
         return None

@@ -127,8 +127,9 @@ def _tp_rows():
 
 def test_rollout_summary_has_exactly_the_keys():
     summary, notes = rt.summarize(_tp_rows())
-    assert list(summary) == list(rt.SUMMARY_KEYS) and len(summary) == 18 and set(notes) == set(summary)
+    assert list(summary) == list(rt.SUMMARY_KEYS) and len(summary) == 24 and set(notes) == set(summary)
     assert summary["qwen2.5-7b/bs64/nvfp4_over_bf16"] is None  # no batch-64 rows: no ratio
+    assert summary["qwen2.5-7b/bs64_mix/nvfp4_over_static"] is None  # no length-mix rows (tests/test_speed_lengths.py)
     assert summary["qwen2.5-7b/bs1/nvfp4_over_bf16"] == pytest.approx(3.0)
     assert summary["qwen2.5-14b/bs8/nvfp4_over_bf16"] == pytest.approx(3.0)
     assert summary["qwen2.5-32b/bs1/nvfp4_over_nf4"] == pytest.approx(6.0)
@@ -171,7 +172,7 @@ def test_guarded_turns_failures_into_rows():
 
 class _Args:
     prompt, completion, micro_batch, seed, lora_rank, learning_rate, device = P, C, 1, 0, 4, 1e-5, "cpu"
-    old_logprobs, row, steps = "forward", None, 1
+    old_logprobs, row, steps, lengths = "forward", None, 1, "fixed"
 
 
 def _t3_opt(m, args=_Args):
@@ -298,7 +299,7 @@ def test_table3_summary_has_exactly_the_keys_and_json(tmp_path):
     assert s["qwen2.5-7b/bs8/train_nvfp4_over_bf16"] == pytest.approx(1.5)  # (0.4 * 30) / (0.4 * 20)
     assert s["qwen2.5-14b/bs8/train_nvfp4_over_bf16"] == pytest.approx(2.0)
     assert s["qwen2.5-7b/bs64/e2e_nvfp4_over_bf16"] == pytest.approx(1.25)
-    assert "C=512, micro-batch 8" in notes["qwen2.5-7b/bs64/e2e_nvfp4_over_bf16"]
+    assert "C=512 (fixed), micro-batch 8" in notes["qwen2.5-7b/bs64/e2e_nvfp4_over_bf16"]
     # rows of different set-ups (here: old log-probs reused by one method only) are not compared
     other = [dict(r, old_logprobs="reuse") if r.get("batch") == 64 and r["method"] == "nvfp4" else r for r in rows]
     assert t3.summarize(other)[0]["qwen2.5-7b/bs64/e2e_nvfp4_over_bf16"] is None
