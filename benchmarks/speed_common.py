@@ -445,6 +445,19 @@ def add_run_args(ap, out: str) -> None:
     ap.add_argument("--merge", nargs="+", default=None, help="merge these result files into --out (no GPU)")
 
 
+def merged_runs(paths, files, extra: tuple = ()) -> list[dict]:
+    """The runs behind a merged result file: each input's own ``runs`` where it is a merge itself (so
+    the provenance of rows merged earlier is kept), else the input file with its commit, date and settings."""
+    runs = []
+    for p, f in zip(paths, files):
+        if f.get("runs"):
+            runs.extend(f["runs"])
+        else:
+            runs.append({"file": str(p), "git_sha": f.get("git_sha"), "date": f.get("date"),
+                         **{k: f.get(k) for k in extra}, "settings": f.get("settings")})
+    return runs
+
+
 def main_run_or_merge(args, run, merge, script: str) -> dict:
     """A speed script's main: merge result files (CPU), or run on the GPU; print the summary as the
     last stdout line (one JSON object) and return the result."""

@@ -362,9 +362,7 @@ def merge(paths: list[str], out: str) -> dict:
                  r.get("compact", True))
             keyed[k] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
-    prov["runs"] = [{"file": str(p), "git_sha": f.get("git_sha"), "date": f.get("date"),
-                     "copy_bandwidth_tbps": f.get("copy_bandwidth_tbps"), "settings": f.get("settings")}
-                    for p, f in zip(paths, files)]
+    prov["runs"] = sc.merged_runs(paths, files, extra=("copy_bandwidth_tbps",))
     result = assemble(list(keyed.values()), prov, files[-1].get("copy_bandwidth_tbps"), {"merged": list(map(str, paths))})
     path = sc.write_json(result, out, prov["gpu"])
     print(f"merged {len(paths)} files, {len(keyed)} rows -> {path}")

@@ -385,8 +385,7 @@ def merge(paths, out):
                    r.get("memory_cap_gib"), r.get("micro_batch"), r.get("old_logprobs", "forward"),
                    r.get("lengths", "fixed"))] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
-    prov["runs"] = [{"file": str(p), "git_sha": f.get("git_sha"), "date": f.get("date"), "settings": f.get("settings")}
-                    for p, f in zip(paths, files)]
+    prov["runs"] = sc.merged_runs(paths, files)
     result = assemble(list(keyed.values()), prov, {"merged": list(map(str, paths))})
     print(f"merged {len(paths)} files, {len(keyed)} rows -> {sc.write_json(result, out, prov['gpu'])}")
     return result

@@ -200,13 +200,22 @@ def logprobs(cfg, model, ro: RolloutOutput, reuse: bool) -> tuple[torch.Tensor, 
     with torch.no_grad():
         for s in range(0, ro.completion_ids.size(0), mb):
             sl = slice(s, s + mb)
-            args = (ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl], ro.completion_mask[sl], cfg.temperature)
+            w = _width(ro.completion_mask[sl])  # the micro-batch's longest completion: no forward over padding
+            args = (ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl, :w], ro.completion_mask[sl, :w],
+                    cfg.temperature)
             if not reuse:
-                old_lp[sl], _ = sequence_logprobs(model, *args)
+                old_lp[sl, :w], _ = sequence_logprobs(model, *args)
             if ref_lp is not None:
                 with adapters_disabled(model):
-                    ref_lp[sl], _ = sequence_logprobs(model, *args)
+                    ref_lp[sl, :w], _ = sequence_logprobs(model, *args)
     return old_lp, ref_lp
+
+
+def _width(cmask: torch.Tensor) -> int:
+    """Completion positions a forward over these rows needs: up to their longest completion (>= 1). The
+    rollout is as wide as its longest sequence; cutting each micro-batch to its own longest skips the
+    padding after the rows' last tokens (causal attention: the positions kept compute the same)."""
+    return max(1, int(cmask.sum(1).max())) if cmask.numel() else 1
 
 
 def _mini_batches(cfg, idx: torch.Tensor, step: int):
@@ -227,19 +236,21 @@ def _accumulate(cfg, model, ro: RolloutOutput, batch: Batch, old_lp, ref_lp, pac
     (loss, token sums of ``keys``). Returns the loss value if it is not finite (nothing is backpropagated)."""
     device = ro.completion_ids.device
     rows_d = torch.cat([own for _, own in pack]).to(device)
-    lp_all, ent_all = sequence_logprobs(model, ro.prompt_ids[rows_d], ro.prompt_mask[rows_d], ro.completion_ids[rows_d],
-                                        ro.completion_mask[rows_d], cfg.temperature, with_entropy=True)
+    w = _width(ro.completion_mask[rows_d])  # the pack's longest completion (see _width)
+    lp_all, ent_all = sequence_logprobs(model, ro.prompt_ids[rows_d], ro.prompt_mask[rows_d],
+                                        ro.completion_ids[rows_d, :w], ro.completion_mask[rows_d, :w], cfg.temperature,
+                                        with_entropy=True)
     total, at = 0.0, 0
     for j, own in pack:
         sl = slice(at, at + own.numel())
         at += own.numel()
         mi_d = own.to(device)
-        lp, ent, mask = lp_all[sl], ent_all[sl], batch.cmask[mi_d]
+        lp, ent, mask = lp_all[sl], ent_all[sl], batch.cmask[mi_d, :w]
         if reuse:
-            old_lp[mi_d] = lp.detach()
-        loss, lm = qloss.policy_loss(lp, None if reuse else old_lp[mi_d], batch.adv[mi_d], mask, cfg.loss_type,
+            old_lp[mi_d, :w] = lp.detach()
+        loss, lm = qloss.policy_loss(lp, None if reuse else old_lp[mi_d, :w], batch.adv[mi_d], mask, cfg.loss_type,
                                      epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                     ref_logp=ref_lp[mi_d] if ref_lp is not None else None,
+                                     ref_logp=ref_lp[mi_d, :w] if ref_lp is not None else None,
                                      num_items_in_batch=n_tokens, max_completion_length=cfg.max_completion_length,
                                      gradient_accumulation_steps=len(micro))
         loss = loss * qloss.loss_share(cfg.loss_type, own.numel(), micro[j].numel(),

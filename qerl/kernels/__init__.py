@@ -272,11 +272,6 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     return ops.grad_input(dy, fmt, *_triton_args(spec, tensors))
 
 
-# From this many rows on, 2-3 weights sharing an input run as one warp-specialised launch each instead of
-# one grouped launch of the mma kernel (None: always grouped).
-GROUP_WS_MIN_M: int | None = None
-
-
 def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor] | None:
     """[x W_i^T] for 1-3 4-bit weights of one format sharing x [M, K] (rows of stride K), in ONE
     launch of the tensor-core kernel; None where that kernel does not apply (formats or backends
@@ -298,11 +293,10 @@ def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]
             for w in weights]
     if any(a is None for a in args):
         return None
-    if warpspec.serves(x) and (len(weights) == 1 or (GROUP_WS_MIN_M is not None and x.shape[0] >= GROUP_WS_MIN_M)):
-        # one warp-specialised launch a weight, at the rows that kernel serves
-        return [warpspec.linear(x, a[0], a[1], a[2], a[3], K, is_nv, cache=w.cache) for a, w in zip(args, weights)]
-    # 2-3 weights stay one grouped launch of the mma kernel: at 32 rows it beat one warp-specialised
-    # launch a weight (7B layer as the decode step runs it 1.55x bf16 against 1.31x, H100)
+    if len(weights) == 1 and warpspec.serves(x):  # one weight at the rows the warp-specialised kernel serves
+        return [warpspec.linear(x, args[0][0], args[0][1], args[0][2], args[0][3], K, is_nv, cache=weights[0].cache)]
+    # 2-3 weights stay one grouped launch of the mma kernel: one warp-specialised launch a weight was
+    # no faster at 32 rows and slower at 64 and 128 in the 7B decode step (LOG.md, 2026-11-27)
     return mma.grouped_linear(x, args, K, is_nv)
 
 
