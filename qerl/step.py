@@ -211,11 +211,21 @@ def logprobs(cfg, model, ro: RolloutOutput, reuse: bool) -> tuple[torch.Tensor, 
     return old_lp, ref_lp
 
 
+WIDTH_ROUND = 64  # micro-batch widths are multiples of this (or the rollout's width): few distinct GEMM shapes
+
+
 def _width(cmask: torch.Tensor) -> int:
-    """Completion positions a forward over these rows needs: up to their longest completion (>= 1). The
-    rollout is as wide as its longest sequence; cutting each micro-batch to its own longest skips the
-    padding after the rows' last tokens (causal attention: the positions kept compute the same)."""
-    return max(1, int(cmask.sum(1).max())) if cmask.numel() else 1
+    """Completion positions a forward over these rows needs: their longest completion, rounded up to a
+    multiple of WIDTH_ROUND (at most the rollout's width). The rollout is as wide as its longest sequence;
+    cutting each micro-batch to its own longest skips the padding after the rows' last tokens (causal
+    attention: the positions kept compute the same). The rounding keeps the training GEMMs to a few
+    shapes, each row count a multiple of 16, so the 4-bit kernels compile once per shape class instead of
+    once for every new length."""
+    C = cmask.size(1)
+    if cmask.numel() == 0:
+        return max(C, 1)
+    w = max(1, int(cmask.sum(1).max()))
+    return min(C, -(-w // WIDTH_ROUND) * WIDTH_ROUND)
 
 
 def _mini_batches(cfg, idx: torch.Tensor, step: int):

@@ -192,3 +192,35 @@ def test_step_refuses_what_it_cannot_run(tmp_path):
         qstep.Batch.given(ro, torch.zeros(3), [2], 0)
     b = qstep.Batch.given(ro, torch.arange(2.0), [2], 0)
     assert b.idx.tolist() == [0, 1] and b.n_loss_tokens.tolist() == [3.0, 3.0] and b.n_local == 2
+
+
+def test_micro_batches_are_cut_to_their_longest_completion(monkeypatch):
+    """Old / reference log-probs over micro-batches cut to their own longest completion (rounded up to
+    WIDTH_ROUND) equal those over the rollout's full width: the padding after a row's last token changes
+    nothing before it (causal attention)."""
+    from types import SimpleNamespace
+
+    from qerl.rollout import RolloutOutput
+
+    torch.manual_seed(0)
+    model = make_tiny_model("llama", dtype=torch.float32)
+    B, P, C = 6, 5, 150
+    lengths = torch.tensor([3, 140, 7, 9, 70, 1])
+    cmask = (torch.arange(C)[None] < lengths[:, None]).long()
+    ro = RolloutOutput(torch.randint(3, 60, (B, P)), torch.ones(B, P, dtype=torch.long),
+                       torch.randint(3, 60, (B, C)) * cmask, cmask, torch.zeros(B, C), torch.zeros(B, C),
+                       torch.ones(B, dtype=torch.bool))
+    cfg = SimpleNamespace(micro_batch_size=2, beta=0.1, temperature=1.0)
+    seen = []
+    real = qstep.sequence_logprobs
+    monkeypatch.setattr(qstep, "sequence_logprobs", lambda m, *a, **k: seen.append(a[2].shape[1]) or real(m, *a, **k))
+    cut_old, cut_ref = qstep.logprobs(cfg, model, ro, reuse=False)
+    # micro-batches (3, 140): 140 rounds to 192, at most C = 150; (7, 9) -> 64; (70, 1) -> 128; old then reference
+    assert seen == [150, 150, 64, 64, 128, 128]
+    monkeypatch.setattr(qstep, "WIDTH_ROUND", 10 ** 6)  # no cut: every micro-batch at the full width
+    full_old, full_ref = qstep.logprobs(cfg, model, ro, reuse=False)
+    assert seen[6:] == [C] * 6
+    real_tok = cmask == 1  # what the loss reads; the full-width forward also fills the padding
+    torch.testing.assert_close(cut_old[real_tok], full_old[real_tok], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cut_ref[real_tok], full_ref[real_tok], atol=1e-5, rtol=0)
+    assert (cut_old[real_tok] != 0).all()
