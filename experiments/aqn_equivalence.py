@@ -2,8 +2,9 @@
 
 Arms ``noaqn`` (nvfp4_lora) and ``aqn`` (nvfp4_lora_aqn, sigma 1e-2 -> 5e-4), seeds 100-227, the
 16-pair study's settings (experiments.aqn_paired: profile small, GRPO, 16 evaluation samples after
-training). Expected runtime: 256 runs of ~110 s each while sharing a GPU; on 8 GPUs at 12 runs a GPU,
-about 5 minutes of runs plus loading.
+training). Expected runtime: a run takes ~20 s of a GPU's time when runs share it (on 4 H200s, 16 runs a
+GPU, each took ~320 s: 64 runs every ~5.4 min; 12 at once on one H200, ~230 s each), so the 256 runs take
+~22 minutes on 4 GPUs, ~11 on 8.
 
     python -m experiments.aqn_equivalence --gpus 0 1 2 3 --per-gpu 12 --dry-run   # the plan: each GPU's runs, commands
     python -m experiments.aqn_equivalence --gpus 0 1 2 3 4 5 6 7 --per-gpu 12
@@ -44,6 +45,9 @@ SEEDS = tuple(range(100, 228))  # 128 pairs, independent of the 16-pair study's 
 MARGIN = 0.02
 ALPHA = 0.05
 MIN_PAIRS = 120
+# GPU seconds a run of the small profile takes when several share a GPU (H200, 2026-11-27: 16 at once took
+# ~320 s each, 12 at once ~230 s): the plan's time estimate
+GPU_S_PER_RUN = 20
 OUT = Path("results/aqn_equivalence/small")
 # config.json keys the two arms of a pair may differ in: the AQN fields, and what names the run
 AQN_KEYS = ("method", "aqn", "sigma_start", "sigma_end")
@@ -306,13 +310,14 @@ def print_plan(args: argparse.Namespace, todo: list[Task], out: Path, commands: 
     seeds = list(dict.fromkeys(args.seeds))
     total = len(plan_runs(seeds))
     at_once = concurrency(**launch_kwargs(args))
-    per = aqn_paired.RUN_S["small"]
+    per = GPU_S_PER_RUN
     where = (f"{len(args.gpus)} GPU{'s' * (len(args.gpus) > 1)} x {args.per_gpu} runs" if args.gpus and args.per_gpu
              else f"{at_once} runs" + (f" over GPUs {' '.join(args.gpus)}" if args.gpus else
                                       " (no --gpus: CUDA_VISIBLE_DEVICES left alone)"))
     print(f"aqn_equivalence: {len(seeds)} pairs (seeds {min(seeds)}-{max(seeds)}) = {total} runs; "
           f"{total - len(todo)} finished, {len(todo)} to run, {where} at once "
-          f"(~{per} s each while sharing a GPU: ~{len(todo) * per / at_once / 60:.0f} min); {out / 'runs'}",
+          f"(~{per} s of a GPU's time each: ~{len(todo) * per / max(len(args.gpus or [0]), 1) / 60:.0f} min); "
+          f"{out / 'runs'}",
           flush=True)
     if args.gpus:
         for g, mine in assign_gpus([seed_of(t) for t in todo], args.gpus).items():
