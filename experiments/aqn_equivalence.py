@@ -8,6 +8,8 @@ GPU, each took ~320 s: 64 runs every ~5.4 min; 12 at once on one H200, ~230 s ea
 
     python -m experiments.aqn_equivalence --gpus 0 1 2 3 --per-gpu 12 --dry-run   # the plan: each GPU's runs, commands
     python -m experiments.aqn_equivalence --gpus 0 1 2 3 4 5 6 7 --per-gpu 12
+    python -m experiments.aqn_equivalence --gpus 0 1 2 3 --per-gpu 16 --time-budget 240 --stop-at 560 \
+        --archive OUT/aqn_equivalence.tar.gz                             # one bounded call; the runs kept
     python -m experiments.aqn_equivalence --analyze-only             # table.csv, the figure, NOTES.md
     make aqn-equivalence                                             # every GPU of the machine, 12 runs each
 
@@ -340,6 +342,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "unfinished; the next call redoes them)")
     ap.add_argument("--max-steps", type=int, default=0, help="override max_steps (pipeline checks only)")
     ap.add_argument("--train-flags", default="", help="extra `qerl train` flags that do not change the computation")
+    ap.add_argument("--archive", default=None, metavar="PATH.tar.gz", help="pack <out> (runs and analysis) into "
+                    "this tarball at the end, also when the runs or the analysis fail (to carry a study between "
+                    "machines; unpack it where the next call runs to resume)")
     ap.add_argument("--analyze-only", action="store_true", help="run nothing; rebuild the analysis")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, each GPU's runs and the commands; "
                     "run and write nothing")
@@ -360,13 +365,17 @@ def main(argv=None) -> int:
         print_plan(args, todo, out, commands=args.dry_run)
         if args.dry_run:
             return 0
-        if todo:
+    try:
+        if not args.analyze_only and todo:
             aqn_paired.prepare_model("small")
             codes = run_tasks(todo, **kw, time_budget=args.time_budget, stop_at=args.stop_at, git=git_info())
-    res = analyze(out)
-    declare(ARTEFACT, out)
-    print(verdict_sentence(res["primary"]))
-    print(f"wrote {out / 'table.csv'}, per_seed.csv, paired_differences.png, NOTES.md")
+        res = analyze(out)
+        declare(ARTEFACT, out)
+        print(verdict_sentence(res["primary"]))
+        print(f"wrote {out / 'table.csv'}, per_seed.csv, paired_differences.png, NOTES.md")
+    finally:
+        if args.archive and out.exists():
+            print(f"archive: {aqn_paired.archive(out, Path(args.archive))}")
     return 1 if any(c != 0 for c in codes.values()) else 0
 
 

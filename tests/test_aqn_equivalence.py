@@ -211,3 +211,12 @@ def test_the_study_runs_through_the_launcher_and_resumes(tmp_path, monkeypatch):
     assert "undecided" in (out / "table.csv").read_text()  # 4 pairs: fewer than the plan's 120
     monkeypatch.setattr(A, "command", lambda *a: pytest.fail("a finished run was started again"))
     assert eq.main(argv) == 0
+    # --archive packs the runs and the analysis, also when the analysis fails (to carry a study on)
+    import tarfile
+
+    tgz = tmp_path / "study.tar.gz"
+    monkeypatch.setattr(eq, "analyze", lambda out: (_ for _ in ()).throw(RuntimeError("analysis broke")))
+    with pytest.raises(RuntimeError, match="analysis broke"):
+        eq.main([*argv, "--archive", str(tgz)])
+    names = tarfile.open(tgz).getnames()
+    assert "small/runs/aqn-s103/run.json" in names and "small/table.csv" in names
