@@ -4,7 +4,8 @@ Two engines with one contract, ``generate(prompts, max_new_tokens, temperature, 
 greedy, seed, seq_ids, ignore_eos, stop_strings) -> RolloutOutput``:
 
 - ``FastEngine`` (fast.py): static KV cache, whole decode steps as CUDA graphs, no host sync per
-  token; Llama / Qwen2 / Qwen3. The trainer's default.
+  token, finished sequences leaving the batch (a graph per batch bucket); Llama / Qwen2 / Qwen3. The
+  trainer's default.
 - ``GenerateEngine`` (hf.py): the reference loop over the HF model with its dynamic cache; any
   causal LM; what the fast engine is tested against.
 
