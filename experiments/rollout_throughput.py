@@ -288,10 +288,9 @@ def mix_ratios(rows: list[dict]) -> dict:
     out = {}
     for r in rows:
         if r.get("lengths", "fixed") != "fixed" and r.get("method") == QERL_FORMAT and r.get("compact"):
-            tag = "mix" if r["lengths"] == "mix" else r["lengths"]
             for den, key in (("bf16", "nvfp4_over_bf16"), ("static", "nvfp4_over_static")):
                 v, _ = _mix_ratio(rows, r["model"], r["batch"], QERL_FORMAT, den, r["lengths"])
-                out[f"{r['model']}/bs{r['batch']}_{tag}/{key}"] = v
+                out[f"{r['model']}/bs{r['batch']}_{r['lengths']}/{key}"] = v
     return out
 
 

@@ -48,8 +48,8 @@ batch row above: 64 completions of 512 tokens, micro-batch 8 (the paper's Table 
 the cap, the cap being the row's completion length) draws each row's completion lengths once (seeded by
 --seed, the same for every method) and the rollout forces sequence i to end at lengths[i]
 (``qerl.step.rollout(..., lengths=...)``, EOS ignored): the rollout's finished sequences leave the batch
-(the engine's default) and the training phases see the real mix, as in training (every micro-batch at
-the rollout's width: the batch's longest completion). The row adds ``length_stats`` (median, p95,
+(the engine's default) and the training phases see the real mix, as in training (each micro-batch cut
+to its own longest completion, ``qerl.step``). The row adds ``length_stats`` (median, p95,
 mean, max, total, fraction at the cap), ``decode_steps`` and ``bucket_steps`` (the rollout's decode
 steps at each batch size), and its ``rollout_tokens_per_s`` counts the drawn lengths. The same command
 with ``--models qwen2.5-7b --batch 64`` in place of ``--row`` runs micro-batch 1 (``--micro-batch``).
@@ -183,7 +183,7 @@ def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: 
     sc.warm_up_engine(engine, cfg.num_generations, prompt_len, cfg.max_completion_length, vocab, lengths)
     device = model.get_input_embeddings().weight.device
     mb = cfg.micro_batch_size
-    width = max(lengths) if lengths else cfg.max_completion_length  # the GEMM shapes Triton autotunes on
+    width = max(lengths) if lengths else cfg.max_completion_length  # the timed step's widest training forward
     ro = synthetic_rollout(mb, prompt_len, width, vocab, device, seed=1)
     grpo_step(cfg, model, engine, opt, sched, None, torch.randn(mb), reuse, sc.PhaseTimer(), ro=ro)
     opt.zero_grad(set_to_none=True)
@@ -245,7 +245,8 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
                optimizer=type(opt).__name__, oom=False, lengths=args.lengths, **extra)
     # the completion lengths: every sequence at the cap, or a mix drawn once (the same for every method)
     lengths = sc.draw_lengths(args.lengths, spec.batch, spec.completion, seed=args.seed)
-    if args.lengths != "fixed":
+    caps = None if args.lengths == "fixed" else lengths  # per-sequence caps of the rollout (None: all at the cap)
+    if caps:
         row["length_stats"] = sc.length_summary(lengths, spec.completion)
     ph = sc.PhaseTimer()
     engine = None
@@ -255,8 +256,7 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
         with ph("engine"):
             engine = sc.make_fast_engine(model, spec.batch, args.prompt + spec.completion)
         with ph("warmup"):
-            warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse,
-                    None if args.lengths == "fixed" else lengths)
+            warm_up(cfg, model, engine, opt, sched, args.prompt, vocab, reuse, caps)
         sc.reset_peak()
         steps = []  # one dict of phase seconds per timed step; the row reports the medians
         prompts = [sc.random_prompts(1, args.prompt, vocab, cfg.seed)[0]]  # one group: a prompt sampled B times
@@ -265,8 +265,7 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
             ph = sc.PhaseTimer()  # the step's phases; an OOM reports the one it happened in
             adv = torch.randn(spec.batch, generator=torch.Generator().manual_seed(cfg.seed))
             t0 = time.perf_counter()
-            m = grpo_step(cfg, model, engine, opt, sched, prompts * spec.batch, adv, reuse, ph,
-                          lengths=None if args.lengths == "fixed" else lengths)
+            m = grpo_step(cfg, model, engine, opt, sched, prompts * spec.batch, adv, reuse, ph, lengths=caps)
             steps.append(dict(ph.seconds, step=time.perf_counter() - t0))
             opt.zero_grad(set_to_none=True)
             model.eval()

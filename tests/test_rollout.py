@@ -421,17 +421,10 @@ def test_seeded_rollouts_repeat_token_for_token(smollm2_gpu):
     same log-probs on a repeat and in a fresh engine, at batches that run each 4-bit decode kernel
     (3 rows: mma.sync; 24: the warp-specialised kernel on sm_90; 48: the warpgroup-MMA variant) and the
     tiled LoRA-A kernel from 16 rows."""
-    import copy
 
-    from qerl.quantize import QuantizeConfig, quantize_
 
     model, tok = smollm2_gpu
-    model = copy.deepcopy(model).cuda()
-    quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
-    with torch.no_grad():  # LoRA B away from its zero init, so that the adapters' kernels count
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02, generator=torch.Generator(device=p.device).manual_seed(0))
+    model = _nvfp4_lora_copy(model, 0.02, seed=0)  # LoRA B away from its zero init, so that the adapters' kernels count
     prompts = _chat_prompts(tok, QUESTIONS) * 16
     engine = FastEngine(model, tok, max_seq_len=512)
     assert engine.fused and engine.cuda_graphs
@@ -452,18 +445,11 @@ def test_compaction_and_waves_match_the_static_batch_smollm2(smollm2_gpu):
     within the greedy-closeness rule. The bound is twice the drift between two valid batchings of the
     static engine (all 48 against the first 16 alone: other batch sizes, other kernel tiles), at least
     0.1. Seeded sampled runs with compaction repeat token for token."""
-    import copy
     from types import SimpleNamespace
 
-    from qerl.quantize import QuantizeConfig, quantize_
 
     model, tok = smollm2_gpu
-    model = copy.deepcopy(model).cuda()
-    quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02, generator=torch.Generator(device=p.device).manual_seed(1))
+    model = _nvfp4_lora_copy(model, 0.02, seed=1)
     prompts = _chat_prompts(tok, QUESTIONS) * 16
     caps = [1 + (37 * i) % 150 for i in range(44)] + [170, 200, 230, 260]
     caps = [caps[(7 * i) % 48] for i in range(48)]
@@ -486,6 +472,22 @@ def test_compaction_and_waves_match_the_static_batch_smollm2(smollm2_gpu):
     assert torch.equal(s1.completion_ids, s2.completion_ids) and torch.equal(s1.logprobs, s2.logprobs)
 
 
+def _nvfp4_lora_copy(model, std: float, seed: int | None = None):
+    """A CUDA copy of ``model`` in NVFP4 with rank-16 LoRA, its B weights drawn from N(0, std) (from
+    ``seed`` on the device, else torch's global generator)."""
+    import copy
+
+    from qerl.quantize import QuantizeConfig, quantize_
+
+    model = copy.deepcopy(model).cuda()
+    quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std, generator=None if seed is None else torch.Generator(device=p.device).manual_seed(seed))
+    return model
+
+
 def _logprob_gap(model, out) -> float:
     """Mean |engine log-prob - training-forward log-prob| over the completion tokens."""
     with torch.no_grad():
@@ -500,17 +502,10 @@ def _logprob_gap(model, out) -> float:
 def test_fused_cuda_graph_agrees_with_unfused(smollm2_gpu):
     """The fused decode graphs vs the unfused ones on the embedded model (NVFP4 + LoRA with a
     non-zero B, bf16): greedy tokens agree (near ties aside) and log-probs are close."""
-    import copy
 
-    from qerl.quantize import QuantizeConfig, quantize_
 
     model, tok = smollm2_gpu
-    model = copy.deepcopy(model).cuda()
-    quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.01)
+    model = _nvfp4_lora_copy(model, 0.01)
     prompts = _chat_prompts(tok, QUESTIONS) * 3
     a = FastEngine(model, tok, max_seq_len=512, fused=False).generate(prompts, 64, greedy=True)
     b = FastEngine(model, tok, max_seq_len=512, fused=True).generate(prompts, 64, greedy=True)
