@@ -37,7 +37,7 @@ from pathlib import Path
 
 from experiments import aqn_paired
 from experiments._common import Artefact, Outputs, declare
-from experiments.aqn_power import t_cdf, t_quantile
+from experiments.aqn_power import SD, t_cdf, t_quantile, tost_power
 from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_tasks
 from qerl.logging import git_info
 
@@ -214,7 +214,15 @@ def notes(out: Path, runs: dict, seeds: list[int], left_out: dict, table: list[d
              f"- finished: {sum(1 for a, _ in runs if a == CONTROL)} `{CONTROL}`, "
              f"{sum(1 for a, _ in runs if a == TREATED)} `{TREATED}`; complete pairs used: {len(seeds)}",
              f"- git sha of the runs used: {', '.join(shas) if shas else '-'}"]
+    devices = devices_of(out, seeds)
+    if devices:
+        lines.append("- devices of those runs: " + ", ".join(f"{d} ({n} runs)" for d, n in sorted(devices.items())))
     lines += [f"- left out, seed {s}: {why}" for s, why in sorted(left_out.items())]
+    if primary is not None and primary["n"] >= 2 and primary["sd"] > 0:
+        lines += ["", f"Exploratory (not in the plan): the paired differences' SD is {primary['sd']:.4f}; the plan "
+                  f"sized the test with {SD}. At the observed SD, {primary['n']} pairs give TOST a power of "
+                  f"{tost_power(primary['n'], sd=primary['sd'], margin=MARGIN):.2f} at a true difference of 0 "
+                  f"(plan: {tost_power(primary['n'], sd=SD, margin=MARGIN):.2f})."]
     lines += ["", "## Endpoints", "",
               "Paired differences aqn - noaqn; t CIs and TOST (margin +-0.02, alpha 0.05 each side); bootstrap: "
               "percentile, 10,000 resamples. Only the primary row decides; the secondary rows are uncorrected "
@@ -232,6 +240,20 @@ def notes(out: Path, runs: dict, seeds: list[int], left_out: dict, table: list[d
               "with the project's restored noise (aqn_mode restored); not the paper's 3B-14B models, not the "
               "upstream code's accumulating noise."]
     (out / "NOTES.md").write_text("\n".join(lines) + "\n")
+
+
+def devices_of(out: Path, seeds: list[int]) -> dict[str, int]:
+    """How many of the used runs ran on each device (config.json's ``provenance.device``)."""
+    counts: dict[str, int] = {}
+    for arm in ARMS:
+        for s in seeds:
+            try:
+                cfg = json.loads((out / "runs" / f"{arm}-s{s}" / "config.json").read_text())
+                dev = (cfg.get("provenance") or {}).get("device")
+            except (OSError, ValueError):
+                dev = None
+            counts[dev or "?"] = counts.get(dev or "?", 0) + 1
+    return counts
 
 
 def figure(out: Path, primary: dict | None) -> Path | None:

@@ -5,6 +5,7 @@ synthetic run folders (no training, no GPU).
 """
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -220,3 +221,30 @@ def test_the_study_runs_through_the_launcher_and_resumes(tmp_path, monkeypatch):
         eq.main([*argv, "--archive", str(tgz)])
     names = tarfile.open(tgz).getnames()
     assert "small/runs/aqn-s103/run.json" in names and "small/table.csv" in names
+
+
+def test_the_committed_study_reproduces_and_the_readme_states_its_verdict(tmp_path):
+    """results/aqn_equivalence/small: the analysis of the committed runs gives the committed table.csv, the
+    plan's rules hold on them (>= 120 pairs, one git sha, configs differing only in AQN), and the README's
+    AQN row names the verdict."""
+    import csv
+    import shutil
+
+    from experiments import aqn_equivalence as eq
+
+    root = Path(__file__).resolve().parents[1]
+    src = root / eq.OUT
+    if not (src / "table.csv").is_file():
+        pytest.skip("no committed results/aqn_equivalence/small/table.csv")
+    shutil.copytree(src / "runs", tmp_path / "runs")
+    res = eq.analyze(tmp_path)
+    p = res["primary"]
+    assert p["n"] >= eq.MIN_PAIRS and not res["left_out"]
+    assert len({r["git_sha"] for r in res["runs"].values()}) == 1
+    assert (tmp_path / "table.csv").read_text() == (src / "table.csv").read_text()
+    committed = list(csv.DictReader((src / "table.csv").open()))[0]
+    assert committed["verdict"] == p["verdict"]
+    assert eq.verdict_sentence(p) in (src / "NOTES.md").read_text()
+    readme = (root / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "aqn_equivalence/small/NOTES.md" in line)
+    assert f"**{p['verdict']}" in row and f"{p['mean_diff']:+.3f}" in row
