@@ -22,8 +22,10 @@ phases, as ``grpo_step`` times them:
            policy_loss, backward; clip_grad_norm_; one optimizer step
 ``train_s`` = logprob + update (the summary's train_nvfp4_over_bf16 keys).
 The GPU is synchronized between phases. Before the timed step, a warm-up captures the engine's CUDA
-graphs with short calls and runs one micro-batch of each training phase at full length (Triton
-autotuning keys on the GEMM shapes), so the timed step measures steady state. ``--steps N`` times N
+graphs with short calls and runs the training phases on every micro-batch width the timed step will
+train on (fixed lengths: one micro-batch at full length; ``--lengths``: the whole batch with the drawn
+lengths), so the timed step measures steady state: the 4-bit path's first step at new widths cost ~5 s
+more at 7B (results/table3/NOTES.md), a cost a training run pays once a width. ``--steps N`` times N
 steps and reports each phase's median (and every step's seconds under ``steps``).
 
 Writes <out>/<gpu>.json with gpu, git_sha, date, env, rows (one per model x method x batch x
@@ -145,12 +147,20 @@ def bench_config(method: str, args, batch: int, micro_batch: int, completion: in
                        seed=args.seed, wandb_mode="disabled")
 
 
-def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: int, device, seed: int = 0) -> RolloutOutput:
-    """A RolloutOutput of random tokens (for warming up the training phases without generating)."""
+def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: int, device, seed: int = 0,
+                      lengths: list[int] | None = None) -> RolloutOutput:
+    """A RolloutOutput of random tokens (for warming up the training phases without generating);
+    ``lengths``: sequence i's completion ends after lengths[i] tokens (its mask), as the timed rollout's."""
     ids = torch.tensor(sc.random_prompts(batch, prompt_len + completion_len, vocab, seed), device=device)
     ones = torch.ones_like(ids)
+    cmask = ones[:, prompt_len:]
+    if lengths is not None:
+        if len(lengths) != batch or max(lengths) > completion_len:
+            raise ValueError(f"{len(lengths)} lengths up to {max(lengths)} for {batch} sequences of {completion_len}")
+        cmask = (torch.arange(completion_len, device=device)[None, :]
+                 < torch.tensor(lengths, device=device)[:, None]).to(ones.dtype)
     z = torch.zeros((batch, completion_len), dtype=torch.float32, device=device)
-    return RolloutOutput(ids[:, :prompt_len], ones[:, :prompt_len], ids[:, prompt_len:], ones[:, prompt_len:], z, z.clone(),
+    return RolloutOutput(ids[:, :prompt_len], ones[:, :prompt_len], ids[:, prompt_len:], cmask, z, z.clone(),
                          torch.ones(batch, dtype=torch.bool, device=device))
 
 
@@ -178,14 +188,20 @@ def grpo_step(cfg, model, engine, opt, sched, prompt_ids: list | None, advantage
 def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool,
             lengths: list[int] | None = None) -> float:
     """Engine graphs (short calls; every batch bucket when ``lengths``, the timed rollout's caps,
-    differ) + the step's training phases on one micro-batch as wide as the timed rollout's."""
+    differ) + the step's training phases: on one micro-batch as wide as the timed rollout's, or, with
+    ``lengths``, on the whole batch with those completion lengths, so that every micro-batch width the
+    timed step trains on has run once. (A width's first forward and backward cost the 4-bit path several
+    seconds more in all at 7B, and bf16 LoRA nothing: results/table3/NOTES.md; a training run meets each
+    width once, then steps repeat them.)"""
     t0 = time.perf_counter()
     sc.warm_up_engine(engine, cfg.num_generations, prompt_len, cfg.max_completion_length, vocab, lengths)
     device = model.get_input_embeddings().weight.device
-    mb = cfg.micro_batch_size
-    width = max(lengths) if lengths else cfg.max_completion_length  # the timed step's widest training forward
-    ro = synthetic_rollout(mb, prompt_len, width, vocab, device, seed=1)
-    grpo_step(cfg, model, engine, opt, sched, None, torch.randn(mb), reuse, sc.PhaseTimer(), ro=ro)
+    if lengths:
+        n, width = len(lengths), max(lengths)  # the timed step's micro-batches and widths (qerl.step._width)
+    else:
+        n, width = cfg.micro_batch_size, cfg.max_completion_length  # the timed step's widest training forward
+    ro = synthetic_rollout(n, prompt_len, width, vocab, device, seed=1, lengths=lengths)
+    grpo_step(cfg, model, engine, opt, sched, None, torch.randn(n), reuse, sc.PhaseTimer(), ro=ro)
     opt.zero_grad(set_to_none=True)
     model.eval()
     sc.sync()

@@ -219,8 +219,9 @@ def _width(cmask: torch.Tensor) -> int:
     multiple of WIDTH_ROUND (at most the rollout's width). The rollout is as wide as its longest sequence;
     cutting each micro-batch to its own longest skips the padding after the rows' last tokens (causal
     attention: the positions kept compute the same). The rounding keeps the training GEMMs to a few
-    shapes, each row count a multiple of 16, so the 4-bit kernels compile once per shape class instead of
-    once for every new length."""
+    shapes, each row count a multiple of 16: the 4-bit path's first forward and backward at a new width
+    cost more than later ones (7B: ~5 s over a step's 8 micro-batches, bf16 LoRA none; results/table3/
+    NOTES.md), so a run meets at most cap / WIDTH_ROUND such widths, once each."""
     C = cmask.size(1)
     if cmask.numel() == 0:
         return max(C, 1)

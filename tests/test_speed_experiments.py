@@ -440,3 +440,28 @@ def test_profile_decode_smoke_on_cpu(tmp_path):
     assert profile_decode.category("_fwd_gemv_kernel") == "4-bit linear"
     assert profile_decode.category("nvjet_sm90_tst_192x192") == "cuBLAS GEMM"
     assert profile_decode.category("void at::native::copy_kernel") == "other"
+
+
+def test_table3_warm_up_trains_every_width_of_the_timed_step(cfg, monkeypatch):
+    """With a length mix the warm-up trains on the timed step's own micro-batch widths (the 4-bit path's
+    first forward / backward at a width costs more than later ones), so the timed step meets no new one."""
+    from qerl import step as qstep
+
+    monkeypatch.setattr(qstep, "WIDTH_ROUND", 2)  # several widths within the tiny cap
+    widths, phase = {"warm": [], "timed": []}, ["warm"]
+    real_width = qstep._width
+    monkeypatch.setattr(qstep, "_width", lambda cm: widths[phase[0]].append(real_width(cm)) or widths[phase[0]][-1])
+    real_rollout = qstep.rollout
+    monkeypatch.setattr(qstep, "rollout", lambda *a, **k: phase.__setitem__(0, "timed") or real_rollout(*a, **k))
+
+    class A(_Args):
+        completion, lengths = 8, "lognormal:median=2,p95=7"
+
+    m = tiny(cfg)
+    opt, sched = _t3_opt(m, A)
+    row = t3.measure(m, _spec(batch=4, mb=1), "nvfp4", A, cfg.vocab_size, opt, sched, {})
+    assert not row["oom"] and "error" not in row
+    drawn = sc.draw_lengths(A.lengths, 4, 8, seed=0)
+    # each micro-batch (one sequence here) at its length rounded up, at most the rollout's width (its longest)
+    assert sorted(set(widths["timed"])) == sorted({min(max(drawn), -(-n // 2) * 2) for n in drawn})
+    assert len(set(widths["timed"])) >= 2 and set(widths["timed"]) <= set(widths["warm"])
