@@ -263,6 +263,21 @@ def test_fused_compaction_equals_the_static_batch():
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
 
 
+def test_fused_refill_equals_one_batch():
+    """The fused decode step with freed rows taking waiting prompts (each row at its own token index, one
+    cache cursor): one batch's tokens and log-probs (fp32 NVFP4 + LoRA, per-sequence caps)."""
+    model = _lora_model("qwen2")
+    prompts = [PROMPTS[i % len(PROMPTS)] + [40 + i] * (1 + i % 2) for i in range(7)]
+    caps, kw = [2, 9, 4, 7, 1, 5, 6], dict(temperature=1.0, seed=7, ignore_eos=True)
+    a = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True, sync_every=2).generate(prompts, caps, **kw)
+    f = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True, sync_every=2, max_batch=3)
+    b = f.generate(prompts, caps, **kw)
+    assert f.last_stats["refills"] == 4 and b.completion_mask.sum(1).tolist() == caps
+    w = min(a.completion_ids.shape[1], b.completion_ids.shape[1])
+    assert torch.equal(a.completion_ids[:, :w], b.completion_ids[:, :w])
+    torch.testing.assert_close(a.logprobs[:, :w], b.logprobs[:, :w], atol=1e-4, rtol=0)
+
+
 def test_fused_engine_bf16_agrees():
     """bf16 (the rollout dtype): reductions in another order may flip a near tie, rarely."""
     model = _lora_model("qwen2", fmt="bf16", dtype=BF)
@@ -417,6 +432,35 @@ def test_compaction_cuda_graphs_equal_the_static_batch(dtype):
     assert set(st["bucket_steps"]) == {40, 32, 16, 8, 4, 2, 1} and st["decode_steps"] == max(caps) - 1
     c = fe.generate(prompts, caps, **kw)
     assert torch.equal(b.completion_ids, c.completion_ids) and torch.equal(b.logprobs, c.logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_refill_cuda_graphs_equal_one_batch(dtype):
+    """Freed rows take waiting prompts under CUDA graphs (each row's own token index in the graph, the
+    fused per-row Gumbel draw), with a cache of prompt + cap + sync_every slots, so the cursor moves back:
+    40 sequences on 8 rows give one batch's greedy tokens (the closeness rule of the compaction test),
+    and seeded sampled runs repeat bitwise."""
+    model = _gpu_model(dtype, lora=dtype == BF)
+    prompts = [GPU_PROMPTS[i % 4][: 5 + 3 * i] for i in range(40)]
+    caps = [1 + (37 * i) % 170 for i in range(40)]
+    kw = dict(greedy=True, ignore_eos=True)
+    a = _gpu_engine(model).generate(prompts, caps, **kw)
+    fe = _gpu_engine(model, max_batch=8)
+    b = fe.generate(prompts, caps, **kw)
+    assert b.completion_mask.sum(1).tolist() == caps
+    st = fe.last_stats
+    assert st["refills"] == 32 and st["rebases"] >= 1 and max(st["bucket_steps"]) == 8, st
+    w = min(a.completion_ids.shape[1], b.completion_ids.shape[1])
+    from types import SimpleNamespace
+
+    cut = [SimpleNamespace(**{f: getattr(x, f)[:, :w] for f in ("completion_ids", "completion_mask", "logprobs")})
+           for x in (a, b)]
+    assert_greedy_close(*cut, 1e-3 if dtype == torch.float32 else 0.05)
+    s1 = fe.generate(prompts, caps, temperature=1.0, seed=3, ignore_eos=True)
+    s2 = _gpu_engine(model, max_batch=8).generate(prompts, caps, temperature=1.0, seed=3, ignore_eos=True)
+    assert torch.equal(s1.completion_ids, s2.completion_ids) and torch.equal(s1.logprobs, s2.logprobs)
 
 
 @pytest.mark.gpu

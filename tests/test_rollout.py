@@ -170,21 +170,85 @@ def test_compaction_equals_the_static_batch(model_type):
     assert torch.equal(a.completion_ids, c.completion_ids) and torch.equal(a.truncated, c.truncated)
 
 
-def test_waves_of_max_batch_equal_one_batch():
-    """More sequences than max_batch: waves of max_batch, each compacting; the same tokens as one batch."""
+@pytest.mark.parametrize("refill", [True, False])
+def test_more_prompts_than_rows_equal_one_batch(refill):
+    """More sequences than max_batch: freed rows take the waiting prompts (refill), or waves of max_batch,
+    each compacting; the same tokens, lengths and log-probs as one batch of all of them."""
     model = _eos_likely(make_tiny_model("qwen2", dtype=torch.float32), 0.4)
     prompts = [PROMPTS[i % 4] + [50 + i] * (i % 3) for i in range(11)]
     caps = [4 + (5 * i) % 23 for i in range(11)]
     kw = dict(temperature=1.0, seed=9, seq_ids=list(range(200, 211)))
     one = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2).generate(prompts, caps, **kw)
-    fe = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2, max_batch=4)
-    waves = fe.generate(prompts, caps, **kw)
-    assert fe.last_stats["waves"] == 3 and max(fe.last_stats["bucket_steps"]) == 4
-    for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
-        assert torch.equal(getattr(one, f), getattr(waves, f)), f
-    torch.testing.assert_close(one.logprobs, waves.logprobs, atol=1e-5, rtol=0)
+    fe = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=2, max_batch=4, refill=refill)
+    out = fe.generate(prompts, caps, **kw)
+    st = fe.last_stats
+    assert max(st["bucket_steps"]) == 4
+    if refill:
+        assert st["waves"] == 1 and st["refills"] == 7
+    else:
+        assert st["waves"] == 3 and st["refills"] == 0
+    _assert_same_sequences(one, out)
     with pytest.raises(ValueError, match="max_batch"):
         FastEngine(model, eos_token_ids=[2], max_batch=0)
+
+
+def _assert_same_sequences(a, b, atol=1e-5):
+    """Equal prompts, masks, tokens and truncation flags, and log-probs / entropies within atol, over the
+    columns both have (beyond them only padding)."""
+    for f in ("prompt_ids", "prompt_mask", "truncated"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    w = min(a.completion_ids.shape[1], b.completion_ids.shape[1])
+    for x in (a, b):
+        assert not x.completion_mask[:, w:].any()
+    assert torch.equal(a.completion_mask[:, :w], b.completion_mask[:, :w])
+    assert torch.equal(a.completion_ids[:, :w], b.completion_ids[:, :w])
+    torch.testing.assert_close(a.logprobs[:, :w], b.logprobs[:, :w], atol=atol, rtol=0)
+    torch.testing.assert_close(a.entropy[:, :w], b.entropy[:, :w], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_refill_with_a_small_cache_moves_the_cursor_back(model_type):
+    """Many more prompts than rows in a cache that holds only prompt + cap + sync_every slots: the cursor
+    moves back (rebases) several times and every sequence still gets the one-batch tokens. A cap of 1
+    ends at the refill's own token; greedy and sampled."""
+    model = make_tiny_model(model_type, dtype=torch.float32)
+    if model_type == "llama":
+        _eos_likely(model, 0.15)
+    prompts = [PROMPTS[i % 4] + [40 + i] * (i % 4) for i in range(40)]
+    caps = [1 if i == 7 else 40 + (37 * i) % 61 for i in range(40)]
+    for kw in (dict(temperature=1.0, seed=4, seq_ids=list(range(300, 340))), dict(greedy=True)):
+        one = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=3).generate(prompts, caps, **kw)
+        fe = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=3, max_batch=4)
+        out = fe.generate(prompts, caps, **kw)
+        st = fe.last_stats
+        assert st["refills"] == 36 and st["rebases"] >= 2, st
+        assert fe.buf.L == 256  # prompt + cap + sync_every slots, rounded to the window
+        _assert_same_sequences(one, out)
+        assert out.completion_mask.sum(1).tolist() == one.completion_mask.sum(1).tolist()
+        assert st["useful_tokens"] == int(one.completion_mask.sum())
+
+
+def test_refill_applies_stop_strings_per_sequence():
+    """Stop strings end each sequence over its own tokens, also in refilled rows (their token counts differ
+    from the first rows')."""
+    from qerl.rollout import common
+
+    class Tok:  # every token decodes to one letter; "c" stops
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join("abcdefgh"[i % 8] for i in ids)
+
+    model = make_tiny_model("qwen2", dtype=torch.float32)
+    prompts = [PROMPTS[i % 4] + [60 + i] for i in range(9)]
+    kw = dict(temperature=1.0, seed=2, stop_strings=["c"])
+    one = FastEngine(model, Tok(), eos_token_ids=[2], pad_id=0, sync_every=2).generate(prompts, 16, **kw)
+    fe = FastEngine(model, Tok(), eos_token_ids=[2], pad_id=0, sync_every=2, max_batch=3)
+    out = fe.generate(prompts, 16, **kw)
+    assert fe.last_stats["refills"] == 6
+    _assert_same_sequences(one, out)
+    for ids, n in zip(out.completion_ids.tolist(), out.completion_mask.sum(1).tolist()):
+        text = Tok().decode(ids[:n])
+        assert ("c" not in text[:-1]) and (text.endswith("c") or n == 16), text
+    assert common.stop_length(Tok(), [0, 1, 2, 3], ["c"]) == 3
 
 
 def test_caps_end_sequences_and_bad_caps():
@@ -441,7 +505,8 @@ def test_seeded_rollouts_repeat_token_for_token(smollm2_gpu):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compaction_and_waves_match_the_static_batch_smollm2(smollm2_gpu):
     """The embedded model in NVFP4 + LoRA under CUDA graphs, greedy, 48 sequences with their own caps:
-    finished rows leaving the batch (a graph per bucket) and waves of 16 give the static batch's tokens
+    finished rows leaving the batch (a graph per bucket), 16 rows refilled from the waiting prompts, and
+    waves of 16 give the static batch's tokens
     within the greedy-closeness rule. The bound is twice the drift between two valid batchings of the
     static engine (all 48 against the first 16 alone: other batch sizes, other kernel tiles), at least
     0.1. Seeded sampled runs with compaction repeat token for token."""
@@ -464,9 +529,14 @@ def test_compaction_and_waves_match_the_static_batch_smollm2(smollm2_gpu):
     assert fe.last_stats["compactions"] >= 4 and min(fe.last_stats["bucket_steps"]) == 1
     assert b.completion_mask.sum(1).tolist() == caps
     assert_greedy_close(a, b, tol)
-    w = FastEngine(model, tok, max_seq_len=512, max_batch=16)
-    assert_greedy_close(a, w.generate(prompts, caps, **kw), tol)
-    assert w.last_stats["waves"] == 3
+    for refill in (True, False):  # 48 sequences on 16 rows: freed rows take waiting prompts, or waves of 16
+        w = FastEngine(model, tok, max_seq_len=512, max_batch=16, refill=refill)
+        c = w.generate(prompts, caps, **kw)
+        assert c.completion_mask.sum(1).tolist() == caps
+        width = min(a.completion_ids.shape[1], c.completion_ids.shape[1])
+        assert_greedy_close(*[SimpleNamespace(**{f: getattr(x, f)[:, :width] for f in
+                                                 ("completion_ids", "completion_mask", "logprobs")}) for x in (a, c)], tol)
+        assert (w.last_stats["refills"], w.last_stats["waves"]) == ((32, 1) if refill else (0, 3))
     s1 = fe.generate(prompts, caps, temperature=1.0, seed=5, ignore_eos=True)
     s2 = FastEngine(model, tok, max_seq_len=512).generate(prompts, caps, temperature=1.0, seed=5, ignore_eos=True)
     assert torch.equal(s1.completion_ids, s2.completion_ids) and torch.equal(s1.logprobs, s2.logprobs)

@@ -45,12 +45,13 @@ def _fmix32(h):
 
 @triton.jit
 def _gumbel_argmax_kernel(x_ptr, keys_ptr, t_ptr, val_ptr, idx_ptr, V, stride_x, NBLK, BLOCK: tl.constexpr,
-                          LIBDEVICE: tl.constexpr):
+                          LIBDEVICE: tl.constexpr, T_PER_ROW: tl.constexpr):
     """Program (row, block): max over its BLOCK entries of x + g and the first index reaching it."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
     key = tl.load(keys_ptr + row).to(tl.uint32)  # keys hold values in [0, 2^32)
-    t = tl.load(t_ptr).to(tl.uint32)  # the low 32 bits of t decide (t * c) mod 2^32
+    # the low 32 bits of t decide (t * c) mod 2^32; one t for all rows, or each row's own
+    t = tl.load(t_ptr + row if T_PER_ROW else t_ptr).to(tl.uint32)
     kt = _fmix32(key ^ (t * tl.full(t.shape, 0x9E3779B1, tl.uint32)))
     v = blk * BLOCK + tl.arange(0, BLOCK)
     m = v < V
@@ -70,20 +71,25 @@ def _gumbel_argmax_kernel(x_ptr, keys_ptr, t_ptr, val_ptr, idx_ptr, V, stride_x,
 
 @torch.library.custom_op("qerl::gumbel_argmax", mutates_args=())
 def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """argmax_v(x[b, v] - log(-log(u(keys[b], t, v)))) per row b: x fp32 [B, V] (rows contiguous), keys
-    int64 [B] from ``sequence_keys``, t a 0-d or one-element int64 tensor on x's device. int64 [B]."""
+    """argmax_v(x[b, v] - log(-log(u(keys[b], t[b], v)))) per row b: x fp32 [B, V] (rows contiguous), keys
+    int64 [B] from ``sequence_keys``, t an int64 tensor on x's device: one element (every row's step) or
+    [B] (each row's own step, as when rows decode sequences that started at different steps). int64 [B]."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"gumbel_argmax takes fp32 [B, V] logits with contiguous rows, got {x.dtype} "
                          f"{tuple(x.shape)} strides {x.stride()}")
     B, V = x.shape
-    if keys.shape != (B,) or t.numel() != 1:
-        raise ValueError(f"gumbel_argmax: keys must be [{B}] and t one element, got {tuple(keys.shape)}, {t.numel()}")
+    per_row = t.dim() == 1 and t.numel() == B and B != 1
+    if keys.shape != (B,) or not (t.numel() == 1 or per_row):
+        raise ValueError(f"gumbel_argmax: keys must be [{B}] and t one element or [{B}], got {tuple(keys.shape)}, "
+                         f"{tuple(t.shape)}")
+    if per_row:
+        t = t.contiguous()
     nblk = triton.cdiv(V, BLOCK_V)
     vals = torch.empty((B, nblk), dtype=torch.float32, device=x.device)
     idx = torch.empty((B, nblk), dtype=torch.int32, device=x.device)
     if B:
         _gumbel_argmax_kernel[(B, nblk)](x, keys, t, vals, idx, V, x.stride(0), nblk, BLOCK=BLOCK_V,
-                                             LIBDEVICE=not INTERPRETED, num_warps=4)
+                                             LIBDEVICE=not INTERPRETED, T_PER_ROW=per_row, num_warps=4)
     # the first block holding the row's maximum (torch.argmax: the first one), then its index there
     return idx.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1).long()
 

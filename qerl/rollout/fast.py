@@ -33,6 +33,14 @@ One ``generate`` call:
    batch sizes: a near tie may break differently, as between any two batch sizes). Each sequence
    may have its own cap (``max_new_tokens`` as a list), which is how the benchmarks force a mix of
    completion lengths. ``last_stats`` says how many decode steps ran at each bucket.
+5. More prompts than rows (``max_batch``): at each host check the rows whose sequences ended take
+   the waiting prompts (``refill=True``, the default). Every row writes the same cache slot each step
+   (one cursor, as in the static batch), so a refilled prompt is prefilled into its row's slots just
+   before the cursor, its own positions starting at 0, and decodes on with the others; no kernel needs
+   per-row cache positions. When the cursor would pass the cache's end, every row's live slots move
+   back to the start (``_rebase``): a running sequence spans at most prompt + cap slots, so a cache of
+   prompt + cap + sync_every slots suffices however many prompts wait. Once none waits, the rows
+   compact as in 4. ``refill=False`` runs the prompts in waves of max_batch instead.
 
 Without CUDA (CPU tests) the same step function runs eagerly; ``cuda_graphs=False`` does the same
 on a GPU (for debugging and for measuring what the graphs buy).
@@ -69,13 +77,13 @@ from qerl.forward import lm_logits, positions_from_mask
 from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, rmsnorm, rope_cache_write
 from qerl.rollout.common import (
     RolloutOutput,
-    apply_stop_strings,
     as_token_lists,
     batch_keys,
     caps_list,
     eos_ids,
     left_pad,
     sample_tokens,
+    stop_length,
 )
 from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input, stacked_A
 
@@ -102,9 +110,11 @@ def _rotate_half(x):
 @dataclass
 class _Buffers:
     """The engine's state. Row tensors ([B, ...]) hold the sequences being decoded, packed into the first
-    rows (a bucket's CUDA graphs read rows [:bucket]); sequence tensors ([B + 1, ...]) are indexed by the
-    sequence's place in the call's prompt list, their last row a scratch row the padding rows write to."""
+    rows (a bucket's CUDA graphs read rows [:bucket]); sequence tensors ([S + 1, ...], S >= B the sequences
+    a call may have) are indexed by the sequence's place in the call's prompt list, their last row (S) a
+    scratch row that padding rows and finished rows write to."""
     B: int
+    S: int
     L: int
     k: list
     v: list
@@ -112,22 +122,22 @@ class _Buffers:
     tok: torch.Tensor  # rows [B] next input token
     pos: torch.Tensor  # rows [B] its position id
     keys: torch.Tensor  # rows [B] sampling keys
-    rowseq: torch.Tensor  # rows [B] the sequence a row decodes (B: a padding row)
-    cpos: torch.Tensor  # [1] the cache slot the next step writes
-    t: torch.Tensor  # [] index of the token the next step samples
-    done: torch.Tensor  # sequences [B + 1] bool: ended (EOS, stop string or its cap)
-    eos: torch.Tensor  # sequences [B + 1] bool: ended by EOS or a stop string (not truncated)
-    lengths: torch.Tensor  # sequences [B + 1]
-    cap: torch.Tensor  # sequences [B + 1] its max_new_tokens
-    out_ids: torch.Tensor  # sequences [B + 1, L]
-    out_lp: torch.Tensor  # sequences [B + 1, L] fp32
-    out_ent: torch.Tensor  # sequences [B + 1, L] fp32
+    rowseq: torch.Tensor  # rows [B] the sequence a row decodes (S: a padding row)
+    col: torch.Tensor  # rows [B] index of the token the row's next step samples (its sequence's tokens so far)
+    cpos: torch.Tensor  # [1] the cache slot the next step writes (one for every row)
+    done: torch.Tensor  # sequences [S + 1] bool: ended (EOS, stop string or its cap)
+    eos: torch.Tensor  # sequences [S + 1] bool: ended by EOS or a stop string (not truncated)
+    lengths: torch.Tensor  # sequences [S + 1]
+    cap: torch.Tensor  # sequences [S + 1] its max_new_tokens
+    out_ids: torch.Tensor  # sequences [S + 1, L]
+    out_lp: torch.Tensor  # sequences [S + 1, L] fp32
+    out_ent: torch.Tensor  # sequences [S + 1, L] fp32
 
     def rows(self, n: int) -> _Buffers:
         """The same state with the row tensors cut to the first n rows (a bucket's view)."""
         if n == self.B:
             return self
-        cut = {f: getattr(self, f)[:n] for f in ("key_valid", "tok", "pos", "keys", "rowseq")}
+        cut = {f: getattr(self, f)[:n] for f in ("key_valid", "tok", "pos", "keys", "rowseq", "col")}
         return replace(self, k=[x[:n] for x in self.k], v=[x[:n] for x in self.v], **cut)
 
 
@@ -152,8 +162,12 @@ class FastEngine:
         fused: decode through the fused Triton kernels (default: on CUDA when the model allows it,
             i.e. a SiLU MLP; True on the CPU needs TRITON_INTERPRET=1).
         max_batch: the most sequences decoded at once (the cache's rows; default: every prompt of a
-            call). A call with more prompts runs them in waves of max_batch, each compacting as its
-            sequences end.
+            call). A call with more prompts gives each row whose sequence ended to the next waiting
+            prompt (``refill``, the default), or runs them in waves of max_batch (``refill=False``),
+            each compacting as its sequences end.
+        refill: with more prompts than max_batch, freed rows take waiting prompts at each host check:
+            the prompt is prefilled into the row's cache just before the shared cache cursor and joins
+            the decode; the cursor moves back when the cache fills. Once none waits, rows compact.
         compact: finished sequences leave the batch (default): when the sequences still running fit a
             smaller bucket (``buckets``), they are packed into its rows and its graphs replay. False
             keeps the static batch: every row runs until the last sequence ends.
@@ -161,13 +175,14 @@ class FastEngine:
     ``stats`` counts over the engine's life (graph captures, replays, host syncs, compactions);
     ``last_stats`` describes the last ``generate`` call: decode steps in all and at each bucket
     (``bucket_steps``), compactions and the seconds their moves took (``compaction_s``, timed
-    on the GPU), the useful (non-pad) completion tokens, and the waves of max_batch.
+    on the GPU), the useful (non-pad) completion tokens, the waves of max_batch, the sequences that
+    started in a freed row (``refills``) and the cache cursor's moves back (``rebases``).
     """
 
     def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None, pad_id: int | None = None,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
                  logits_fp32: bool = True, fused: bool | None = None, compact: bool = True,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, refill: bool = True):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
             raise ValueError(f"FastEngine supports model types {SUPPORTED}, got {getattr(cfg, 'model_type', None)!r}; "
@@ -207,6 +222,7 @@ class FastEngine:
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
+        self.refill = bool(refill)
         self.stats = {"captures": 0, "replays": 0, "host_syncs": 0, "compactions": 0}
         self.last_stats: dict = {}
 
@@ -223,11 +239,13 @@ class FastEngine:
         return bool(fused)
 
     # ------------------------------------------------------------------------------ buffers
-    def _ensure_buffers(self, B: int, need: int) -> _Buffers:
+    def _ensure_buffers(self, B: int, need: int, S: int | None = None) -> _Buffers:
+        """Buffers for B rows, S sequences (default B) and at least ``need`` cache slots (kept while they fit)."""
+        S = B if S is None else S
         L = max(self.max_seq_len or 0, need)
         L = WINDOW * math.ceil(L / WINDOW)
         b = self.buf
-        if b is not None and b.B == B and b.L >= L:
+        if b is not None and b.B == B and b.S >= S and b.L >= L:
             return b
         self.buf, self.graphs, self._pool = None, {}, None  # free the old cache and graphs first
         if self.device.type == "cuda":
@@ -239,12 +257,12 @@ class FastEngine:
             return torch.zeros(size, dtype=dtype, device=dev)
 
         self.buf = _Buffers(
-            B=B, L=L,
+            B=B, S=S, L=L,
             k=[torch.zeros(shape, dtype=dt, device=dev) for _ in self.layers],
             v=[torch.zeros(shape, dtype=dt, device=dev) for _ in self.layers],
-            key_valid=z(B, L, dtype=torch.bool), tok=z(B), pos=z(B), keys=z(B), rowseq=z(B), cpos=z(1), t=z(),
-            done=z(B + 1, dtype=torch.bool), eos=z(B + 1, dtype=torch.bool), lengths=z(B + 1), cap=z(B + 1),
-            out_ids=z(B + 1, L), out_lp=z(B + 1, L, dtype=torch.float32), out_ent=z(B + 1, L, dtype=torch.float32))
+            key_valid=z(B, L, dtype=torch.bool), tok=z(B), pos=z(B), keys=z(B), rowseq=z(B), col=z(B), cpos=z(1),
+            done=z(S + 1, dtype=torch.bool), eos=z(S + 1, dtype=torch.bool), lengths=z(S + 1), cap=z(S + 1),
+            out_ids=z(S + 1, L), out_lp=z(S + 1, L, dtype=torch.float32), out_ent=z(S + 1, L, dtype=torch.float32))
         return self.buf
 
     def cache_bytes(self) -> int:
@@ -326,27 +344,29 @@ class FastEngine:
         return self.head(h).float()
 
     def _sample_and_record(self, b, logits, sampling):
-        """Sample token t for the rows of ``b``, write it with its log-prob and entropy to the rows'
-        sequences, update their end state (EOS, cap), advance the counters. Padding rows write to the
-        scratch sequence, which is always done."""
+        """Sample each row's next token (its sequence's token ``col``), write it with its log-prob and
+        entropy to the row's sequence, update the sequence's end state (EOS, cap), advance the rows'
+        columns. Padding rows and rows whose sequence has ended write to the scratch sequence (S), which
+        is always done."""
         temperature, top_k, top_p, greedy, ignore_eos = sampling
         seq = b.rowseq
         done = b.done[seq]
-        tok, lp, ent = sample_tokens(logits, temperature, top_k, top_p, greedy, b.keys, b.t)
+        tok, lp, ent = sample_tokens(logits, temperature, top_k, top_p, greedy, b.keys, b.col)
         tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
-        col = b.t.expand(seq.shape)
-        b.out_ids.index_put_((seq, col), tok)
-        b.out_lp.index_put_((seq, col), torch.where(done, 0.0, lp))
-        b.out_ent.index_put_((seq, col), torch.where(done, 0.0, ent))
-        ended = done | (b.t + 1 >= b.cap[seq])
+        dst = torch.where(done, torch.full_like(seq, b.S), seq)  # an ended sequence's tokens stay as they are
+        col = b.col.clamp(max=b.L - 1)  # an ended row's column runs on; it writes to the scratch sequence
+        b.out_ids.index_put_((dst, col), tok)
+        b.out_lp.index_put_((dst, col), torch.where(done, 0.0, lp))
+        b.out_ent.index_put_((dst, col), torch.where(done, 0.0, ent))
+        ended = done | (b.col + 1 >= b.cap[seq])
         if not ignore_eos:
             hit = (tok[:, None] == self.eos[None, :]).any(-1) & ~done
-            b.lengths.index_put_((seq,), torch.where(hit, b.t + 1, b.lengths[seq]))
+            b.lengths.index_put_((seq,), torch.where(hit, b.col + 1, b.lengths[seq]))
             b.eos.index_put_((seq,), b.eos[seq] | hit)
             ended = ended | hit
         b.done.index_put_((seq,), ended)
         b.tok.copy_(tok)
-        b.t.add_(1)
+        b.col.add_(1)
 
     @torch.no_grad()
     def _decode_step(self, window, sampling, n: int | None = None):
@@ -398,7 +418,7 @@ class FastEngine:
     def _state(self):
         """What a decode step changes besides the cache rows it writes and the outputs at column t."""
         b = self.buf
-        return [b.tok, b.pos, b.cpos, b.t, b.done, b.eos, b.lengths, b.key_valid]
+        return [b.tok, b.pos, b.cpos, b.col, b.done, b.eos, b.lengths, b.key_valid]
 
     # ------------------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -422,37 +442,45 @@ class FastEngine:
         kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, seed=seed, ignore_eos=ignore_eos,
                   stop_strings=stop_strings)
         W = self.max_batch or len(prompts)
-        if len(prompts) <= W:
-            return self._generate(prompts, caps, seq_ids=sids, **kw)
+        if len(prompts) <= W or self.refill:  # one batch; more prompts than rows: freed rows take the waiting ones
+            return self._generate(prompts, caps, rows=min(W, len(prompts)), seq_ids=sids, **kw)
         outs, stats = [], []
-        for lo in range(0, len(prompts), W):  # waves of max_batch sequences
-            outs.append(self._generate(prompts[lo:lo + W], caps[lo:lo + W], seq_ids=sids[lo:lo + W], **kw))
+        for lo in range(0, len(prompts), W):  # waves of max_batch sequences (refill=False)
+            outs.append(self._generate(prompts[lo:lo + W], caps[lo:lo + W], rows=min(W, len(prompts) - lo),
+                                       seq_ids=sids[lo:lo + W], **kw))
             stats.append(self.last_stats)
         self.last_stats = merge_stats(stats)
         return concat_outputs(outs, self.pad_id)
 
-    def _generate(self, prompts, caps, temperature, top_p, top_k, greedy, seed, seq_ids, ignore_eos,
+    def _generate(self, prompts, caps, rows, temperature, top_p, top_k, greedy, seed, seq_ids, ignore_eos,
                   stop_strings) -> RolloutOutput:
-        """``generate`` of at most max_batch prompts, caps given per prompt."""
-        ids, mask = left_pad(prompts, self.pad_id, self.device)
-        B, P = ids.shape
+        """``generate`` on ``rows`` decode rows: the first ``rows`` prompts start; when there are more, each
+        host check gives the rows whose sequences ended to the waiting prompts, in order (``_refill``)."""
+        N = len(prompts)
+        ids, mask = left_pad(prompts, self.pad_id, self.device)  # every prompt, left-padded to the longest
+        B, P = rows, ids.shape[1]
         M = max(caps)
-        b = self._ensure_buffers(B, P + M)
+        waiting = list(range(B, N))  # sequences that wait for a row
+        # refill places a prompt just before the shared cache cursor; the cursor moves back when the cache
+        # fills (``_rebase``), which needs room for one more host check's steps
+        b = self._ensure_buffers(B, P + M + (self.sync_every if waiting else 0), N)
+        S = b.S
         sampling = (float(temperature), int(top_k), float(top_p), bool(greedy), bool(ignore_eos))
-        # ---- state: row i decodes sequence i until the first compaction
-        b.keys.copy_(batch_keys(seed, seq_ids, B, self.device))
+        keys = batch_keys(seed, seq_ids, N, self.device)
+        # ---- state: row i decodes sequence i until the first compaction or refill
+        b.keys.copy_(keys[:B])
         b.rowseq.copy_(torch.arange(B, device=self.device))
+        b.col.zero_()
         b.key_valid.zero_()
-        b.key_valid[:, :P] = mask.bool()
-        b.cap[:B] = torch.tensor(caps, device=self.device)
-        b.cap[B] = 1
+        b.key_valid[:, :P] = mask[:B].bool()
+        b.cap.fill_(1)
+        b.cap[:N] = torch.tensor(caps, device=self.device)
         b.lengths.copy_(b.cap)
-        b.done.zero_()
-        b.done[B] = True  # the scratch sequence of padding rows
+        b.done.fill_(True)  # the scratch sequence of padding and ended rows (and the capacity past N)
+        b.done[:N] = False
         b.eos.zero_()
-        b.t.zero_()
         # ---- prefill (eager: one pass over the prompts through the GEMM path)
-        pos = positions_from_mask(mask)
+        pos = positions_from_mask(mask[:B])
         causal = torch.ones((P, P), dtype=torch.bool, device=self.device).tril()
         pmask = (causal[None, None] & b.key_valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool,
                                                                                    device=self.device)[None, None]
@@ -461,61 +489,79 @@ class FastEngine:
             b.k[i][:, :, :P] = k
             b.v[i][:, :, :P] = v
 
-        h = self._layers(b, self.inner.embed_tokens(ids), pos, write, pmask, P)
+        h = self._layers(b, self.inner.embed_tokens(ids[:B]), pos, write, pmask, P)
         self._sample_and_record(b, self._logits(h[:, -1]), sampling)
         b.pos.copy_(pos[:, -1] + 1)
         b.cpos.fill_(P)
-        # ---- decode: the first n rows run; at each host check, finished rows leave (``_compact``)
+        # ---- decode: the first n rows run; at each host check, finished rows take waiting prompts
+        # (``_refill``) or, when none waits, leave the batch (``_compact``)
         windows = sorted({min(b.L, WINDOW * 2 ** i) for i in range(32) if WINDOW * 2 ** (i - 1) < b.L})
         # the host looks at the done flags every sync_every steps when sequences can end before M
-        check = not ignore_eos or bool(stop_strings) or min(caps) < M
-        n, steps, at_bucket, compactions, compact_s = B, 1, {}, 0, 0.0
+        check = not ignore_eos or bool(stop_strings) or min(caps) < M or bool(waiting)
+        cur, g, horizon = P, 1, M  # cache cursor; steps of the first rows (their next token); every row done by g = horizon
+        n, decode_steps, at_bucket, compactions, compact_s, refills, rebases = B, 0, {}, 0, 0.0, 0, 0
         from qerl.logging import progress
 
-        bar = progress(M, "rollout", unit="tok", unit_scale=B)  # batch tokens and tokens/s
+        bar = progress(max(M, -(-sum(caps) // B)), "rollout", unit="tok", unit_scale=B)  # batch tokens and tokens/s
         bar.update(1)
-        for t in range(1, M):
-            if check and t % self.sync_every == 0:
-                running = self._check_done(stop_strings, t, n)
-                if running.numel() == 0:
+        while g < horizon or waiting:
+            if check and (g % self.sync_every == 0 or (waiting and g >= horizon)):
+                running = self._check_done(stop_strings, n)
+                if waiting and running.numel() < n:  # rows whose sequence ended take waiting prompts
+                    free = sorted(set(range(n)) - set(running.tolist()))[:len(waiting)]
+                    seqs, waiting = waiting[:len(free)], waiting[len(free):]
+                    self._refill(free, seqs, [prompts[s] for s in seqs], keys, cur, sampling)
+                    horizon = max([horizon] + [g + caps[s] - 1 for s in seqs])
+                    refills += len(seqs)
+                    running = self._check_done(None, n)  # a cap of 1 ends at its first token
+                if running.numel() == 0 and not waiting:
                     break
-                if self.compact:
+                if self.compact and not waiting:
                     m = next(k for k in reversed(buckets(B)) if k >= running.numel())
                     if m < n:
                         t0 = time.perf_counter()
-                        self._compact(running, m, P + t - 1)
+                        self._compact(running, m, cur)
                         if self.device.type == "cuda":  # the host just synced: time the moves alone
                             torch.cuda.synchronize(self.device)
                         n, compactions, compact_s = m, compactions + 1, compact_s + time.perf_counter() - t0
+                if cur + self.sync_every > b.L:  # the steps to the next check would pass the cache's end
+                    cur, rebases = self._rebase(running, cur, P), rebases + 1
             if self.cuda_graphs:
-                window = next(w for w in windows if w > P + t - 1)
+                window = next(w for w in windows if w > cur)
                 self._graph(window, sampling, n).replay()
                 self.stats["replays"] += 1
-            else:  # eager: attend over exactly the keys so far, as HF's dynamic cache does
-                self._decode_step(P + t, sampling, n)
+            else:  # eager: attend over exactly the slots so far, as HF's dynamic cache does
+                self._decode_step(cur + 1, sampling, n)
             at_bucket[n] = at_bucket.get(n, 0) + 1
-            steps = t + 1
+            cur, g, decode_steps = cur + 1, g + 1, decode_steps + 1
             bar.update(1)
         bar.close()
         if stop_strings:
-            self._check_done(stop_strings, steps, n)
-        C = steps
-        lengths = b.lengths[:B].clamp(max=C)
+            self._check_done(stop_strings, n)
+        # completions as wide as the longest (the static batch: the steps it ran, as before refill existed)
+        C = int(b.lengths[:N].max()) if refills else g
+        lengths = b.lengths[:N].clamp(max=C)
         cmask = (torch.arange(C, device=self.device)[None] < lengths[:, None]).long()
         self.stats["compactions"] += compactions
-        self.last_stats = {"decode_steps": steps - 1, "bucket_steps": at_bucket, "compactions": compactions,
-                           "compaction_s": compact_s, "useful_tokens": int(lengths.sum()), "waves": 1}
-        return RolloutOutput(ids, mask, b.out_ids[:B, :C] * cmask + self.pad_id * (1 - cmask), cmask,
-                             b.out_lp[:B, :C] * cmask, b.out_ent[:B, :C] * cmask, ~b.eos[:B].clone())
+        self.last_stats = {"decode_steps": decode_steps, "bucket_steps": at_bucket, "compactions": compactions,
+                           "compaction_s": compact_s, "useful_tokens": int(lengths.sum()), "waves": 1,
+                           "refills": refills, "rebases": rebases}
+        return RolloutOutput(ids, mask, b.out_ids[:N, :C] * cmask + self.pad_id * (1 - cmask), cmask,
+                             b.out_lp[:N, :C] * cmask, b.out_ent[:N, :C] * cmask, ~b.eos[:N].clone())
 
-    def _check_done(self, stop_strings, t: int, n: int) -> torch.Tensor:
-        """Host check every sync_every steps: apply stop strings; the rows (of the first n) still running."""
+    def _check_done(self, stop_strings, n: int) -> torch.Tensor:
+        """Host check every sync_every steps: apply stop strings to the running sequences (each over its
+        tokens so far); the rows (of the first n) still running."""
         b = self.buf
         self.stats["host_syncs"] += 1
         if stop_strings:
-            B = b.B
-            apply_stop_strings(self.tokenizer, b.out_ids[:B], b.eos[:B], b.lengths[:B], t, stop_strings)
-            b.done[:B] |= b.eos[:B]
+            seqs, cols = b.rowseq[:n].tolist(), b.col[:n].tolist()
+            done = b.done.tolist()
+            for s, c in zip(seqs, cols):
+                if not done[s] and c > 0:
+                    k = stop_length(self.tokenizer, b.out_ids[s, :c].tolist(), stop_strings)
+                    if k is not None:
+                        b.lengths[s], b.eos[s], b.done[s] = k, True, True
         return torch.nonzero(~b.done[b.rowseq[:n]]).flatten()
 
     def _compact(self, running: torch.Tensor, m: int, used: int) -> None:
@@ -524,21 +570,74 @@ class FastEngine:
         b = self.buf
         r = running.numel()
         idx = torch.cat([running, running[:1].expand(m - r)])
-        for x in (b.tok, b.pos, b.keys, b.rowseq):
+        for x in (b.tok, b.pos, b.keys, b.rowseq, b.col):
             x[:m] = x[idx]
-        b.rowseq[r:m] = b.B
+        b.rowseq[r:m] = b.S
         b.key_valid[:m, :used] = b.key_valid[idx, :used]
         for cache in (*b.k, *b.v):  # moves, not indexes: the bucket's graphs read contiguous rows
             cache[:m, :, :used] = cache[idx, :, :used]
+
+    def _refill(self, rows: list[int], seqs: list[int], prompts: list[list[int]], keys: torch.Tensor, cur: int,
+                sampling) -> None:
+        """Rows ``rows`` (their sequences ended) take the waiting sequences ``seqs``: the prompts, left-padded
+        to the longest of them (pn <= cur), are prefilled eagerly into cache slots [cur - pn, cur) of those
+        rows, so that they decode on at the shared cursor with every other row; their first token is
+        sampled here. A sequence samples from its own keys and token index, as in any batch."""
+        b, dev = self.buf, self.device
+        ids, mask = left_pad(prompts, self.pad_id, dev)
+        k, pn = ids.shape
+        r, sq = torch.tensor(rows, device=dev), torch.tensor(seqs, device=dev)
+        b.rowseq[r], b.keys[r], b.col[r] = sq, keys[sq], 0
+        b.key_valid[r] = False
+        b.key_valid[r, cur - pn:cur] = mask.bool()
+        shape = (k, self.n_kv, pn, self.head_dim)
+        tmp = replace(b, k=[torch.empty(shape, dtype=self.dtype, device=dev) for _ in self.layers],
+                      v=[torch.empty(shape, dtype=self.dtype, device=dev) for _ in self.layers])
+
+        def write(i, kk, vv):
+            tmp.k[i].copy_(kk)
+            tmp.v[i].copy_(vv)
+
+        pos = positions_from_mask(mask)
+        causal = torch.ones((pn, pn), dtype=torch.bool, device=dev).tril()
+        pmask = (causal[None, None] & mask.bool()[:, None, None, :]) | torch.eye(pn, dtype=torch.bool,
+                                                                                  device=dev)[None, None]
+        h = self._layers(tmp, self.inner.embed_tokens(ids), pos, write, pmask, pn)
+        for i in range(len(self.layers)):
+            b.k[i][r, :, cur - pn:cur] = tmp.k[i]
+            b.v[i][r, :, cur - pn:cur] = tmp.v[i]
+        sub = replace(b, tok=b.tok[r], keys=b.keys[r], rowseq=b.rowseq[r], col=b.col[r])  # the rows' own copies
+        self._sample_and_record(sub, self._logits(h[:, -1]), sampling)
+        b.tok[r], b.col[r], b.pos[r] = sub.tok, sub.col, pos[:, -1] + 1
+
+    def _rebase(self, running: torch.Tensor, cur: int, P: int) -> int:
+        """Move every row's cache slots [lo, cur) to [0, cur - lo), lo the first slot a running sequence still
+        attends to (at most cur - P, so that a waiting prompt still fits before the cursor); returns the new
+        cursor. Each running sequence spans at most P + its cap slots, so the cursor falls to at most
+        P + max(caps) and the cache (P + max(caps) + sync_every slots) has room for the next steps."""
+        b = self.buf
+        lo = cur - P
+        if running.numel():
+            first = b.key_valid[running, :cur].float().argmax(1)  # each running row's first valid slot
+            lo = min(lo, int(first.min()))
+        if lo <= 0:
+            raise RuntimeError(f"the cache ({b.L} slots) cannot hold the running sequences past slot {cur}")
+        n = cur - lo
+        for cache in (*b.k, *b.v):
+            cache[:, :, :n] = cache[:, :, lo:cur].clone()
+        b.key_valid[:, :n] = b.key_valid[:, lo:cur].clone()
+        b.key_valid[:, n:] = False
+        b.cpos.fill_(n)
+        return n
 
 
 def merge_stats(stats: list[dict]) -> dict:
     """``last_stats`` of several waves as one: steps, compactions and tokens summed, per bucket too."""
     out = {"decode_steps": 0, "bucket_steps": {}, "compactions": 0, "compaction_s": 0.0, "useful_tokens": 0,
-           "waves": len(stats)}
+           "waves": len(stats), "refills": 0, "rebases": 0}
     for st in stats:
-        for k in ("decode_steps", "compactions", "compaction_s", "useful_tokens"):
-            out[k] += st[k]
+        for k in ("decode_steps", "compactions", "compaction_s", "useful_tokens", "refills", "rebases"):
+            out[k] += st.get(k, 0)
         for n, k in st["bucket_steps"].items():
             out["bucket_steps"][n] = out["bucket_steps"].get(n, 0) + k
     out["bucket_steps"] = dict(sorted(out["bucket_steps"].items(), reverse=True))

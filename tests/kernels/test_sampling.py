@@ -32,6 +32,24 @@ def test_gumbel_argmax_matches_torch(device, B, V):
             assert int(got[0]) >= V // 2  # never a masked entry
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gumbel_argmax_takes_a_step_per_row(device):
+    """Rows decoding sequences that started at different steps (the engine's refilled slots) pass one t
+    per row: row b draws what it would draw alone at t[b]."""
+    B, V = 6, 1000
+    keys = sequence_keys(99, torch.arange(B)).to(device)
+    x = torch.zeros(B, V, device=device)  # the noise alone decides
+    t = torch.tensor([0, 3, 3, 17, 2**33 + 1, 5], device=device)
+    got = sampling.gumbel_argmax(x, keys, t)
+    assert torch.equal(got, sampling.gumbel_argmax_reference(x, keys, t))
+    for b in range(B):
+        one = sampling.gumbel_argmax(x[b:b + 1], keys[b:b + 1], t[b])
+        assert int(got[b]) == int(one[0]), b
+    assert not torch.equal(got, sampling.gumbel_argmax(x, keys, t[:1]))  # not every row's t the first's
+    with pytest.raises(ValueError, match="one element or"):
+        sampling.gumbel_argmax(x, keys, t[:4])
+
+
 @pytest.mark.gpu
 @GPU
 def test_gumbel_argmax_full_vocab_batch_64():
