@@ -464,7 +464,6 @@ class FastEngine:
         # refill places a prompt just before the shared cache cursor; the cursor moves back when the cache
         # fills (``_rebase``), which needs room for one more host check's steps
         b = self._ensure_buffers(B, P + M + (self.sync_every if waiting else 0), N)
-        S = b.S
         sampling = (float(temperature), int(top_k), float(top_p), bool(greedy), bool(ignore_eos))
         keys = batch_keys(seed, seq_ids, N, self.device)
         # ---- state: row i decodes sequence i until the first compaction or refill
