@@ -194,14 +194,18 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 
 def make_fast_engine(model, batch: int, max_seq_len: int, kind: str = "fast", cuda_graphs: bool | None = None,
-                     fused: bool | None = None, compact: bool = True):
+                     fused: bool | None = None, compact: bool = True, max_batch: int | None = None,
+                     refill: bool = True):
     """qerl.rollout.make_engine for benchmark rollouts (EOS = the config's, pad 0); ``compact=False``:
-    the static batch (finished rows stay). Keyword arguments this version of the engine does not take
-    are dropped."""
+    the static batch (finished rows stay); ``max_batch``: the rows (more sequences refill them, or run
+    in waves with ``refill=False``). Keyword arguments this version of the engine does not take are
+    dropped."""
     from qerl import rollout
 
     kw = dict(eos_token_ids=[int(getattr(model.config, "eos_token_id", 0) or 0)], pad_id=0,
               max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, fused=fused, compact=compact)
+    if max_batch is not None:
+        kw.update(max_batch=max_batch, refill=refill)
     if kind == "fast":
         accepted = inspect.signature(rollout.FastEngine.__init__).parameters
         kw = {k: v for k, v in kw.items() if k in accepted}
@@ -334,7 +338,7 @@ def decode_windows(prompt_len: int, completion_len: int) -> list[int]:
 
 
 def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, vocab: int,
-                   lengths: list[int] | None = None) -> float:
+                   lengths: list[int] | None = None, rows: int | None = None) -> float:
     """Capture every CUDA graph the timed call will replay, without a full-length rollout: with a
     compacting engine and ``lengths`` that differ (the timed call's per-sequence caps), every window
     at every batch bucket; else every window at the whole batch (sequences that all end together
@@ -348,13 +352,15 @@ def warm_up_engine(engine, batch: int, prompt_len: int, completion_len: int, voc
     """
     t0 = time.perf_counter()
     engine.generate(random_prompts(batch, prompt_len, vocab, seed=1), 2, seed=1, **SAMPLING)
-    windows = decode_windows(prompt_len, completion_len) if getattr(engine, "cuda_graphs", False) else []
+    # with ``rows`` (refill) the cursor runs on past prompt + completion, up to the cache's end
+    span = completion_len + (getattr(engine, "sync_every", 16) + 1 if rows else 0)
+    windows = decode_windows(prompt_len, span) if getattr(engine, "cuda_graphs", False) else []
     key = (float(SAMPLING["temperature"]), int(SAMPLING["top_k"]), float(SAMPLING["top_p"]), bool(SAMPLING["greedy"]),
            bool(SAMPLING["ignore_eos"]))  # FastEngine's graph key for these settings
     # a compacting engine replays each window at every batch bucket the sequences can shrink to (the
     # static batch, or one length for all: the whole batch, _graph's default)
     shrinks = getattr(engine, "compact", False) and lengths is not None and len(set(lengths)) > 1
-    sizes = buckets(batch) if shrinks else [None]
+    sizes = buckets(rows or batch) if shrinks else [None]  # ``rows``: the batch decodes on that many rows
     for w in windows:
         if hasattr(engine, "_graph"):
             for n in sizes:

@@ -43,6 +43,10 @@ call (``captures_during_timing`` must be 0; a call that captured is timed again)
   length_stats = the drawn lengths' median, p95, mean, max, total and fraction at the cap.
 Summary: ``<model>/bs64_mix/nvfp4_over_bf16`` and ``.../nvfp4_over_static`` (issue 36's keys); every
 batch size and spec measured is under ``mix_ratios`` (``<model>/bs<B>_mix/...``).
+More sequences than rows (``--rows R``, NVFP4 only, with a mix): the B sequences decode on R rows
+(``max_batch``), freed rows taking the waiting prompts (``--refill on``, the engine's default) or in
+waves of R (``off``), or both side by side; the rows carry ``max_batch`` and ``refill``, stay out of
+the keys above, and ``mix_ratios`` gains ``<model>/bs<B>_<spec>_rows<R>/refill_over_waves``.
 
 Writes <out>/<gpu>.json: gpu, git_sha, date, env, copy_bandwidth_tbps, targets, paper_reference
 (the paper's vLLM numbers, H100, as a labelled reference only), rows, and `summary` with exactly
@@ -161,19 +165,28 @@ def time_fast_engine(model, model_key: str, method: str, batch: int, rank: int, 
 
 
 def time_mix_row(model, model_key: str, method: str, batch: int, rank: int, prompt_len: int, lengths: list[int],
-                 spec: str, cap: int, vocab: int, compact: bool) -> dict:
+                 spec: str, cap: int, vocab: int, compact: bool, rows: int | None = None, refill: bool = True) -> dict:
     """One fast-engine row on a length mix: every graph captured in the warm-up (every window at every
     batch bucket with ``compact``), then the timed rollout in which sequence i ends at lengths[i]
-    (its cap, EOS ignored). See the module docstring for the columns."""
+    (its cap, EOS ignored). ``rows``: decode the batch on that many rows (max_batch), refilling freed
+    rows or in waves. See the module docstring for the columns."""
     if len(lengths) != batch or not all(1 <= x <= cap for x in lengths):
         raise ValueError(f"need {batch} lengths in [1, {cap}], got {len(lengths)} in [{min(lengths)}, {max(lengths)}]")
+    if rows is not None and not 1 <= rows < batch:
+        raise ValueError(f"rows must be in [1, {batch}) for a batch of {batch}, got {rows}")
     longest = max(lengths)
     row = dict(model=model_key, method=method, engine="fast", batch=batch, lora_rank=rank, prompt_len=prompt_len,
                completion_len=cap, lengths=spec, compact=compact, length_stats=sc.length_summary(lengths, cap))
-    engine = sc.make_fast_engine(model, batch, prompt_len + longest, compact=compact)
+    seq_len = prompt_len + longest
+    if rows is not None:  # the refilling engine's cache: prompt + longest + one host check's steps (FastEngine)
+        row.update(max_batch=rows, refill=refill)
+        seq_len += 16
+    engine = sc.make_fast_engine(model, batch, seq_len, compact=compact, max_batch=rows, refill=refill)
     if bool(getattr(engine, "compact", False)) != compact:
         raise RuntimeError(f"this engine cannot run compact={compact} (FastEngine without finished-row compaction)")
-    row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, longest, vocab, lengths)
+    if rows is not None and (getattr(engine, "max_batch", None) != rows or getattr(engine, "refill", None) != refill):
+        raise RuntimeError("this engine cannot run max_batch / refill (FastEngine without them)")
+    row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, longest, vocab, lengths, rows=rows)
     row["cuda_graphs"], row["fused"] = bool(getattr(engine, "cuda_graphs", False)), bool(getattr(engine, "fused", False))
     prompts = sc.random_prompts(batch, prompt_len, vocab, seed=0)
     for row["timed_calls"] in (1, 2):  # a second call only if the first one captured a graph after all
@@ -198,6 +211,7 @@ def time_mix_row(model, model_key: str, method: str, batch: int, rank: int, prom
     row.update(seconds=total, useful_tokens=useful, useful_tokens_per_s=useful / total, peak_gib=sc.peak_gib(),
                decode_steps=st.get("decode_steps"), compactions=st.get("compactions"),
                compaction_s=st.get("compaction_s"), bucket_steps={str(k): v for k, v in sorted(buckets.items(), reverse=True)},
+               refills=st.get("refills"), rebases=st.get("rebases"), waves=st.get("waves"),
                row_steps=sum(k * v for k, v in buckets.items()),
                kv_cache_bytes=int(engine.cache_bytes()) if hasattr(engine, "cache_bytes") else None)
     del engine, out
@@ -288,10 +302,28 @@ def mix_ratios(rows: list[dict]) -> dict:
     out = {}
     for r in rows:
         if r.get("lengths", "fixed") != "fixed" and r.get("method") == QERL_FORMAT and r.get("compact"):
+            if r.get("max_batch") is not None:
+                v = _refill_ratio(rows, r["model"], r["batch"], r["max_batch"], r["lengths"])
+                out[f"{r['model']}/bs{r['batch']}_{r['lengths']}_rows{r['max_batch']}/refill_over_waves"] = v
+                continue
             for den, key in (("bf16", "nvfp4_over_bf16"), ("static", "nvfp4_over_static")):
                 v, _ = _mix_ratio(rows, r["model"], r["batch"], QERL_FORMAT, den, r["lengths"])
                 out[f"{r['model']}/bs{r['batch']}_{r['lengths']}/{key}"] = v
     return out
+
+
+def _refill_ratio(rows, model, batch, max_batch, spec):
+    """useful tokens/s of the refilling engine over the waves, NVFP4, the batch on max_batch rows."""
+    def pick(refill):
+        hits = [r for r in rows if r.get("model") == model and r.get("batch") == batch and r.get("method") == QERL_FORMAT
+                and r.get("lengths") == spec and r.get("max_batch") == max_batch and r.get("refill") == refill
+                and r.get("useful_tokens_per_s")]
+        return max(hits, key=lambda r: r.get("date", "")) if hits else None
+
+    a, b = pick(True), pick(False)
+    if a is None or b is None or a.get("length_stats") != b.get("length_stats"):
+        return None
+    return a["useful_tokens_per_s"] / b["useful_tokens_per_s"]
 
 
 def _mix_ratio(rows, model, batch, num, den, spec="mix"):
@@ -299,7 +331,8 @@ def _mix_ratio(rows, model, batch, num, den, spec="mix"):
     with the static batch) on the same drawn lengths."""
     def pick(method, compact):
         hits = [r for r in rows if r.get("model") == model and r.get("batch") == batch and r.get("method") == method
-                and r.get("lengths") == spec and bool(r.get("compact")) == compact and r.get("useful_tokens_per_s")]
+                and r.get("lengths") == spec and bool(r.get("compact")) == compact and r.get("useful_tokens_per_s")
+                and r.get("max_batch") is None]  # every sequence on its own row
         return max(hits, key=lambda r: r.get("date", "")) if hits else None
 
     a = pick(num, True)
@@ -358,7 +391,7 @@ def merge(paths: list[str], out: str) -> dict:
             r.setdefault("copy_tbps", f.get("copy_bandwidth_tbps"))
             k = (r.get("model"), r.get("method"), r.get("engine"), r.get("batch"), r.get("lora_rank"),
                  r.get("prompt_len"), r.get("completion_len"), bool(r.get("fused")), r.get("lengths", "fixed"),
-                 r.get("compact", True))
+                 r.get("compact", True), r.get("max_batch"), r.get("refill"))
             keyed[k] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
     prov["runs"] = sc.merged_runs(paths, files, extra=("copy_bandwidth_tbps",))
@@ -439,13 +472,18 @@ def run(args) -> dict:
                     # the same drawn lengths for every method at a batch size (seeded)
                     engines = ([True] if fmt in args.methods else []) + \
                               ([False] if fmt == QERL_FORMAT and STATIC in args.methods else [])
-                    for b, compact in ((b, c) for b in args.batch for c in engines):
+                    runs = [(b, c, None, True) for b in args.batch for c in engines]
+                    if args.rows and fmt == QERL_FORMAT:  # the batch on fewer rows: refill and / or waves
+                        runs += [(b, True, args.rows, rf) for b in args.batch if args.rows < b
+                                 for rf in {"on": [True], "off": [False], "both": [True, False]}[args.refill]]
+                    for b, compact, nrows, refill in runs:
                         lengths = sc.draw_lengths(args.lengths, b, args.completion, seed=args.seed)
-                        row = guarded(dict(model=mk, method=fmt, engine="fast", batch=b, lora_rank=rank,
-                                           prompt_len=args.prompt, completion_len=args.completion,
-                                           lengths=args.lengths, compact=compact),
-                                      time_mix_row, model, mk, fmt, b, rank, args.prompt, lengths, args.lengths,
-                                      args.completion, vocab, compact)
+                        base = dict(model=mk, method=fmt, engine="fast", batch=b, lora_rank=rank, prompt_len=args.prompt,
+                                    completion_len=args.completion, lengths=args.lengths, compact=compact)
+                        if nrows is not None:
+                            base.update(max_batch=nrows, refill=refill)
+                        row = guarded(base, time_mix_row, model, mk, fmt, b, rank, args.prompt, lengths, args.lengths,
+                                      args.completion, vocab, compact, nrows, refill)
                         rows.append({**row, **extra})
                         print_table(rows[-1:])
                         save()
@@ -502,8 +540,14 @@ def parse_args(argv=None):
     ap.add_argument("--fused", choices=("on", "off", "both"), default="on",
                     help="fast engine decode through the fused Triton kernels (on: the engine's default, on CUDA), "
                          "the unfused torch ops (off), or both, side by side")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="with a length mix: NVFP4 again with the batch on this many rows (max_batch)")
+    ap.add_argument("--refill", choices=("on", "off", "both"), default="both",
+                    help="with --rows: freed rows take waiting prompts (on), waves of --rows (off), or both")
     sc.add_run_args(ap, out="results/rollout")
     args = ap.parse_args(argv)
+    if args.rows is not None and (args.lengths == "fixed" or args.rows < 1):
+        ap.error("--rows needs a length mix (--lengths mix) and at least 1 row")
     try:
         sc.check_lengths(args.lengths, args.completion)
     except ValueError as e:

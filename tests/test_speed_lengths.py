@@ -325,3 +325,48 @@ def test_figure_11_leaves_the_mix_rows_out(tmp_path):
     assert plots.plot_rollout_throughput(mix, out_dir=tmp_path) is None
     fig = plots.plot_rollout_throughput(pd.concat([pd.DataFrame([fixed]), mix]), out_dir=tmp_path)
     assert [ax.get_title() for ax in fig.axes] == ["batch 8"]
+
+
+def test_rollout_rows_refill_and_waves_rows_and_ratio(tmp_path, capsys):
+    """--rows: NVFP4 again with the batch on fewer rows, refilling and in waves; the rows carry max_batch /
+    refill, stay out of issue 36's keys, and mix_ratios gains refill_over_waves."""
+    with pytest.raises(SystemExit):
+        rt.parse_args(["--rows", "4"])  # needs a mix
+    a = rt.parse_args(["--lengths", "mix", "--rows", "16", "--batch", "64"])
+    assert a.rows == 16 and a.refill == "both"
+    rows = _mix_rows()
+    ref = [dict(r, max_batch=16, refill=rf, useful_tokens_per_s=v) for r in rows if r["method"] == "nvfp4" and r["compact"]
+           for rf, v in ((True, 1500.0), (False, 1200.0))]
+    s, _ = rt.summarize(rows + ref)
+    assert s["qwen2.5-7b/bs64_mix/nvfp4_over_static"] == pytest.approx(1.6)  # the 64-row rows only
+    mix = rt.mix_ratios(rows + ref)
+    assert mix["qwen2.5-7b/bs64_mix_rows16/refill_over_waves"] == pytest.approx(1.25)
+    assert mix["qwen2.5-7b/bs64_mix/nvfp4_over_bf16"] == pytest.approx(2.0)
+
+
+def test_rollout_mix_row_with_rows_on_the_cpu():
+    """time_mix_row on a tiny model with 6 sequences on 2 rows: refill and waves decode the drawn lengths
+    and report refills / waves."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    from qerl.quantize import QuantizeConfig, quantize_
+
+    # tests/conftest.py's builder (a plain `import conftest` can pick up tests/kernels/conftest.py)
+    spec = importlib.util.spec_from_file_location("_qerl_tests_conftest", Path(__file__).with_name("conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    make_tiny_model = conftest.make_tiny_model
+
+    model = make_tiny_model("qwen2", dtype=torch.float32)
+    quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=4))
+    lengths = [3, 9, 1, 6, 4, 2]
+    for refill in (True, False):
+        row = rt.time_mix_row(model, "tiny", "nvfp4", 6, 4, 5, lengths, "mix", 9, model.config.vocab_size, True,
+                              rows=2, refill=refill)
+        assert row["useful_tokens"] == sum(lengths) and row["max_batch"] == 2 and row["refill"] is refill
+        assert (row["refills"], row["waves"]) == ((4, 1) if refill else (0, 3))
+    with pytest.raises(ValueError, match="rows must be"):
+        rt.time_mix_row(model, "tiny", "nvfp4", 6, 4, 5, lengths, "mix", 9, model.config.vocab_size, True, rows=6)
