@@ -95,7 +95,7 @@ RANGES: dict[str, tuple] = {
     "prompts_per_step": (1, True, None, False), "max_completion_length": (1, True, None, False),
     "temperature": (0, False, None, False), "top_p": (0, False, 1, True), "top_k": (0, True, None, False),
     "max_steps": (1, True, None, False), "num_train_epochs": (0, True, None, False), "num_iterations": (1, True, None, False), "mini_batch_size": (0, True, None, False),
-    "micro_batch_size": (1, True, None, False), "learning_rate": (0, False, None, False),
+    "micro_batch_size": (1, True, None, False), "rollout_rows": (0, True, None, False), "learning_rate": (0, False, None, False),
     "weight_decay": (0, True, None, False), "warmup_ratio": (0, True, 1, True), "max_grad_norm": (0, False, None, False),
     "beta": (0, True, None, False), "epsilon": (0, True, 1, True), "epsilon_high": (0, True, None, False),
     "sigma_start": (0, False, None, False), "sigma_end": (0, False, None, False), "num_stages": (2, True, None, False),
@@ -135,6 +135,7 @@ class TrainConfig:
     dtype: str = "bfloat16"  # activation / 16-bit weight dtype
     backend: str = "auto"  # 4-bit matmul dispatch: auto | triton | reference | bitsandbytes (nf4)
     engine: str = "auto"  # rollout engine: auto (fast where supported) | fast (static cache + CUDA graphs) | hf (reference)
+    rollout_rows: int = 0  # fast engine rows (its KV cache's batch): 0 = one per sequence; N = at most N, freed rows taking waiting sequences (less cache memory, the same tokens)
     gradient_checkpointing: bool = False  # recompute activations in the backward (less memory, slower)
     # ---- data
     dataset: str = "arith"  # training set: a built-in name (qerl.data.DATASETS), a .jsonl/.parquet/.csv file, a folder of them, or a hub dataset id

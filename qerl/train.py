@@ -110,7 +110,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     # small profile that is a 256-slot cache instead of 512 (64 x 30 layers x 2 x 3 x 64 bf16: 0.38 GB
     # instead of 0.75).
     longest = max((len(r["prompt_ids"]) for r in train_recs), default=cfg.max_prompt_length)
-    engine = make_engine(model, tokenizer, kind=cfg.engine, max_seq_len=longest + cfg.max_completion_length)
+    engine = make_engine(model, tokenizer, kind=cfg.engine, max_seq_len=longest + cfg.max_completion_length,
+                         max_batch=cfg.rollout_rows or None)  # the reference engine ignores it
     n_per_rollout = cfg.rollout_batch_size
     updates_per_step = cfg.num_iterations * math.ceil(n_per_rollout / (cfg.mini_batch_size or n_per_rollout))
     opt, sched = make_optimizer(cfg, trainable, cfg.max_steps * updates_per_step)

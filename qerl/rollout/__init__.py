@@ -38,8 +38,8 @@ def make_engine(model, tokenizer=None, kind: str = "auto", **kw):
     """The rollout engine for ``model``: "fast", "hf" (reference), or "auto" (fast where supported).
 
     Keyword arguments go to the engine (eos_token_ids, pad_id; FastEngine also max_seq_len,
-    cuda_graphs, sync_every, logits_fp32, which the reference engine ignores). "fast" on an
-    unsupported architecture raises.
+    cuda_graphs, sync_every, logits_fp32, compact, max_batch, refill, which the reference engine
+    ignores). "fast" on an unsupported architecture raises.
     """
     if kind not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {kind!r}")
