@@ -117,13 +117,16 @@ def rollout(cfg, engine, model, prompt_ids: list, step: int, sigma: float, first
 
 def decode_step_metrics(engine) -> dict:
     """This rank's last rollout: decode steps in all and at each batch size (the engine's buckets:
-    finished sequences leave the batch, qerl.rollout.fast), and how often the batch shrank. Empty for
+    finished sequences leave the batch, qerl.rollout.fast), how often the batch shrank, and (with
+    rollout_rows) how many sequences took a freed row. Empty for
     an engine that keeps no such record (the reference engine)."""
     st = getattr(engine, "last_stats", None) or {}
     if "decode_steps" not in st:
         return {}
     out = {"rollout/decode_steps": st["decode_steps"], "rollout/compactions": st.get("compactions", 0)}
     out.update({f"rollout/decode_steps_bs{n}": k for n, k in sorted(st.get("bucket_steps", {}).items(), reverse=True)})
+    if st.get("refills"):  # rollout_rows: sequences that started in a row another one had freed
+        out["rollout/refills"] = st["refills"]
     return out
 
 

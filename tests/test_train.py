@@ -166,6 +166,7 @@ def test_rollout_rows_bound_the_engine_and_keep_the_tokens(tmp_path, text_reward
     train(tiny_cfg(tmp_path / "rows", rollout_rows=3, **kw), model=make_tiny_model("llama"), tokenizer=tok)
     assert made[0].max_batch is None and made[1].max_batch == 3 and made[1].last_stats["refills"] == 5
     a, b = read_metrics(tmp_path / "all"), read_metrics(tmp_path / "rows")
+    assert [r.get("rollout/refills") for r in b] == [5, 5] and "rollout/refills" not in a[0]
     for k in ("reward", "loss", "sampling/entropy"):
         assert [r[k] for r in a] == pytest.approx([r[k] for r in b], abs=1e-5), k
     with pytest.raises(ValueError, match="rollout_rows"):
