@@ -1,6 +1,7 @@
 """The rollout engines: the fast engine equals the reference engine and HF generate, samples are
 keyed per sequence, EOS / stop strings, no copy of the weights, AQN and LoRA seen live."""
 
+import collections
 import importlib.util
 import os
 from pathlib import Path
@@ -595,3 +596,24 @@ def test_prompt_forms():
     assert torch.equal(fe.generate(forms, 5, greedy=True).completion_ids, ref.completion_ids)
     with pytest.raises(TypeError, match="tokenize"):
         fe.generate(["What is 2 + 2?"], 5)
+
+
+def test_refill_compaction_and_rebase_at_one_check():
+    """The host check where the last waiting prompt has started, the rows compact and the cursor moves back
+    at once: the rebase reads the rows as compaction left them (one batch's greedy tokens)."""
+    model = make_tiny_model("qwen2", dtype=torch.float32)
+    prompts = [PROMPTS[i % 4] + [40 + i] for i in range(12)]
+    caps = [223, 208, 181, 109, 87, 186, 176, 85, 222, 181, 98, 129]
+    one = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=4).generate(prompts, caps, greedy=True,
+                                                                               ignore_eos=True)
+    fe = FastEngine(model, eos_token_ids=[2], pad_id=0, sync_every=4, max_batch=4)
+    events = []
+    compact, rebase = fe._compact, fe._rebase
+    fe._compact = lambda *a: events.append(("compact", fe.stats["host_syncs"])) or compact(*a)
+    fe._rebase = lambda *a: events.append(("rebase", fe.stats["host_syncs"])) or rebase(*a)
+    out = fe.generate(prompts, caps, greedy=True, ignore_eos=True)
+    at = collections.defaultdict(set)
+    for what, check in events:
+        at[check].add(what)
+    assert any(v == {"compact", "rebase"} for v in at.values()), events
+    _assert_same_sequences(one, out)

@@ -524,7 +524,7 @@ class FastEngine:
                             torch.cuda.synchronize(self.device)
                         n, compactions, compact_s = m, compactions + 1, compact_s + time.perf_counter() - t0
                 if cur + self.sync_every > b.L:  # the steps to the next check would pass the cache's end
-                    cur, rebases = self._rebase(running, cur, P), rebases + 1
+                    cur, rebases = self._rebase(n, cur, P), rebases + 1
             if self.cuda_graphs:
                 window = next(w for w in windows if w > cur)
                 self._graph(window, sampling, n).replay()
@@ -609,12 +609,14 @@ class FastEngine:
         self._sample_and_record(sub, self._logits(h[:, -1]), sampling)
         b.tok[r], b.col[r], b.pos[r] = sub.tok, sub.col, pos[:, -1] + 1
 
-    def _rebase(self, running: torch.Tensor, cur: int, P: int) -> int:
-        """Move every row's cache slots [lo, cur) to [0, cur - lo), lo the first slot a running sequence still
-        attends to (at most cur - P, so that a waiting prompt still fits before the cursor); returns the new
-        cursor. Each running sequence spans at most P + its cap slots, so the cursor falls to at most
-        P + max(caps) and the cache (P + max(caps) + sync_every slots) has room for the next steps."""
+    def _rebase(self, n: int, cur: int, P: int) -> int:
+        """Move every row's cache slots [lo, cur) to [0, cur - lo), lo the first slot a running sequence (of
+        the first n rows, as they are now) still attends to, and at most cur - P, so that a waiting prompt
+        still fits before the cursor; returns the new cursor. Each running sequence spans at most P + its
+        cap slots, so the cursor falls to at most P + max(caps) and the cache (P + max(caps) + sync_every
+        slots) has room for the next steps."""
         b = self.buf
+        running = torch.nonzero(~b.done[b.rowseq[:n]]).flatten()
         lo = cur - P
         if running.numel():
             first = b.key_valid[running, :cur].float().argmax(1)  # each running row's first valid slot
