@@ -166,11 +166,15 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def apply_stop_strings(tokenizer, out_ids: torch.Tensor, done: torch.Tensor, lengths: torch.Tensor, t: int,
-                       stop_strings: list[str]) -> None:
-    """Mark rows whose first ``t`` tokens contain a stop string done, with the length that ends it."""
+def apply_stop_strings(tokenizer, out_ids: torch.Tensor, done: torch.Tensor, lengths: torch.Tensor,
+                       t: int | list[int], stop_strings: list[str]) -> None:
+    """Mark rows whose first ``t`` tokens (one count for all rows, or each row's own; a row with 0 is
+    skipped) contain a stop string done, with the length that ends it."""
+    counts = [t] * out_ids.shape[0] if isinstance(t, int) else t
     for i in torch.nonzero(~done).flatten().tolist():
-        n = stop_length(tokenizer, out_ids[i, :t].tolist(), stop_strings)
+        if counts[i] <= 0:
+            continue
+        n = stop_length(tokenizer, out_ids[i, :counts[i]].tolist(), stop_strings)
         if n is not None:
             lengths[i], done[i] = n, True
 

@@ -77,13 +77,13 @@ from qerl.forward import lm_logits, positions_from_mask
 from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, rmsnorm, rope_cache_write
 from qerl.rollout.common import (
     RolloutOutput,
+    apply_stop_strings,
     as_token_lists,
     batch_keys,
     caps_list,
     eos_ids,
     left_pad,
     sample_tokens,
-    stop_length,
 )
 from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input, stacked_A
 
@@ -139,6 +139,14 @@ class _Buffers:
             return self
         cut = {f: getattr(self, f)[:n] for f in ("key_valid", "tok", "pos", "keys", "rowseq", "col")}
         return replace(self, k=[x[:n] for x in self.k], v=[x[:n] for x in self.v], **cut)
+
+
+def _prefill_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The prefill's attention mask [B, 1, P, P] of left-padded prompts (mask [B, P]): causal over the real
+    tokens; each position also sees itself, so a padding row's softmax has a key."""
+    P = mask.shape[1]
+    causal = torch.ones((P, P), dtype=torch.bool, device=mask.device).tril()
+    return (causal[None, None] & mask.bool()[:, None, None, :]) | torch.eye(P, dtype=torch.bool, device=mask.device)[None, None]
 
 
 def buckets(batch: int) -> list[int]:
@@ -480,9 +488,7 @@ class FastEngine:
         b.eos.zero_()
         # ---- prefill (eager: one pass over the prompts through the GEMM path)
         pos = positions_from_mask(mask[:B])
-        causal = torch.ones((P, P), dtype=torch.bool, device=self.device).tril()
-        pmask = (causal[None, None] & b.key_valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool,
-                                                                                   device=self.device)[None, None]
+        pmask = _prefill_mask(mask[:B])
 
         def write(i, k, v):
             b.k[i][:, :, :P] = k
@@ -554,13 +560,14 @@ class FastEngine:
         b = self.buf
         self.stats["host_syncs"] += 1
         if stop_strings:
-            seqs, cols = b.rowseq[:n].tolist(), b.col[:n].tolist()
-            done = b.done.tolist()
-            for s, c in zip(seqs, cols):
-                if not done[s] and c > 0:
-                    k = stop_length(self.tokenizer, b.out_ids[s, :c].tolist(), stop_strings)
-                    if k is not None:
-                        b.lengths[s], b.eos[s], b.done[s] = k, True, True
+            counts = [0] * (b.S + 1)  # each sequence's tokens so far: those of the row decoding it
+            for s, c in zip(b.rowseq[:n].tolist(), b.col[:n].tolist()):
+                counts[s] = c
+            counts[b.S] = 0  # the scratch sequence
+            ended = b.done.clone()
+            apply_stop_strings(self.tokenizer, b.out_ids, ended, b.lengths, counts, stop_strings)
+            b.eos |= ended & ~b.done
+            b.done |= ended
         return torch.nonzero(~b.done[b.rowseq[:n]]).flatten()
 
     def _compact(self, running: torch.Tensor, m: int, used: int) -> None:
@@ -598,10 +605,7 @@ class FastEngine:
             tmp.v[i].copy_(vv)
 
         pos = positions_from_mask(mask)
-        causal = torch.ones((pn, pn), dtype=torch.bool, device=dev).tril()
-        pmask = (causal[None, None] & mask.bool()[:, None, None, :]) | torch.eye(pn, dtype=torch.bool,
-                                                                                  device=dev)[None, None]
-        h = self._layers(tmp, self.inner.embed_tokens(ids), pos, write, pmask, pn)
+        h = self._layers(tmp, self.inner.embed_tokens(ids), pos, write, _prefill_mask(mask), pn)
         for i in range(len(self.layers)):
             b.k[i][r, :, cur - pn:cur] = tmp.k[i]
             b.v[i][r, :, cur - pn:cur] = tmp.v[i]
