@@ -14,6 +14,7 @@ Prints per category: ms and kernels per decode step, and the TOP kernels by time
 
     python -m benchmarks.profile_decode --out $OUT                      # Qwen2.5-7B, nvfp4 and bf16, bs 1 / 8 / 64
     python -m benchmarks.profile_decode --model qwen2.5-14b --batch 8 --layers 8
+    python -m benchmarks.profile_decode --batch 4 16 64 --prompt 1792 --attention qerl sdpa   # long cache, both kernels
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ CATEGORIES = (  # first match wins; names as the profiler reports the kernels
     # qerl's Triton fp4 kernels, bitsandbytes' 4-bit kernels, and any kernel named after a registered format
     ("4-bit linear", ("_mma_kernel", "_ws_kernel", "_fwd_gemv_kernel", "_fwd_dot_kernel", "_decode_kernel", "_decode_pairs_kernel",
                       "_bwd_dot_kernel", "kgemm_4bit", "gemv_4bit", *formats.names())),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+    ("attention", ("_decode_attn", "flash", "fmha", "attention", "sdpa", "efficient_attention")),
     ("qerl fused", ("_add_rmsnorm", "_rmsnorm", "_rope", "_silu", "_lora", "fused")),
     ("sampling", ("softmax", "topk", "sort", "gumbel", "argmax", "cumsum", "exponential", "_sample", "murmur")),
     ("cuBLAS GEMM", ("nvjet", "gemm", "cutlass", "xmma", "gemv", "sm90_", "sm80_", "cublas", "aten::mm",
@@ -86,6 +87,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lora-rank", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention", nargs="+", choices=("qerl", "sdpa"), default=["qerl"],
+                    help="the fused step's attention kernel(s), each profiled in turn (qerl: the engine's default)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
@@ -98,7 +101,8 @@ def main(argv=None) -> dict:
     res = dict(provenance=sc.provenance(), settings=vars(args), rows=[])
     for method in args.methods:
         model = sc.build(args.model, method, args.lora_rank, device, seed=args.seed, config=config)
-        for batch in args.batch:
+        for batch, attention in [(b, a) for b in args.batch for a in args.attention]:
+            sc.ENGINE_OPTIONS["attention"] = attention
             engine = sc.make_fast_engine(model, batch, args.prompt + args.tokens + 16)
             prompts = sc.random_prompts(batch, args.prompt, vocab, args.seed)
 
@@ -127,14 +131,14 @@ def main(argv=None) -> dict:
                 t, c = per_step.get(cat, (0.0, 0.0))
                 per_step[cat] = (t + (ms - ms0) / args.tokens, c + (count - c0) / args.tokens)
             step_ms = (walls[1 + args.tokens] - walls[1]) / args.tokens * 1e3
-            row = dict(method=method, batch=batch, step_ms=step_ms,
+            row = dict(method=method, batch=batch, attention=getattr(engine, "attention", "sdpa"), step_ms=step_ms,
                        kernel_ms=sum(t for t, _ in per_step.values()),
                        kernels_per_step=sum(c for _, c in per_step.values()),
                        categories={k: dict(ms=t, kernels=c) for k, (t, c) in sorted(per_step.items())},
                        top_kernels=[dict(name=k[:160], category=category(k), ms=t, kernels=c) for k, (t, c)
                                     in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP]])
             res["rows"].append(row)
-            print(f"== {method} bs{batch}: {step_ms:.2f} ms per decode step (wall), {row['kernel_ms']:.2f} ms in "
+            print(f"== {method} bs{batch} {row['attention']}: {step_ms:.2f} ms per decode step (wall), {row['kernel_ms']:.2f} ms in "
                   f"{row['kernels_per_step']:.0f} kernels")
             for cat, d in sorted(row["categories"].items(), key=lambda kv: -kv[1]["ms"]):
                 print(f"   {cat:14s} {d['ms']:8.3f} ms {d['kernels']:7.1f} kernels")

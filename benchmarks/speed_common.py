@@ -193,17 +193,22 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
     return torch.randint(3, hi, (batch, length), generator=g).tolist()
 
 
+# FastEngine options every benchmark engine takes (a script's --attention sets "attention")
+ENGINE_OPTIONS: dict = {}
+
+
 def make_fast_engine(model, batch: int, max_seq_len: int, kind: str = "fast", cuda_graphs: bool | None = None,
                      fused: bool | None = None, compact: bool = True, max_batch: int | None = None,
                      refill: bool = True):
     """qerl.rollout.make_engine for benchmark rollouts (EOS = the config's, pad 0); ``compact=False``:
     the static batch (finished rows stay); ``max_batch``: the rows (more sequences refill them, or run
-    in waves with ``refill=False``). Keyword arguments this version of the engine does not take are
-    dropped."""
+    in waves with ``refill=False``); ENGINE_OPTIONS added. Keyword arguments this version of the engine
+    does not take are dropped."""
     from qerl import rollout
 
     kw = dict(eos_token_ids=[int(getattr(model.config, "eos_token_id", 0) or 0)], pad_id=0,
-              max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, fused=fused, compact=compact)
+              max_batch_size=batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, fused=fused, compact=compact,
+              **ENGINE_OPTIONS)
     if max_batch is not None:
         kw.update(max_batch=max_batch, refill=refill)
     if kind == "fast":

@@ -131,6 +131,7 @@ def time_fast_engine(model, model_key: str, method: str, batch: int, rank: int, 
         row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, completion_len, vocab)
     row["cuda_graphs"] = bool(getattr(engine, "cuda_graphs", False))
     row["fused"] = bool(getattr(engine, "fused", False))
+    row["attention"] = getattr(engine, "attention", "sdpa")
     prompts = sc.random_prompts(batch, prompt_len, vocab, seed=0)
     sc.sync()
     t0 = time.perf_counter()
@@ -188,6 +189,7 @@ def time_mix_row(model, model_key: str, method: str, batch: int, rank: int, prom
         raise RuntimeError("this engine cannot run max_batch / refill (FastEngine without them)")
     row["warmup_s"] = sc.warm_up_engine(engine, batch, prompt_len, longest, vocab, lengths, rows=rows)
     row["cuda_graphs"], row["fused"] = bool(getattr(engine, "cuda_graphs", False)), bool(getattr(engine, "fused", False))
+    row["attention"] = getattr(engine, "attention", "sdpa")
     prompts = sc.random_prompts(batch, prompt_len, vocab, seed=0)
     for row["timed_calls"] in (1, 2):  # a second call only if the first one captured a graph after all
         n0 = sc.captures(engine)
@@ -544,6 +546,9 @@ def parse_args(argv=None):
                     help="with a length mix: NVFP4 again with the batch on this many rows (max_batch)")
     ap.add_argument("--refill", choices=("on", "off", "both"), default="both",
                     help="with --rows: freed rows take waiting prompts (on), waves of --rows (off), or both")
+    ap.add_argument("--attention", choices=("qerl", "sdpa"), default="qerl",
+                    help="the fused decode step's attention: qerl's split-over-keys kernel (the engine's default) or "
+                         "torch SDPA over the whole window (A/B)")
     sc.add_run_args(ap, out="results/rollout")
     args = ap.parse_args(argv)
     if args.rows is not None and (args.lengths == "fixed" or args.rows < 1):
@@ -560,6 +565,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    sc.ENGINE_OPTIONS["attention"] = args.attention
     result = sc.main_run_or_merge(args, run, merge, "rollout_throughput.py")
     C.declare(ARTEFACT, Path(args.out))
     return result

@@ -15,6 +15,9 @@ Public API (see CONTRACTS.md):
     scratch_bytes(device=None), buffer_bytes(), release_scratch(), resolve_backend(backend, fmt, device)
     rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
     lora_silu_mul                    the fused decode step's ops (qerl.kernels.fused)
+    decode_attention(q, k, v, key_valid, cpos, scale)   one query token a sequence over its KV cache,
+                                     split over the keys (qerl.kernels.attention); its fp32 torch reference
+                                     decode_attention_reference
     gumbel_argmax(x, keys, t)        the rollout's Gumbel-max draw in one kernel; uniform_noise,
                                      fmix32, gumbel_argmax_torch its torch reference (no Triton)
 
@@ -390,6 +393,8 @@ _LAZY = {
     "Plan": "plan",
     "MMA_IN_FLIGHT": "warpspec",  # whether the installed Triton keeps register-A warpgroup MMAs in flight
     "gumbel_argmax": "sampling",
+    "decode_attention": "attention",
+    "decode_attention_reference": "attention",
     **{name: "fused" for name in ("rmsnorm", "add_rmsnorm", "add_rmsnorm_lora_a", "rope_cache_write", "silu_mul",
                                   "lora_a", "lora_out", "lora_silu_mul")},
 }

@@ -60,6 +60,19 @@ def decode_scale(s, IS_NV: tl.constexpr):
 
 
 @triton.jit
+def rnd(x, TY: tl.constexpr):
+    """fp32 -> TY, round to nearest even. bf16 by integer ops: the same bits on the GPU and under
+    the interpreter (whose own float->bf16 cast truncates), so the CPU tests can check exactness."""
+    if TY == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        y = b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(TY)
+    return y
+
+
+@triton.jit
 def splitk_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile_id):
     """Store acc [BM, BN] (already scaled) directly, or reduce it across the split-K programs.
 

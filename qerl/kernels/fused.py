@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from qerl.kernels.common import num_sms, splitk_epilogue, workspace
+from qerl.kernels.common import rnd as _rnd
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -53,19 +54,6 @@ LORA_OUT_H_BLOCK = 4096
 def lora_a_chunk(M: int, K: int) -> int:
     """K elements a lora_a program sums below LORA_A_DOT_MIN_M rows (its partial sums: cdiv(K, chunk))."""
     return max(LORA_A_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(K, LORA_A_MAX_SPLITS)))
-
-
-@triton.jit
-def _rnd(x, TY: tl.constexpr):
-    """fp32 -> TY, round to nearest even. bf16 by integer ops: the same bits on the GPU and under
-    the interpreter (whose own float->bf16 cast truncates), so the CPU tests can check exactness."""
-    if TY == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        y = b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        y = x.to(TY)
-    return y
 
 
 @triton.jit

@@ -74,7 +74,7 @@ import torch.nn.functional as F
 
 from qerl.arch import FUSED_GROUPS, SUPPORTED_MODEL_TYPES
 from qerl.forward import lm_logits, positions_from_mask
-from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, rmsnorm, rope_cache_write
+from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, decode_attention, rmsnorm, rope_cache_write
 from qerl.rollout.common import (
     RolloutOutput,
     apply_stop_strings,
@@ -93,6 +93,9 @@ WINDOW = 256  # cache length granularity and the smallest attention window
 # a program per row and two A rows, each recomputing its row's norm); larger batches run the plain
 # norm and then one lora_a launch tiled over rows.
 NORM_LORA_A_MAX_M = 16
+# The fused decode step's attention: "qerl" (qerl.kernels.decode_attention, split over the keys, reads
+# up to the cursor) or "sdpa" (torch's scaled_dot_product_attention over the whole window; A/B runs).
+ATTENTION = ("qerl", "sdpa")
 
 
 def _fused_groups(layer) -> tuple[list, list]:
@@ -190,8 +193,10 @@ class FastEngine:
     def __init__(self, model, tokenizer=None, eos_token_ids: list[int] | None = None, pad_id: int | None = None,
                  max_seq_len: int | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
                  logits_fp32: bool = True, fused: bool | None = None, compact: bool = True,
-                 max_batch: int | None = None, refill: bool = True):
+                 max_batch: int | None = None, refill: bool = True, attention: str = "qerl"):
         cfg = model.config
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if getattr(cfg, "model_type", None) not in SUPPORTED:
             raise ValueError(f"FastEngine supports model types {SUPPORTED}, got {getattr(cfg, 'model_type', None)!r}; "
                              "use the reference engine (make_engine(kind='hf')) for other architectures")
@@ -231,6 +236,7 @@ class FastEngine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
         self.refill = bool(refill)
+        self.attention = attention
         self.stats = {"captures": 0, "replays": 0, "host_syncs": 0, "compactions": 0}
         self.last_stats: dict = {}
 
@@ -310,8 +316,8 @@ class FastEngine:
         B = h.shape[0]
         cos, sin = self.inner.rotary_emb(h, b.pos[:, None])
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
-        # the key mask as an additive float mask, once per step (a bool mask is converted per SDPA call)
-        mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        if self.attention == "sdpa":  # an additive float mask, once per step (SDPA converts a bool one per call)
+            mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         res, delta = h.reshape(B, -1), None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -324,9 +330,14 @@ class FastEngine:
                                        1e-6 if qn is None else qn.variance_epsilon)
             # one query token: the G = n_heads / n_kv query heads of a KV head are G query rows of it
             # (HF's repeat_kv order), so no copy of K/V per query head (enable_gqa's math path makes one)
-            o = F.scaled_dot_product_attention(q.view(B, self.n_kv, -1, self.head_dim), b.k[i][:, :, :window],
-                                               b.v[i][:, :, :window], attn_mask=mask, scale=self.scaling)
-            (delta,) = grouped_linears(o.reshape(B, -1), [attn.o_proj])
+            if self.attention == "qerl":
+                o = decode_attention(q.view(B, self.n_heads, self.head_dim), b.k[i][:, :, :window],
+                                     b.v[i][:, :, :window], b.key_valid, b.cpos, self.scaling)
+            else:
+                o = F.scaled_dot_product_attention(q.view(B, self.n_kv, -1, self.head_dim), b.k[i][:, :, :window],
+                                                   b.v[i][:, :, :window], attn_mask=mask,
+                                                   scale=self.scaling).reshape(B, -1)
+            (delta,) = grouped_linears(o, [attn.o_proj])
             res, x, hm = self._fused_norm(res, delta, layer.post_attention_layernorm, gate_up)
             (delta,) = grouped_linears(silu_mlp_input(x, *gate_up, hm), [layer.mlp.down_proj])
         return self._fused_norm(res, delta, self.inner.norm, [])[1]
