@@ -489,3 +489,18 @@ def test_fused_cuda_graphs_bf16_lora_live():
     assert fused_g.stats["captures"] == caps  # same graphs, new noise and new LoRA weights
     assert not torch.equal(e.logprobs, b.logprobs)
     assert_greedy_close(unfused.generate(GPU_PROMPTS, 250, **kw), e, 0.05)  # the update as the unfused path sees it
+
+
+def test_split_attention_equals_sdpa():
+    """The fused step's attention split over the keys (the default) against torch SDPA over the whole window:
+    the same tokens and log-probs within fp32 rounding (fp32 NVFP4 + LoRA, sampled; the kernel's splits, the
+    cursor and windows past 256 slots: tests/kernels/test_decode_attention.py)."""
+    model = _lora_model("qwen2")
+    prompts = [PROMPTS[i % len(PROMPTS)] + [40 + i] for i in range(3)]
+    kw = dict(temperature=1.0, seed=3, ignore_eos=True)
+    runs = [FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True, sync_every=4, attention=a).generate(
+        prompts, 8, **kw) for a in ("sdpa", "qerl")]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        FastEngine(model, eos_token_ids=[2], pad_id=0, attention="flash")

@@ -26,7 +26,7 @@ One ``generate`` call:
    powers of two below it: 64, 32, ..., 1), it packs their rows, K/V cache slots and decode state
    into the first rows and replays that bucket's graphs from then on (rows left over in the bucket
    copy a running row and write to a scratch sequence). The cache rows are moved, not indexed, so
-   a bucket's graphs read contiguous rows and the attention kernels are the static engine's. Rows
+   a bucket's graphs read contiguous rows and the attention kernel is the static engine's. Rows
    write their tokens, log-probs and lengths to their sequence's place, so the output is laid out
    as the prompts were. A sequence samples from its own keys (seed, seq_id, t), so compaction does
    not change what it samples, given the same logits (the 4-bit kernels differ by rounding between
@@ -50,7 +50,9 @@ fused Triton kernels of qerl.kernels instead of the HF-order torch ops: residual
 (+ the stacked LoRA-A product of the Linears it feeds) in one kernel, q/k norm + rotary + KV-cache
 write in one, one bias/LoRA-B launch per group of Linears that share an input (q/k/v; gate/up,
 which also applies SiLU(gate) * up), and LoRA-A + B launches for o_proj and down_proj
-(rollout/fused_linear.py). Every weight is still read live from the modules, so LoRA and AQN
+(rollout/fused_linear.py). Its attention (``attention="qerl"``) is qerl.kernels.decode_attention: split over
+the keys, so a few rows over a long cache still fill the GPU, and reading only up to the cursor (a device
+tensor), so a window's graph does no work past it; ``attention="sdpa"`` keeps torch SDPA (A/B). Every weight is still read live from the modules, so LoRA and AQN
 updates reach the captured graphs as before. Same arithmetic, different reduction order: tokens
 may differ from the unfused path where logits nearly tie (tested with a tolerance). Prefill stays
 unfused. On the CPU ``fused=True`` needs TRITON_INTERPRET=1 (tests); the default there is off, so
