@@ -20,6 +20,7 @@ with respect to the GGUF, and `dtype` is applied at load time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -191,11 +192,40 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
     A folder that already holds the completion marker is returned as is. The conversion writes
     to a temporary sibling and renames it, so an interrupted run or two concurrent runs never
-    leave a half-written cache behind.
+    leave a half-written cache behind; a lock file beside the folder (<out_dir>.lock) makes
+    concurrent runs (parallel test workers, runs started together) wait for one conversion and
+    read its folder instead of each converting the same file.
     """
     gguf, out_dir = Path(gguf), Path(out_dir)
     if (out_dir / _SOURCE_MARKER).is_file():
         return out_dir
+    with _cache_lock(out_dir):
+        if (out_dir / _SOURCE_MARKER).is_file():  # another process converted it while this one waited
+            return out_dir
+        return _convert_gguf_into(gguf, out_dir)
+
+
+@contextlib.contextmanager
+def _cache_lock(out_dir: Path):
+    """An exclusive lock on <out_dir>.lock for the time of a conversion. A cache root where no lock file
+    can be made (read-only) is not locked: the conversion itself then says what fails."""
+    from filelock import FileLock  # a dependency of torch
+
+    lock = FileLock(str(out_dir.with_name(out_dir.name + ".lock")))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError:
+        lock = None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _convert_gguf_into(gguf: Path, out_dir: Path) -> Path:
+    """convert_gguf's work, under its lock: read the GGUF, save the HF folder beside out_dir, rename it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()

@@ -86,6 +86,35 @@ def test_gguf_cache_is_keyed_on_the_content(tmp_path, monkeypatch):
         models._gguf_cache_dir(b, root)
 
 
+def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
+    """Two processes (parallel test workers) asking for the same GGUF at once: one converts, the other waits
+    for its folder and reads it, and neither sees a half-written one."""
+    import threading
+    import time
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    out = tmp_path / "cache" / "m-0123"
+    calls = []
+
+    def convert(g, out_dir):
+        calls.append(out_dir)
+        time.sleep(0.5)  # long enough for the other caller to arrive while this one converts
+        out_dir.mkdir(parents=True)
+        (out_dir / models._SOURCE_MARKER).write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(models, "_convert_gguf_into", convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(models.convert_gguf(gguf, out))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [out, out] and len(calls) == 1
+    assert models.convert_gguf(gguf, out) == out and len(calls) == 1  # later calls read the folder
+
+
 def test_local_folder_round_trip(tiny_llama, tiny_tokenizer, tmp_path):
     tiny_llama.save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
