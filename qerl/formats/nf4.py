@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from qerl.formats.e2m1 import pair_table
+from qerl.formats.e2m1 import gather_pairs, pair_table
 from qerl.formats.registry import FormatSpec
 
 BLOCK_SIZE = 64
@@ -101,7 +101,7 @@ def dequantize(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bflo
         )
     # One gather through a [256, 2] table (high nibble first) instead of unpack + lookup.
     table = pair_table(_code(packed.device), high_first=True)
-    values = table[packed.long()].reshape(-1, BLOCK_SIZE) * absmax.unsqueeze(-1)
+    values = gather_pairs(table, packed).reshape(-1, BLOCK_SIZE) * absmax.unsqueeze(-1)
     return values.reshape(out_f, in_f).to(dtype)
 
 
