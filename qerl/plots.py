@@ -24,6 +24,7 @@ prints a note and returns None, so a partial results/ tree never crashes a noteb
 """
 
 import json
+import os
 from pathlib import Path
 
 import matplotlib
@@ -60,7 +61,14 @@ def _out_dir(out_dir, results):
 
 def _save(fig, out_dir, results, name):
     path = _out_dir(out_dir, results) / f"{name}.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    # written beside it and renamed: two processes drawing into one folder (the notebooks' scratch folder,
+    # parallel test workers) never leave or show a half-written file
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"[qerl.plots] wrote {path}")
     return fig
 
