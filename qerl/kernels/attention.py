@@ -36,8 +36,7 @@ WAVES = 2  # about WAVES * SMs programs in all
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, cpos_ptr, out_ptr, ws_ptr, cnt_ptr,
                         s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vm, window, chunk, scale,
                         NKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                        LOW_DOT: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -77,7 +76,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, cpos_ptr, out_ptr, ws_pt
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + offs_n[:, None].to(tl.int64) * s_vl + offs_d[None, :], mask=mn[:, None] & md[None, :],
                     other=0.0)
-        if not LOW_DOT:  # fp32 inputs, or the interpreter (whose 16-bit dots are not exact): IEEE fp32
+        if IEEE:  # fp32 inputs, or the interpreter (whose 16-bit dots are not exact): IEEE fp32
             pv = tl.dot(rnd(p, VT).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:  # the probabilities rounded to the value dtype, as flash attention does
             pv = tl.dot(rnd(p, VT), v)
@@ -122,10 +121,10 @@ def decode_attention_splits(B: int, n_kv: int, window: int, sms: int) -> int:
     return max(1, min(triton.cdiv(window, MIN_CHUNK), triton.cdiv(WAVES * sms, B * n_kv)))
 
 
-def _launch(q, k, v, key_valid, cpos, scale, out, splits=None):
+def _launch(q, k, v, key_valid, cpos, scale, out):
     B, n_kv, window, D = k.shape
     G = q.shape[1] // n_kv
-    S = splits or decode_attention_splits(B, n_kv, window, num_sms(q.device))
+    S = decode_attention_splits(B, n_kv, window, num_sms(q.device))
     chunk = triton.cdiv(triton.cdiv(window, S), BLOCK_N) * BLOCK_N
     S = triton.cdiv(window, chunk)
     BLOCK_G, BLOCK_D = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
@@ -134,7 +133,7 @@ def _launch(q, k, v, key_valid, cpos, scale, out, splits=None):
     _decode_attn_kernel[(B * n_kv, S)](
         q, k, v, key_valid, cpos, out, ws, cnt, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), key_valid.stride(0), window, chunk, scale, NKV=n_kv, G=G, BLOCK_G=BLOCK_G, D=D,
-        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=IEEE, LOW_DOT=not (IEEE or INTERPRETED), num_warps=4, num_stages=3)
+        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=IEEE, num_warps=4, num_stages=3)
 
 
 def _check(q, k, v, key_valid, cpos):
