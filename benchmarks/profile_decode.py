@@ -10,11 +10,14 @@ profiler, so that the kernels of T decode steps are the difference of the two pr
   qerl fused      qerl.kernels.fused (RMSNorm, rotary + KV write, SiLU*up, LoRA A / B)
   sampling        softmax, top-k / top-p, the Gumbel sampler, argmax
   other           the rest (copies, casts, bookkeeping)
-Prints per category: ms and kernels per decode step, and the TOP kernels by time; writes <out>/profile_decode.json.
+Prints per category: ms and kernels per decode step, and the TOP kernels by time; writes <out>/profile_decode.json
+after each row. ``--pdl on off`` times each row with programmatic dependent launch of qerl's kernels on and off
+(a fresh model for each: the kernel launches are kept per weight); ``--no-profile`` times the walls only.
 
     python -m benchmarks.profile_decode --out $OUT                      # Qwen2.5-7B, nvfp4 and bf16, bs 1 / 8 / 64
     python -m benchmarks.profile_decode --model qwen2.5-14b --batch 8 --layers 8
     python -m benchmarks.profile_decode --batch 4 16 64 --prompt 1792 --attention qerl sdpa   # long cache, both kernels
+    python -m benchmarks.profile_decode --batch 1 4 16 64 --pdl on off --no-profile            # PDL A/B, walls
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from benchmarks import speed_common as sc
 from qerl import formats
+from qerl.kernels import common
 from qerl.models import model_config
 
 CATEGORIES = (  # first match wins; names as the profiler reports the kernels
@@ -89,6 +93,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention", nargs="+", choices=("qerl", "sdpa"), default=["qerl"],
                     help="the fused step's attention kernel(s), each profiled in turn (qerl: the engine's default)")
+    ap.add_argument("--pdl", nargs="+", choices=("on", "off"), default=["on"],
+                    help="programmatic dependent launch of qerl's kernels (sm_90; on is the default)")
+    ap.add_argument("--no-profile", action="store_true", help="wall times only (no profiler pass)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
@@ -99,7 +106,18 @@ def main(argv=None) -> dict:
         config.num_hidden_layers = args.layers
     vocab = sc.vocab_size(args.model)
     res = dict(provenance=sc.provenance(), settings=vars(args), rows=[])
-    for method in args.methods:
+    pdl_before = common.PDL
+    try:
+        _rows(args, device, config, vocab, res)
+    finally:
+        common.PDL = pdl_before
+    Path(args.out, "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+def _rows(args, device, config, vocab, res) -> None:
+    for method, pdl in [(m, p) for m in args.methods for p in args.pdl]:
+        common.PDL = pdl == "on" and common._HAVE_GDC and not common.INTERPRETED  # restored below
         model = sc.build(args.model, method, args.lora_rank, device, seed=args.seed, config=config)
         for batch, attention in [(b, a) for b in args.batch for a in args.attention]:
             sc.ENGINE_OPTIONS["attention"] = attention
@@ -120,7 +138,8 @@ def main(argv=None) -> dict:
                     sc.sync()
                     ts.append(time.perf_counter() - t0)
                 walls[n] = statistics.median(ts)
-            short, long = profile(lambda: run(1), device.type), profile(lambda: run(1 + args.tokens), device.type)
+            short, long = ({}, {}) if args.no_profile else (profile(lambda: run(1), device.type),
+                                                            profile(lambda: run(1 + args.tokens), device.type))
             per_step, per_kernel = {}, {}
             for name, (ms, count) in long.items():
                 ms0, c0 = short.get(name, (0.0, 0))
@@ -131,14 +150,16 @@ def main(argv=None) -> dict:
                 t, c = per_step.get(cat, (0.0, 0.0))
                 per_step[cat] = (t + (ms - ms0) / args.tokens, c + (count - c0) / args.tokens)
             step_ms = (walls[1 + args.tokens] - walls[1]) / args.tokens * 1e3
-            row = dict(method=method, batch=batch, attention=getattr(engine, "attention", "sdpa"), step_ms=step_ms,
+            row = dict(method=method, batch=batch, attention=getattr(engine, "attention", "sdpa"),
+                       pdl=common.pdl(device) if device.type == "cuda" else False, step_ms=step_ms,
                        kernel_ms=sum(t for t, _ in per_step.values()),
                        kernels_per_step=sum(c for _, c in per_step.values()),
                        categories={k: dict(ms=t, kernels=c) for k, (t, c) in sorted(per_step.items())},
                        top_kernels=[dict(name=k[:160], category=category(k), ms=t, kernels=c) for k, (t, c)
                                     in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP]])
             res["rows"].append(row)
-            print(f"== {method} bs{batch} {row['attention']}: {step_ms:.2f} ms per decode step (wall), {row['kernel_ms']:.2f} ms in "
+            Path(args.out, "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
+            print(f"== {method} bs{batch} {row['attention']} pdl={row['pdl']}: {step_ms:.2f} ms per decode step (wall), {row['kernel_ms']:.2f} ms in "
                   f"{row['kernels_per_step']:.0f} kernels")
             for cat, d in sorted(row["categories"].items(), key=lambda kv: -kv[1]["ms"]):
                 print(f"   {cat:14s} {d['ms']:8.3f} ms {d['kernels']:7.1f} kernels")
@@ -148,8 +169,6 @@ def main(argv=None) -> dict:
             sc.free()
         del model
         sc.free()
-    Path(args.out, "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
-    return res
 
 
 if __name__ == "__main__":

@@ -491,6 +491,30 @@ def test_fused_cuda_graphs_bf16_lora_live():
     assert_greedy_close(unfused.generate(GPU_PROMPTS, 250, **kw), e, 0.05)  # the update as the unfused path sees it
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_gives_the_same_bits(monkeypatch):
+    """Programmatic dependent launch (on by default on sm_90) changes when a kernel's programs start, not
+    what they compute: bf16 NVFP4 + LoRA, 40 sampled sequences of their own lengths under CUDA graphs (buckets
+    40 to 1: the mma and warp-specialised kernels, the tiled and broadcast lora_a, split attention, the
+    sampler) give the same tokens and log-probs bit for bit with PDL on and off (a fresh model each: the
+    kernel launches are kept per weight)."""
+    from qerl.kernels import common
+
+    if torch.cuda.get_device_capability(0)[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    prompts = [GPU_PROMPTS[i % 4][: 5 + 3 * i] for i in range(40)]
+    caps = [1 + (37 * i) % 170 for i in range(40)]
+    kw = dict(temperature=1.0, seed=5, ignore_eos=True)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(common, "PDL", on)
+        assert bool(common.pdl_args(torch.device("cuda", 0))) == on
+        runs.append(_gpu_engine(_gpu_model(BF, lora=True)).generate(prompts, caps, **kw))
+    a, b = runs
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
 def test_split_attention_equals_sdpa():
     """The fused step's attention split over the keys (the default) against torch SDPA over the whole window:
     the same tokens and log-probs within fp32 rounding (fp32 NVFP4 + LoRA, sampled; the kernel's splits, the

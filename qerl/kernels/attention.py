@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.common import INTERPRETED, num_sms, rnd, workspace
+from qerl.kernels.common import INTERPRETED, num_sms, pdl_args, pdl_enter, rnd, workspace
 
 BLOCK_N = 64  # keys a loop step
 MIN_CHUNK = 128  # fewest keys a split program walks
@@ -36,7 +36,8 @@ WAVES = 2  # about WAVES * SMs programs in all
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, cpos_ptr, out_ptr, ws_ptr, cnt_ptr,
                         s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vm, window, chunk, scale,
                         NKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -133,7 +134,8 @@ def _launch(q, k, v, key_valid, cpos, scale, out):
     _decode_attn_kernel[(B * n_kv, S)](
         q, k, v, key_valid, cpos, out, ws, cnt, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), key_valid.stride(0), window, chunk, scale, NKV=n_kv, G=G, BLOCK_G=BLOCK_G, D=D,
-        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=IEEE, num_warps=4, num_stages=3)
+        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=IEEE, num_warps=4, num_stages=3,
+        **pdl_args(q.device))
 
 
 def _check(q, k, v, key_valid, cpos):

@@ -100,6 +100,54 @@ def splitk_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_
 
 
 # ----------------------------------------------------------------------------------------------
+# programmatic dependent launch (sm_90+)
+#
+# A kernel launched with ``launch_pdl=True`` may be scheduled while the kernel before it on the stream is
+# still running: its programs wait (``griddepcontrol.wait``, which returns once that kernel has finished
+# and its writes are visible) before they touch global memory, then let the next kernel launch. What
+# this hides is the gap between two dependent kernels (launch, programs placed on SMs), which the decode
+# step pays ~400 times. The wait precedes every load and store, so the math and the bits are unchanged.
+# The rule: a kernel gets ``launch_pdl=True`` only together with its constexpr ``PDL=True`` (``pdl_args``);
+# a PDL launch of a kernel without the wait could read its inputs before they are written.
+# QERL_PDL=0 (read at import, like TRITON_INTERPRET) turns it off, for A/B timings.
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAVE_GDC = True
+except ImportError:  # a Triton without grid dependency control
+    _HAVE_GDC = False
+
+PDL = _HAVE_GDC and not INTERPRETED and os.environ.get("QERL_PDL", "1") != "0"
+_PDL_DEVICE: dict = {}
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch: PDL on, a CUDA GPU of
+    compute capability 9.0 or newer (griddepcontrol is sm_90 PTX)."""
+    if not PDL or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_DEVICE:
+        _PDL_DEVICE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL_DEVICE[idx]
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The launch keywords of a kernel that calls ``pdl_enter(PDL)`` first (its constexpr ``PDL``
+    defaults to False): its constexpr and Triton's launch option together, or nothing."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of a kernel launched through ``pdl_args``: wait for the kernel before it, then let
+    the next one launch (no-ops without PDL)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+# ----------------------------------------------------------------------------------------------
 # split-K and SM counts
 
 # Split-K: about WAVES * sms programs for skinny tiles, WAVES_MID * sms for larger ones (the last

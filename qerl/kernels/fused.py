@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.common import num_sms, splitk_epilogue, workspace
+from qerl.kernels.common import num_sms, pdl_args, pdl_enter, splitk_epilogue, workspace
 from qerl.kernels.common import rnd as _rnd
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -75,9 +75,10 @@ def _pick(i, p0, p1, p2):
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, out_ptr, a0, a1, a2, h_ptr, N, R, NR, eps,
                         HAS_DELTA: tl.constexpr, STORE_RES: tl.constexpr, HAS_A: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
     """Row program_id(0); program_id(1) == 0 stores the residual and the normed row, and with HAS_A
     every program also multiplies the normed row by BLOCK_R rows of the stacked A (lora_a's h)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     TY: tl.constexpr = out_ptr.dtype.element_ty
@@ -117,7 +118,7 @@ def _norm_launch(res, delta, weight, eps, res_out, out, As=(), h=None):
         res, delta if delta is not None else res, weight, res_out, out, a[0], a[1], a[2], h if n else res,
         N, R, n * R, eps, HAS_DELTA=delta is not None, STORE_RES=delta is not None or n > 0, HAS_A=n > 0,
         BLOCK=BLOCK, BLOCK_R=BLOCK_R,
-        num_warps=8 if BLOCK >= 4096 else 4)
+        num_warps=8 if BLOCK >= 4096 else 4, **pdl_args(res.device))
 
 
 @torch.library.custom_op("qerl::rmsnorm", mutates_args=())
@@ -175,7 +176,8 @@ def _rope(x1, x2, c1, c2, s1, s2, TY: tl.constexpr):
 @triton.jit
 def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, kc_ptr, vc_ptr, cpos_ptr,
                        L, eps, NH: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK: tl.constexpr, QK_NORM: tl.constexpr):
+                       BLOCK: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     TY: tl.constexpr = q_out_ptr.dtype.element_ty
@@ -227,7 +229,8 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     has_norm = q_norm is not None
     _rope_cache_kernel[(B, NH + NKV)](
         q, k, v, cos, sin, q_norm if has_norm else q, k_norm if has_norm else q, q_out, k_cache, v_cache, cpos,
-        L, eps, NH=NH, NKV=NKV, HEAD_DIM=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), QK_NORM=has_norm)
+        L, eps, NH=NH, NKV=NKV, HEAD_DIM=D, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), QK_NORM=has_norm,
+        **pdl_args(q.device))
     return q_out
 
 
@@ -236,7 +239,8 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     TY: tl.constexpr = out_ptr.dtype.element_ty
@@ -252,7 +256,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     n = gate.numel()
     BLOCK = 1024
-    _silu_mul_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK)
+    _silu_mul_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK, **pdl_args(gate.device))
     return out
 
 
@@ -262,9 +266,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Decode batches: partial sum s = program_id(1) (a K chunk) of rows program_id(2) of h for rows
     rr of adapter i's A (program_id(0)), a broadcast product in fp32."""
+    pdl_enter(PDL)
     nrb = tl.cdiv(R, BLOCK_R)
     i = tl.program_id(0) // nrb  # adapter i, rows rr of its A
     rr = (tl.program_id(0) % nrb) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -288,7 +293,7 @@ def _lora_a_kernel(x_ptr, a0, a1, a2, h_ptr, M, K, R, NR, K_CHUNK: tl.constexpr,
 @triton.jit
 def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR, K_CHUNK,
                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BF16_DOT: tl.constexpr):
+                         BF16_DOT: tl.constexpr, PDL: tl.constexpr = False):
     """Many rows: rows program_id(0) x all r columns of adapter program_id(2), over the K chunk
     program_id(1), on the tensor cores in fp32 precision. bf16 activations in row tiles of up to 32: A's
     fp32 split exactly into three bf16 parts (8 significant bits each), three bf16 products with the
@@ -297,6 +302,7 @@ def _lora_a_tiled_kernel(x_ptr, a0, a1, a2, h_ptr, ws_ptr, cnt_ptr, M, K, R, NR,
     us; results/decode_profile/NOTES.md). The K chunks are summed in this
     launch, in a fixed order (common.splitk_epilogue), so h is final: lora_out reads each h element
     once instead of every chunk's partial in every column tile."""
+    pdl_enter(PDL)
     mt, s, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
@@ -370,7 +376,7 @@ def _lora_a_tiled(x: torch.Tensor, As: list[torch.Tensor], BLOCK_M: int, BLOCK_K
     a = list(As) + [As[0]] * (3 - n)
     _lora_a_tiled_kernel[(mt, S, n)](x, a[0], a[1], a[2], h, ws, cnt, M, K, R, n * R, K_CHUNK,
                                      BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BF16_DOT=not INTERPRETED,
-                                     num_warps=num_warps, num_stages=num_stages)
+                                     num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
     return h
 
 
@@ -393,7 +399,7 @@ def lora_a(x: torch.Tensor, As: list[torch.Tensor]) -> torch.Tensor:
     a = list(As) + [As[0]] * (3 - n)
     grid = (n * triton.cdiv(R, BLOCK_R), S, triton.cdiv(M, BLOCK_M))
     _lora_a_kernel[grid](x, a[0], a[1], a[2], h, M, K, R, n * R, K_CHUNK=chunk, BLOCK_M=BLOCK_M,
-                         BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
+                         BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, **pdl_args(x.device))
     return h
 
 
@@ -425,10 +431,11 @@ def _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, m
 @triton.jit
 def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, N1, N2, R, NR, S, scaling,
                      HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_R: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr):
+                     BLOCK_R: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
     """Output i = program_id(0) in place, columns of program_id(1), rows of program_id(2) (ROWS at
     a time, so that a large batch spreads over programs); or (SILU_MUL, one program row)
     out = SiLU(y0') * y1'."""
+    pdl_enter(PDL)
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ms = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
@@ -501,7 +508,8 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=No
     _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0],
                            out if out is not None else y[0], M, Ns[0], Ns[1], Ns[2], R, NR, S, scaling,
                            HAS_LORA=has_lora, HAS_BIAS=has_bias, SILU_MUL=out is not None, BLOCK_N=BLOCK_N,
-                           BLOCK_R=BLOCK_R, ROWS=ROWS, SB=SB, num_warps=num_warps)
+                           BLOCK_R=BLOCK_R, ROWS=ROWS, SB=SB, num_warps=num_warps,
+                           **pdl_args(ys[0].device))
 
 
 @torch.library.custom_op("qerl::lora_out", mutates_args=("ys",))

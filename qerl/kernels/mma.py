@@ -72,6 +72,15 @@ _ASM_MX = _ASM_NV.replace("mad.lo.u32 s0, t, 16, 0x76007600", "mad.lo.u32 s0, t,
 if HAVE_GLUON:
 
     @gluon.jit
+    def pdl_enter(PDL: gl.constexpr):
+        """common.pdl_enter for Gluon kernels: wait for the kernel before this one, then let the next
+        one launch (griddepcontrol; launched through common.pdl_args)."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
     def _axes5(D0: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, D4: gl.constexpr,
                L: gl.constexpr):
         """The five index vectors of a [D0, .., D4] tensor of layout L, each expanded to rank 5."""
@@ -111,7 +120,7 @@ if HAVE_GLUON:
                     M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split, MT,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
                     KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
-                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr):
+                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
         Grid ((T0 + T1 + T2) MT, split): member i's T_i row tiles, one after the other, each with
         its MT tiles of BM rows of x next to each other (they share the weight tile in L2). A program:
@@ -120,6 +129,7 @@ if HAVE_GLUON:
         asynchronous copies; the weights are decoded in registers into the A operand of mma.sync
         (mma_v2) or, with WGMMA (sm_90), of the warpgroup MMA, whose B operand is the shared tile.
         Outputs are contiguous [M, N_i]."""
+        pdl_enter(PDL)
         pid0 = gl.program_id(0)
         pid = pid0 // MT  # row tile of all members
         m0 = (pid0 % MT) * BM  # first row of x
@@ -448,7 +458,8 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     Np = Ns + [0] * (3 - len(Ns))
     Tp = tiles + [0] * (3 - len(tiles))
     args += [ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips, mt]
-    kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **launch, **cfg)
+    kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **launch, **cfg,
+                  **common.pdl_args(x2.device))
     if describe:  # (kernel, grid, args, kwargs, workspace need): for Plan's DirectLaunch
         return _mma_kernel, (n_tiles, split), tuple(args), kwargs, ws_need
     _mma_kernel[(n_tiles, split)](*args, **kwargs)

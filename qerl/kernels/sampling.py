@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from qerl.kernels.common import INTERPRETED  # the interpreter has no libdevice: numpy's float32 log stands in
+from qerl.kernels.common import INTERPRETED, pdl_args, pdl_enter  # the interpreter has no libdevice: numpy's float32 log stands in
 from qerl.kernels.gumbel import gumbel_argmax_torch
 
 BLOCK_V = 2048  # vocabulary entries a program: V = 152k -> 75 programs a row
@@ -45,8 +45,9 @@ def _fmix32(h):
 
 @triton.jit
 def _gumbel_argmax_kernel(x_ptr, keys_ptr, t_ptr, val_ptr, idx_ptr, V, stride_x, NBLK, BLOCK: tl.constexpr,
-                          LIBDEVICE: tl.constexpr, T_PER_ROW: tl.constexpr):
+                          LIBDEVICE: tl.constexpr, T_PER_ROW: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, block): max over its BLOCK entries of x + g and the first index reaching it."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     key = tl.load(keys_ptr + row).to(tl.uint32)  # keys hold values in [0, 2^32)
@@ -89,7 +90,8 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, t: torch.Tensor) -> torch
     idx = torch.empty((B, nblk), dtype=torch.int32, device=x.device)
     if B:
         _gumbel_argmax_kernel[(B, nblk)](x, keys, t, vals, idx, V, x.stride(0), nblk, BLOCK=BLOCK_V,
-                                             LIBDEVICE=not INTERPRETED, T_PER_ROW=per_row, num_warps=4)
+                                             LIBDEVICE=not INTERPRETED, T_PER_ROW=per_row, num_warps=4,
+                                             **pdl_args(x.device))
     # the first block holding the row's maximum (torch.argmax: the first one), then its index there
     return idx.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1).long()
 

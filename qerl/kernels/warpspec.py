@@ -74,6 +74,7 @@ def _triton_version() -> tuple[int, int]:
 MMA_IN_FLIGHT = _triton_version() >= (3, 7)
 
 if HAVE_WS:
+    _pdl_enter = mma.pdl_enter  # griddepcontrol (common.pdl_args)
 
     @gluon.jit
     def _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1,
@@ -206,10 +207,11 @@ if HAVE_WS:
     def _ws_kernel(x_desc, w_desc, s_desc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NB_K, iters_per_split, MT,
                    IS_NV: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
                    KB: gl.constexpr, ASM: gl.constexpr, REGS: gl.constexpr, IN_FLIGHT: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   num_warps: gl.constexpr, PDL: gl.constexpr = False):
         """out[M, N] = x W^T. Grid (N tiles * MT, split): the MT row tiles of x for one weight tile next
         to each other (they share it in L2). A CTA: NWG consumer warpgroups of 64 weight rows each
         and one producer warp."""
+        _pdl_enter(PDL)
         pid0 = gl.program_id(0)
         pid_n = pid0 // MT
         m0 = (pid0 % MT) * BM
@@ -315,7 +317,7 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     _ws_kernel[(n_tiles * mt, split)](
         x_desc, w_desc, s_desc, gs if gs is not None else scales_c, out, ws, cnt, M, N, nbk, ips, mt,
         IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=mma._ASM_NV if is_nv else mma._ASM_MX,
-        REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, **launch)
+        REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, **launch, **common.pdl_args(x2.device))
     return out
 
 

@@ -1,0 +1,84 @@
+"""Programmatic dependent launch (qerl.kernels.common.pdl_args): a kernel launched with ``launch_pdl=True`` may
+start before the kernel ahead of it has finished, so its first statement must be the grid-dependency wait.
+
+CPU: every kernel that takes the PDL constexpr waits first, and PDL is off without an sm_90 GPU. GPU: a
+decode that runs every such kernel (norms, LoRA, rotary, split attention, the 4-bit kernels at 1-40 rows,
+the sampler) gives the same bits with PDL on and off (tests/test_fused.py::test_pdl_gives_the_same_bits).
+"""
+
+import ast
+import inspect
+import textwrap
+
+import torch
+
+from qerl.kernels import attention, common, fused, mma, sampling, warpspec
+
+
+def _kernels_with_pdl():
+    found = {}
+    for mod in (fused, attention, sampling, mma, warpspec):
+        for name, obj in vars(mod).items():
+            fn = getattr(obj, "fn", None)
+            if callable(fn) and "PDL" in getattr(obj, "arg_names", ()) and fn.__name__ != "pdl_enter":
+                found[f"{mod.__name__}.{name}"] = fn
+    return found
+
+
+def _first_statement(fn):
+    body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):  # the docstring
+        body = body[1:]
+    return body[0]
+
+
+def test_every_pdl_kernel_waits_first():
+    found = _kernels_with_pdl()
+    names = {n.rsplit(".", 1)[1] for n in found}
+    expected = {"_add_rmsnorm_kernel", "_rope_cache_kernel", "_silu_mul_kernel", "_lora_a_kernel",
+                "_lora_a_tiled_kernel", "_lora_out_kernel", "_decode_attn_kernel", "_gumbel_argmax_kernel"}
+    if mma.HAVE_GLUON:
+        expected.add("_mma_kernel")
+    if getattr(warpspec, "HAVE_WS", False):
+        expected.add("_ws_kernel")
+    assert expected <= names, expected - names
+    for name, fn in found.items():
+        st = _first_statement(fn)
+        call = st.value if isinstance(st, ast.Expr) else None
+        assert isinstance(call, ast.Call), f"{name}: the first statement is not pdl_enter(PDL)"
+        callee = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
+        assert callee in ("pdl_enter", "_pdl_enter") and [a.id for a in call.args] == ["PDL"], \
+            f"{name}: the first statement is {ast.unparse(st)!r}, not pdl_enter(PDL)"
+        assert inspect.signature(fn).parameters["PDL"].default is False, f"{name}: PDL must default to False"
+
+
+def test_every_pdl_launch_names_a_waiting_kernel():
+    """Each launch that passes pdl_args launches a kernel of _kernels_with_pdl (read from the source)."""
+    waiting = {n.rsplit(".", 1)[1] for n in _kernels_with_pdl()}
+    sites = 0
+    for mod in (fused, attention, sampling, mma, warpspec):
+        tree = ast.parse(inspect.getsource(mod))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            kws = [k for k in node.keywords if k.arg is None and isinstance(k.value, ast.Call)
+                   and getattr(k.value.func, "attr", getattr(k.value.func, "id", None)) == "pdl_args"]
+            if not kws:
+                continue
+            sites += 1
+            f = node.func
+            if isinstance(f, ast.Subscript):  # kernel[grid](...)
+                name = f.value.id if isinstance(f.value, ast.Name) else f.value.attr
+            else:  # dict(..., **pdl_args(...)): kwargs for a described launch of the module's kernel
+                name = {"mma": "_mma_kernel"}.get(mod.__name__.rsplit(".", 1)[1])
+            assert name in waiting, f"{mod.__name__}: a launch with pdl_args of {name}, which does not wait first"
+    assert sites >= 10
+
+
+def test_pdl_off_without_an_sm90_gpu():
+    assert common.pdl_args(torch.device("cpu")) == {}
+    if common.INTERPRETED:
+        assert not common.PDL
+    if torch.cuda.is_available():
+        on = common.PDL and torch.cuda.get_device_capability(0)[0] >= 9
+        assert common.pdl_args(torch.device("cuda", 0)) == ({"PDL": True, "launch_pdl": True} if on else {})
