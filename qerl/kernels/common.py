@@ -104,7 +104,7 @@ def splitk_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_
 #
 # A kernel launched with ``launch_pdl=True`` may be scheduled while the kernel before it on the stream is
 # still running: its programs wait (``griddepcontrol.wait``, which returns once that kernel has finished
-# and its writes are visible) before they touch global memory, then let the next kernel launch. What
+# and its writes are visible) before they touch global memory. What
 # this hides is the gap between two dependent kernels (launch, programs placed on SMs), which the decode
 # step pays ~400 times. The wait precedes every load and store, so the math and the bits are unchanged.
 # The rule: a kernel gets ``launch_pdl=True`` only together with its constexpr ``PDL=True`` (``pdl_args``);
@@ -112,7 +112,7 @@ def splitk_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_
 # QERL_PDL=0 (read at import, like TRITON_INTERPRET) turns it off, for A/B timings.
 
 try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_wait
     _HAVE_GDC = True
 except ImportError:  # a Triton without grid dependency control
     _HAVE_GDC = False
@@ -140,11 +140,13 @@ def pdl_args(device: torch.device) -> dict:
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """First statement of a kernel launched through ``pdl_args``: wait for the kernel before it, then let
-    the next one launch (no-ops without PDL)."""
+    """First statement of a kernel launched through ``pdl_args``: wait for the kernel before it (a no-op
+    without PDL). No early ``launch_dependents``: the next kernel then launches as this one's programs
+    exit, onto SMs this one has freed, rather than onto whichever SMs had room while it ran (that
+    skewed the split-K 4-bit kernels' placement: 7B NVFP4 step at 4 / 16 rows 4.01 / 5.18 -> 4.83 / 6.10
+    ms; results/decode_profile/NOTES.md)."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,12 +73,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def pdl_enter(PDL: gl.constexpr):
-        """common.pdl_enter for Gluon kernels: wait for the kernel before this one, then let the next
-        one launch (griddepcontrol; launched through common.pdl_args)."""
+        """common.pdl_enter for Gluon kernels: wait for the kernel before this one (griddepcontrol.wait;
+        launched through common.pdl_args)."""
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
 
     @gluon.jit
     def _axes5(D0: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, D4: gl.constexpr,
