@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import speed_common as sc
-from qerl import formats
-from qerl.kernels import common
+from qerl import formats, kernels
 from qerl.models import model_config
 
 CATEGORIES = (  # first match wins; names as the profiler reports the kernels
@@ -106,18 +105,18 @@ def main(argv=None) -> dict:
         config.num_hidden_layers = args.layers
     vocab = sc.vocab_size(args.model)
     res = dict(provenance=sc.provenance(), settings=vars(args), rows=[])
-    pdl_before = common.PDL
+    pdl_before = kernels.set_pdl(True)
     try:
         _rows(args, device, config, vocab, res)
     finally:
-        common.PDL = pdl_before
+        kernels.set_pdl(pdl_before)
     Path(args.out, "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
 
 def _rows(args, device, config, vocab, res) -> None:
     for method, pdl in [(m, p) for m in args.methods for p in args.pdl]:
-        common.PDL = pdl == "on" and common._HAVE_GDC and not common.INTERPRETED  # restored below
+        kernels.set_pdl(pdl == "on")  # restored by main
         model = sc.build(args.model, method, args.lora_rank, device, seed=args.seed, config=config)
         for batch, attention in [(b, a) for b in args.batch for a in args.attention]:
             sc.ENGINE_OPTIONS["attention"] = attention
@@ -151,7 +150,7 @@ def _rows(args, device, config, vocab, res) -> None:
                 per_step[cat] = (t + (ms - ms0) / args.tokens, c + (count - c0) / args.tokens)
             step_ms = (walls[1 + args.tokens] - walls[1]) / args.tokens * 1e3
             row = dict(method=method, batch=batch, attention=getattr(engine, "attention", "sdpa"),
-                       pdl=common.pdl(device) if device.type == "cuda" else False, step_ms=step_ms,
+                       pdl=kernels.pdl(device), step_ms=step_ms,
                        kernel_ms=sum(t for t, _ in per_step.values()),
                        kernels_per_step=sum(c for _, c in per_step.values()),
                        categories={k: dict(ms=t, kernels=c) for k, (t, c) in sorted(per_step.items())},

@@ -73,9 +73,9 @@ def provenance(git_sha: str | None = None) -> dict:
         props = torch.cuda.get_device_properties(0)
         env["gpu_total_gib"] = props.total_memory / 2**30
         env["cuda"] = torch.version.cuda
-        from qerl.kernels.common import pdl
+        from qerl import kernels
 
-        env["pdl"] = pdl(torch.device("cuda", 0))  # programmatic dependent launch of qerl's kernels (QERL_PDL)
+        env["pdl"] = kernels.pdl(torch.device("cuda", 0))  # programmatic dependent launch of qerl's kernels (QERL_PDL)
     return {"gpu": gpu_tag(), "git_sha": env.get("git_sha"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "env": env}
 

@@ -493,13 +493,13 @@ def test_fused_cuda_graphs_bf16_lora_live():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pdl_gives_the_same_bits(monkeypatch):
+def test_pdl_gives_the_same_bits():
     """Programmatic dependent launch (on by default on sm_90) changes when a kernel's programs start, not
     what they compute: bf16 NVFP4 + LoRA, 40 sampled sequences of their own lengths under CUDA graphs (buckets
     40 to 1: the mma and warp-specialised kernels, the tiled and broadcast lora_a, split attention, the
     sampler) give the same tokens and log-probs bit for bit with PDL on and off (a fresh model each: the
     kernel launches are kept per weight)."""
-    from qerl.kernels import common
+    from qerl import kernels
 
     if torch.cuda.get_device_capability(0)[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
@@ -507,10 +507,14 @@ def test_pdl_gives_the_same_bits(monkeypatch):
     caps = [1 + (37 * i) % 170 for i in range(40)]
     kw = dict(temperature=1.0, seed=5, ignore_eos=True)
     runs = []
-    for on in (True, False):
-        monkeypatch.setattr(common, "PDL", on)
-        assert bool(common.pdl_args(torch.device("cuda", 0))) == on
-        runs.append(_gpu_engine(_gpu_model(BF, lora=True)).generate(prompts, caps, **kw))
+    before = kernels.set_pdl(True)
+    try:
+        for on in (True, False):
+            kernels.set_pdl(on)
+            assert kernels.pdl(torch.device("cuda", 0)) == on
+            runs.append(_gpu_engine(_gpu_model(BF, lora=True)).generate(prompts, caps, **kw))
+    finally:
+        kernels.set_pdl(before)
     a, b = runs
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
 

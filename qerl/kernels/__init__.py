@@ -20,6 +20,8 @@ Public API (see CONTRACTS.md):
                                      decode_attention_reference
     gumbel_argmax(x, keys, t)        the rollout's Gumbel-max draw in one kernel; uniform_noise,
                                      fmix32, gumbel_argmax_torch its torch reference (no Triton)
+    pdl(device), set_pdl(on)         programmatic dependent launch of the decode step's kernels (sm_90: on
+                                     unless QERL_PDL=0); set_pdl for A/B timings (new launches only)
 
 ``tensors`` holds the on-disk buffers of one quantized Linear, named as its format's spec in the
 registry says (qerl.formats.get(fmt).tensor_names, in the order the kernels take them); a ``Weight``
@@ -400,6 +402,23 @@ _LAZY = {
 }
 
 
+def pdl(device: torch.device) -> bool:
+    """Whether qerl's decode-step kernels launch on ``device`` with programmatic dependent launch."""
+    from qerl.kernels import common
+
+    return common.pdl(device)
+
+
+def set_pdl(on: bool) -> bool:
+    """Turn programmatic dependent launch on or off for launches made from now on (a kernel launch kept
+    per weight keeps its setting: build a fresh model for an A/B); returns the previous setting."""
+    from qerl.kernels import common
+
+    before = common.PDL
+    common.PDL = bool(on) and common._HAVE_GDC and not common.INTERPRETED
+    return before
+
+
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
@@ -410,4 +429,4 @@ def __getattr__(name: str):
 __all__ = ["linear", "grad_input", "grouped_linear", "make_plan", "decode", "Weight", "resolve_backend",
            "linear_tuned", "grad_input_tuned", "kernel_name", "lora_a_config", "lora_a_tuned", "lora_out_tuned",
            "scratch_bytes", "buffer_bytes", "release_scratch", "linear_reference", "grad_input_reference", "dequantize_fp32",
-           "triton_available", "BACKENDS", "M32", "fmix32", "uniform_noise", "gumbel_argmax_torch", *_LAZY]
+           "triton_available", "pdl", "set_pdl", "BACKENDS", "M32", "fmix32", "uniform_noise", "gumbel_argmax_torch", *_LAZY]
