@@ -12,7 +12,7 @@ define EXP
 $(PY) -m experiments.$(1) --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
 endef
 
-.PHONY: help setup quickstart test test-gpu test-all lint reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
+.PHONY: help setup quickstart test test-gpu test-all lint compile-check reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
 	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
 	train-ddp dist-check aqn-paired aqn-equivalence
 
@@ -69,6 +69,9 @@ test-all: ## every test, GPU tests included
 
 lint: ## ruff
 	$(PY) -m ruff check qerl tests experiments benchmarks
+
+compile-check: ## compile the decode step's kernels for sm_90 on this machine (no GPU): Gluon API, PDL waits first
+	env -u TRITON_INTERPRET $(PY) -m qerl.kernels.compile_check
 
 quickstart: setup ## install, then the main job: GRPO (bf16 LoRA) on the embedded model, ~6 min on 2 CPU cores -> runs/quickstart
 	$(PY) -m qerl train --profile quickstart --output-dir runs/quickstart --overwrite $(ARGS)

@@ -40,6 +40,8 @@ try:  # Gluon: triton >= 3.6
     HAVE_GLUON = True
     # a CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier in later versions
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # the cp.async copy into shared memory: async_copy_global_to_shared up to Triton 3.7, async_load from 3.8
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
 
@@ -101,15 +103,15 @@ if HAVE_GLUON:
     def _w_copy(w_dst, s_dst, w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim):
         """Asynchronous copies of the weights and scales of the KB column blocks from block kb0 (of
         this thread's layout: 16 and 8 contiguous bytes); not committed (the activations' copy is)."""
-        async_copy.async_copy_global_to_shared(w_dst, w_ptr + (w_off + kb0 * 512), mask=(kb0 + wk) < kb_lim)
-        async_copy.async_copy_global_to_shared(s_dst, s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk) < kb_lim)
+        _cp_async(w_dst, w_ptr + (w_off + kb0 * 512), mask=(kb0 + wk) < kb_lim)
+        _cp_async(s_dst, s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk) < kb_lim)
 
     @gluon.jit
     def _x_copy(x_smem, x_ptr, x_off, xr, xc, M, K, kb0, kb_lim):
         """Asynchronous copy of the activation tile from column block kb0 into x_smem (16 bytes a
         copy; rows >= M, columns >= K and blocks past kb_lim zero-filled); one commit group."""
         kc = kb0 * 64 + xc
-        async_copy.async_copy_global_to_shared(x_smem, x_ptr + (x_off + kb0 * 64),
+        _cp_async(x_smem, x_ptr + (x_off + kb0 * 64),
                                                mask=(xr < M) & (kc < K) & (kc < kb_lim * 64))
         async_copy.commit_group()
 

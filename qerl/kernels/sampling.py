@@ -27,7 +27,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from qerl.kernels.common import INTERPRETED, pdl_args, pdl_enter  # the interpreter has no libdevice: numpy's float32 log stands in
+from qerl.kernels.common import (  # the interpreter has no libdevice: numpy's float32 log stands in
+    INTERPRETED,
+    pdl_args,
+    pdl_enter,
+)
 from qerl.kernels.gumbel import gumbel_argmax_torch
 
 BLOCK_V = 2048  # vocabulary entries a program: V = 152k -> 75 programs a row

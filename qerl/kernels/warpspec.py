@@ -54,6 +54,8 @@ try:
 
     HAVE_WS = hasattr(gl, "warp_specialize")
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # the names Triton 3.8 changed: the TMA load (async_copy_global_to_shared -> async_load)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except ImportError:  # pragma: no cover - older triton
     HAVE_WS = False
 
@@ -76,6 +78,16 @@ MMA_IN_FLIGHT = _triton_version() >= (3, 7)
 if HAVE_WS:
     _pdl_enter = mma.pdl_enter  # griddepcontrol (common.pdl_args)
 
+    # a shared-memory buffer viewed with another dtype / shape / layout (``_reinterpret`` up to Triton 3.7)
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+        @gluon.jit
+        def _view(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return buf.reinterpret(dtype, shape, layout)
+    else:
+        @gluon.jit
+        def _view(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return buf._reinterpret(dtype, shape, layout)
+
     @gluon.jit
     def _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1,
                    KB: gl.constexpr, NWG: gl.constexpr):
@@ -93,11 +105,11 @@ if HAVE_WS:
             mbarrier.expect(bar, nbytes)
             for kb in gl.static_range(KB):
                 k = it * KB + kb
-                tma.async_copy_global_to_shared(x_desc, [m0, k * 64], bar, x_bufs.index(s * KB + kb))
+                _tma_load(x_desc, [m0, k * 64], bar, x_bufs.index(s * KB + kb))
                 for w in gl.static_range(NWG):
                     idx = (s * KB + kb) * NWG + w
-                    tma.async_copy_global_to_shared(w_desc, [nb0 + w * RW, k * 2, 0], bar, w_bufs.index(idx))
-                    tma.async_copy_global_to_shared(s_desc, [nb0 + w * RW, k * 64], bar, s_bufs.index(idx))
+                    _tma_load(w_desc, [nb0 + w * RW, k * 2, 0], bar, w_bufs.index(idx))
+                    _tma_load(s_desc, [nb0 + w * RW, k * 64], bar, s_bufs.index(idx))
 
     @gluon.jit
     def _ws_decode(w_buf, s_buf, ASM: gl.constexpr, a_l: gl.constexpr):
@@ -110,9 +122,9 @@ if HAVE_WS:
                                               [6, 5, 4, 3, 2, 1, 0])
         flat5: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
         # the bulk copy wrote each block's 512 bytes in the compute layout's (g, c, byte) order
-        wq = w_buf._reinterpret(gl.uint8, [4, 8, 4, 1, 16], flat5).load(w_l)
+        wq = _view(w_buf, gl.uint8, [4, 8, 4, 1, 16], flat5).load(w_l)
         # the block's 64 scale bytes (g, t, h); the four lanes c of a row read the same 8
-        sq = s_buf._reinterpret(gl.uint8, [4, 8, 1, 1, 8], flat5).load(s_l)
+        sq = _view(s_buf, gl.uint8, [4, 8, 1, 1, 8], flat5).load(s_l)
         sq = sq + gl.zeros([4, 8, 4, 1, 8], gl.uint8, s_l)
         s16 = gl.convert_layout(
             gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [4, 8, 4, 1, 4, 2]),

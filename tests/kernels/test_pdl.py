@@ -1,16 +1,25 @@
 """Programmatic dependent launch (qerl.kernels.common.pdl_args): a kernel launched with ``launch_pdl=True`` may
 start before the kernel ahead of it has finished, so its first statement must be the grid-dependency wait.
 
-CPU: every kernel that takes the PDL constexpr waits first, and PDL is off without an sm_90 GPU. GPU: a
+CPU: every kernel that takes the PDL constexpr waits first, in its source and in the PTX the installed Triton
+makes for sm_90 (qerl.kernels.compile_check, which also catches a Gluon API that moved), and PDL is off without an
+sm_90 GPU. GPU: a
 decode that runs every such kernel (norms, LoRA, rotary, split attention, the 4-bit kernels at 1-40 rows,
 the sampler) gives the same bits with PDL on and off (tests/test_fused.py::test_pdl_gives_the_same_bits).
 """
 
 import ast
+import importlib.util
 import inspect
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
+import pytest
 import torch
+import triton
 
 from qerl.kernels import attention, common, fused, mma, sampling, warpspec
 
@@ -82,3 +91,23 @@ def test_pdl_off_without_an_sm90_gpu():
     if torch.cuda.is_available():
         on = common.PDL and torch.cuda.get_device_capability(0)[0] >= 9
         assert common.pdl_args(torch.device("cuda", 0)) == ({"PDL": True, "launch_pdl": True} if on else {})
+
+
+def _ptxas_available() -> bool:
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        return False
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return bundled.exists() or bool(os.environ.get("TRITON_PTXAS_PATH"))
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="Triton's NVIDIA backend with ptxas is not installed")
+def test_kernels_compile_for_sm90_with_the_wait_first():
+    """Every decode-step kernel (the 4-bit mma and warp-specialised ones included) compiles for sm_90 with the
+    installed Triton, launched with PDL, and waits before its first global access in the PTX."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "qerl.kernels.compile_check"], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr[-4000:]
+    assert r.returncode == 0, out
+    assert " 0 failed" in r.stdout and "_mma_kernel" in r.stdout and "_decode_attn_kernel" in r.stdout, out

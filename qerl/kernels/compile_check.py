@@ -1,0 +1,147 @@
+"""Compile the decode step's kernels for sm_90 with the installed Triton, on a machine without a GPU.
+
+Each launch helper (the fused norms, rotary, SiLU, LoRA A / B, split attention, the sampler, the mma kernel
+in its mma.sync and warpgroup-MMA forms, the warp-specialised kernel) is called on CPU tensors with
+programmatic dependent launch on; the launch is compiled for sm_90 instead of run. Checks, per kernel:
+- it compiles (a Triton whose Gluon API moved fails here, before any GPU time);
+- it was launched with PDL, and in its PTX ``griddepcontrol.wait`` comes before the first global load,
+  store, atomic and asynchronous copy (qerl.kernels.common: a PDL launch must wait before it reads).
+
+    python -m qerl.kernels.compile_check      # exit 1 if a kernel fails; needs Triton with its bundled ptxas
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction, mangle_type
+
+from qerl.kernels import attention, common, fused, mma, sampling, warpspec
+
+OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg")
+# global memory touched: loads, stores, atomics, cp.async / TMA copies
+GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|atom\.global|red\.global|cp\.async)")
+
+
+def _compile(fn, args, kw) -> tuple[str, bool]:
+    """Compile one captured launch for sm_90; (name, whether PDL is on and its wait comes first)."""
+    params = fn.params
+    given = dict(zip([p.name for p in params], args))
+    given.update({k: v for k, v in kw.items() if k not in OPTIONS})
+    sig, const, attrs = {}, {}, {}
+    for i, p in enumerate(params):
+        v = given.get(p.name, kw.get(p.name, p.default))
+        if p.is_constexpr:
+            sig[p.name], const[p.name] = "constexpr", v
+            continue
+        sig[p.name] = "i1" if isinstance(v, bool) else mangle_type(v)
+        if isinstance(v, torch.Tensor) or (type(v) is int and v and v % 16 == 0):  # as the JIT specialises
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = {k: kw[k] for k in OPTIONS if k in kw}
+    source = ASTSource
+    if mma.HAVE_GLUON:
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+        if isinstance(fn, GluonJITFunction):
+            source = GluonASTSource
+            opts["num_warps"] = const.get("num_warps", opts.get("num_warps", 4))
+    k = triton.compile(source(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    ptx = k.asm["ptx"]
+    body = ptx[ptx.index("{", ptx.index(".entry")):]
+    wait = body.find("griddepcontrol.wait")
+    first = GLOBAL_ACCESS.search(body)
+    ok = bool(const.get("PDL")) and bool(k.metadata.launch_pdl) and wait >= 0 and (first is None or wait < first.start())
+    return fn.fn.__name__, ok
+
+
+@contextlib.contextmanager
+def _compiling(results: list):
+    """kernel[grid](...) compiles for sm_90 (appending (name, ok) to results) instead of launching."""
+    classes = [JITFunction]
+    if mma.HAVE_GLUON:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+
+        classes.append(GluonJITFunction)
+    saved = [(c, c.__dict__.get("__getitem__")) for c in classes]
+
+    def getitem(self, grid):
+        return lambda *args, **kw: results.append(_compile(self, args, kw))
+
+    pdl = common.pdl
+    common.pdl = lambda device: True
+    try:
+        for c in classes:
+            c.__getitem__ = getitem
+        yield
+    finally:
+        common.pdl = pdl
+        for c, f in saved:
+            if f is None:
+                del c.__getitem__
+            else:
+                c.__getitem__ = f
+
+
+def launches() -> None:
+    """Every decode-step kernel once, on CPU tensors of small shapes (the 4-bit ones at a 7B layer's)."""
+    bf = torch.bfloat16
+    M, K, N, R = 4, 256, 384, 32
+    x = torch.randn(M, K, dtype=bf)
+    w = torch.ones(K, dtype=bf)
+    As = [torch.randn(R, K) for _ in range(3)]
+    fused._norm_launch(x, x, w, 1e-6, torch.empty_like(x), torch.empty_like(x))
+    fused._norm_launch(x, x, w, 1e-6, torch.empty_like(x), torch.empty_like(x), As, torch.empty(M, 3 * R))
+    fused.lora_a(x, As)
+    fused.lora_a(torch.randn(64, K, dtype=bf), As)
+    ys = [torch.randn(M, N, dtype=bf) for _ in range(3)]
+    Bs = [torch.randn(N, R) for _ in range(3)]
+    h = torch.randn(1, M, 3 * R)
+    fused.lora_out(ys, h, Bs, [], 2.0)
+    fused.lora_silu_mul(ys[0], ys[1], h, Bs[:2], [], 2.0)
+    fused.silu_mul(ys[0], ys[1])
+    D, NH, NKV, L = 64, 8, 2, 512
+    q, kv = torch.randn(M, NH * D, dtype=bf), torch.randn(M, NKV * D, dtype=bf)
+    cache, cpos = torch.empty(M, NKV, L, D, dtype=bf), torch.zeros(1, dtype=torch.long)
+    cs = torch.randn(M, D, dtype=bf)
+    fused.rope_cache_write(q, kv, kv, cs, cs, cache, cache.clone(), cpos, None, None, 1e-6)
+    attention.decode_attention(q.view(M, NH, D), cache, cache, torch.ones(M, L, dtype=torch.bool), cpos, 0.125)
+    sampling.gumbel_argmax(torch.randn(M, 1000), torch.zeros(M, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    if not mma.HAVE_GLUON:
+        return
+    Nw = Kw = 3584  # the compute layout of a 7B q/o weight
+    pc = torch.empty(Nw // 16, Kw // 64, 512, dtype=torch.uint8)
+    sc = torch.empty(Nw // 16, Kw // 64, 64, dtype=torch.uint8)
+    gs = torch.ones(1)
+    for m, wgmma in ((4, False), (32, False), (96, True)):
+        xm = torch.randn(m, Kw, dtype=bf)
+        mma.grouped_linear(xm, [(pc, sc, gs, Nw)], Kw, True, [torch.empty(m, Nw, dtype=bf)],
+                           config=mma.pick_config(m, Nw, Kw, wgmma))
+    if getattr(warpspec, "HAVE_WS", False):
+        for m in (24, 48, 128):
+            xm = torch.randn(m, Kw, dtype=bf)
+            warpspec.linear(xm, pc, sc, gs, Nw, Kw, True, out=torch.empty(m, Nw, dtype=bf))
+
+
+def main() -> int:
+    if common.INTERPRETED:
+        print("compile_check: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
+        return 2
+    results: list = []
+    with _compiling(results):
+        launches()
+    for name, ok in results:
+        print(f"{name:24s} {'ok' if ok else 'PDL launch without its wait first'}")
+    bad = [n for n, ok in results if not ok]
+    print(f"Triton {triton.__version__}: {len(results)} launches compiled for sm_90, {len(bad)} failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
