@@ -12,7 +12,8 @@ profiler, so that the kernels of T decode steps are the difference of the two pr
   other           the rest (copies, casts, bookkeeping)
 Prints per category: ms and kernels per decode step, and the TOP kernels by time; writes <out>/profile_decode.json
 after each row. ``--pdl on off`` times each row with programmatic dependent launch of qerl's kernels on and off
-(a fresh model for each: the kernel launches are kept per weight); ``--no-profile`` times the walls only.
+(a fresh model for each: the kernel launches are kept per weight; without it, as QERL_PDL set it);
+``--no-profile`` times the walls only.
 
     python -m benchmarks.profile_decode --out $OUT                      # Qwen2.5-7B, nvfp4 and bf16, bs 1 / 8 / 64
     python -m benchmarks.profile_decode --model qwen2.5-14b --batch 8 --layers 8
@@ -92,8 +93,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention", nargs="+", choices=("qerl", "sdpa"), default=["qerl"],
                     help="the fused step's attention kernel(s), each profiled in turn (qerl: the engine's default)")
-    ap.add_argument("--pdl", nargs="+", choices=("on", "off"), default=["on"],
-                    help="programmatic dependent launch of qerl's kernels (sm_90; on is the default)")
+    ap.add_argument("--pdl", nargs="+", choices=("on", "off"), default=None,
+                    help="programmatic dependent launch of qerl's kernels, each in turn (sm_90; default: as set)")
     ap.add_argument("--no-profile", action="store_true", help="wall times only (no profiler pass)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda")
@@ -105,18 +106,20 @@ def main(argv=None) -> dict:
         config.num_hidden_layers = args.layers
     vocab = sc.vocab_size(args.model)
     res = dict(provenance=sc.provenance(), settings=vars(args), rows=[])
-    pdl_before = kernels.set_pdl(True)
+    pdl_before = kernels.set_pdl(args.pdl[0] == "on") if args.pdl else None
     try:
         _rows(args, device, config, vocab, res)
     finally:
-        kernels.set_pdl(pdl_before)
+        if pdl_before is not None:
+            kernels.set_pdl(pdl_before)
     Path(args.out, "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
 
 def _rows(args, device, config, vocab, res) -> None:
-    for method, pdl in [(m, p) for m in args.methods for p in args.pdl]:
-        kernels.set_pdl(pdl == "on")  # restored by main
+    for method, pdl in [(m, p) for m in args.methods for p in args.pdl or [None]]:
+        if pdl is not None:
+            kernels.set_pdl(pdl == "on")  # restored by main
         model = sc.build(args.model, method, args.lora_rank, device, seed=args.seed, config=config)
         for batch, attention in [(b, a) for b in args.batch for a in args.attention]:
             sc.ENGINE_OPTIONS["attention"] = attention

@@ -414,9 +414,7 @@ def set_pdl(on: bool) -> bool:
     per weight keeps its setting: build a fresh model for an A/B); returns the previous setting."""
     from qerl.kernels import common
 
-    before = common.PDL
-    common.PDL = bool(on) and common._HAVE_GDC and not common.INTERPRETED
-    return before
+    return common.set_pdl(on)
 
 
 def __getattr__(name: str):

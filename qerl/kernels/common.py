@@ -104,9 +104,8 @@ def splitk_epilogue(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_
 #
 # A kernel launched with ``launch_pdl=True`` may be scheduled while the kernel before it on the stream is
 # still running: its programs wait (``griddepcontrol.wait``, which returns once that kernel has finished
-# and its writes are visible) before they touch global memory. What
-# this hides is the gap between two dependent kernels (launch, programs placed on SMs), which the decode
-# step pays ~400 times. The wait precedes every load and store, so the math and the bits are unchanged.
+# and its writes are visible) before they touch global memory. What this hides is the gap between two
+# dependent kernels (launch, programs placed on SMs), which the decode step pays ~400 times. The wait precedes every load and store, so the math and the bits are unchanged.
 # The rule: a kernel gets ``launch_pdl=True`` only together with its constexpr ``PDL=True`` (``pdl_args``);
 # a PDL launch of a kernel without the wait could read its inputs before they are written.
 # QERL_PDL=0 (read at import, like TRITON_INTERPRET) turns it off, for A/B timings.
@@ -119,6 +118,14 @@ except ImportError:  # a Triton without grid dependency control
 
 PDL = _HAVE_GDC and not INTERPRETED and os.environ.get("QERL_PDL", "1") != "0"
 _PDL_DEVICE: dict = {}
+
+
+def set_pdl(on: bool) -> bool:
+    """PDL on or off for launches made from now on (never on without grid dependency control or under the
+    interpreter); returns the previous setting."""
+    global PDL
+    before, PDL = PDL, bool(on) and _HAVE_GDC and not INTERPRETED
+    return before
 
 
 def pdl(device: torch.device) -> bool:

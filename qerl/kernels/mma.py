@@ -111,8 +111,7 @@ if HAVE_GLUON:
         """Asynchronous copy of the activation tile from column block kb0 into x_smem (16 bytes a
         copy; rows >= M, columns >= K and blocks past kb_lim zero-filled); one commit group."""
         kc = kb0 * 64 + xc
-        _cp_async(x_smem, x_ptr + (x_off + kb0 * 64),
-                                               mask=(xr < M) & (kc < K) & (kc < kb_lim * 64))
+        _cp_async(x_smem, x_ptr + (x_off + kb0 * 64), mask=(xr < M) & (kc < K) & (kc < kb_lim * 64))
         async_copy.commit_group()
 
     @gluon.jit

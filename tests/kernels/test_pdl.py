@@ -2,10 +2,9 @@
 start before the kernel ahead of it has finished, so its first statement must be the grid-dependency wait.
 
 CPU: every kernel that takes the PDL constexpr waits first, in its source and in the PTX the installed Triton
-makes for sm_90 (qerl.kernels.compile_check, which also catches a Gluon API that moved), and PDL is off without an
-sm_90 GPU. GPU: a
-decode that runs every such kernel (norms, LoRA, rotary, split attention, the 4-bit kernels at 1-40 rows,
-the sampler) gives the same bits with PDL on and off (tests/test_fused.py::test_pdl_gives_the_same_bits).
+makes for sm_90 (qerl.kernels.compile_check, which also catches a Gluon API that moved), and PDL is off without
+an sm_90 GPU. GPU: a decode that runs every such kernel (norms, LoRA, rotary, split attention, the 4-bit kernels
+at 1-40 rows, the sampler) gives the same bits with PDL on and off (tests/test_fused.py::test_pdl_gives_the_same_bits).
 """
 
 import ast
