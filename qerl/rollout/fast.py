@@ -53,8 +53,9 @@ which also applies SiLU(gate) * up), and LoRA-A + B launches for o_proj and down
 (rollout/fused_linear.py). Its attention (``attention="qerl"``) is qerl.kernels.decode_attention: split over
 the keys, so a few rows over a long cache still fill the GPU, and reading only up to the cursor (a device
 tensor), so a window's graph does no work past it; ``attention="sdpa"`` keeps torch SDPA (A/B). Every
-weight is still read live from the modules, so LoRA and AQN updates reach the captured graphs as before. Same arithmetic, different reduction order: tokens
-may differ from the unfused path where logits nearly tie (tested with a tolerance). Prefill stays
+weight is still read live from the modules, so LoRA and AQN updates reach the captured graphs as before.
+Same arithmetic, different reduction order: tokens may differ from the unfused path where logits nearly
+tie (tested with a tolerance). Prefill stays
 unfused. On the CPU ``fused=True`` needs TRITON_INTERPRET=1 (tests); the default there is off, so
 the eager CPU path stays op for op HF.
 
