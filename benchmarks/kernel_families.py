@@ -19,8 +19,12 @@ error < 2e-2, NVFP4 and MXFP4); a family that fails is reported and not timed. T
 Writes results/kernels/<gpu>_families.json (env: torch, Triton, GPU, git sha, date) with per-M layer
 times and the winner at each M; the last stdout line is its summary.
 
+Extra warp-specialised configs are families too: ``--ws rpw2:NWG=1,RPW=2,STAGES=6`` times the kernel with
+those keys over its rule's config (``warpspec.pick_config``) as family ``ws:rpw2``.
+
 Run:   python -m benchmarks.kernel_families                      (qwen2.5-7b, M = 9..256)
        python -m benchmarks.kernel_families --m 16 32 64 --families door ws bf16
+       python -m benchmarks.kernel_families --m 64 128 --families ws bf16 --ws rpw2:NWG=1,RPW=2
 """
 
 from __future__ import annotations
@@ -41,8 +45,25 @@ FAMILIES = ("bf16", "door", "mma", "ws", "ws_waited", "ws_bm64")
 TOL = 2e-2
 
 
+EXTRA_WS: dict[str, dict] = {}  # "ws:<name>" -> config keys over warpspec.pick_config (--ws)
+
+
+def parse_ws(spec: str) -> tuple[str, dict]:
+    """"name:KEY=int,KEY=int" -> ("ws:name", {KEY: int})."""
+    name, _, body = spec.partition(":")
+    if not name or not body:
+        raise argparse.ArgumentTypeError(f"--ws takes name:KEY=value,..., got {spec!r}")
+    try:
+        cfg = {k.strip(): int(v) for k, v in (kv.split("=") for kv in body.split(","))}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--ws {spec!r}: {e}") from None
+    return f"ws:{name}", cfg
+
+
 def _family_fn(family: str, fmt: str, t: dict, cache: dict, w: torch.Tensor, n: int, k: int):
     """x -> y for one family on one weight copy (``cache`` keeps its compute layout, as a QuantLinear's)."""
+    if family in EXTRA_WS:
+        return lambda x: kernels.linear_tuned(x, fmt, t, kind="warpspec", cache=cache, config=EXTRA_WS[family])
     if family == "bf16":
         return lambda x: F.linear(x, w)
     if family == "door":
@@ -93,13 +114,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--m", nargs="+", type=int, default=list(range(9, 257)), help="rows M (default 9..256)")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--fmt", default="nvfp4", choices=formats.with_kernel("triton"))
+    ap.add_argument("--ws", nargs="+", type=parse_ws, default=[], metavar="NAME:KEY=V,...",
+                    help="extra warp-specialised configs timed as families ws:NAME (keys of warpspec.pick_config)")
     ap.add_argument("--out", default="results/kernels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("error: kernel_families needs a CUDA GPU")
     dev = torch.cuda.get_device_properties(0)
-    bad = check(args.families, args.m)
-    timed = [f for f in args.families if not bad[f]]
+    EXTRA_WS.update(dict(args.ws))
+    families = list(args.families) + list(EXTRA_WS)
+    bad = check(families, args.m)
+    timed = [f for f in families if not bad[f]]
     shapes: dict[tuple[int, int], list[str]] = {}
     for proj, nk in linear_shapes(args.model).items():
         shapes.setdefault(nk, []).append(proj)
@@ -132,7 +157,7 @@ def main(argv=None) -> dict:
     out = dict(
         what=f"{args.model} decoder layer (sum of its seven linears), {args.fmt}, microseconds a layer per family",
         command="python -m benchmarks.kernel_families " + " ".join(argv if argv is not None else sys.argv[1:]),
-        **prov, failed_check={f: v for f, v in bad.items() if v},
+        **prov, ws_configs=EXTRA_WS, failed_check={f: v for f, v in bad.items() if v},
         layer_us={f: {str(m): round(v, 2) for m, v in layer[f].items()} for f in timed},
         winner={str(m): f for m, f in winners.items()}, summary=summary)
     path = sc.write_json(out, args.out, f"{prov['gpu']}_families")

@@ -112,34 +112,35 @@ if HAVE_WS:
                     _tma_load(s_desc, [nb0 + w * RW, k * 64], bar, s_bufs.index(idx))
 
     @gluon.jit
-    def _ws_decode(w_buf, s_buf, ASM: gl.constexpr, a_l: gl.constexpr):
-        """One 64-column block of a warpgroup's 64 weight rows from its ring buffers -> bf16 [64, 64]
-        in the MMA's register A layout (the qerl.kernels.mma decode: exact, 20 instructions per 8 weights)."""
-        # weights [4 (blocks), 8 (g), 4 (c), 1, 16 bytes]: 16 contiguous bytes a lane, one block a warp
+    def _ws_decode(w_buf, s_buf, RB: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr):
+        """One 64-column block of a warpgroup's RB x 16 weight rows from its ring buffers -> bf16 [RB * 16, 64]
+        in the MMA's register A layout (the qerl.kernels.mma decode: exact, 20 instructions per 8 weights).
+        Warp w holds the 16-row blocks w, w + 4, ...: the rows the warpgroup MMA gives it."""
+        # weights [RB (blocks), 8 (g), 4 (c), 1, 16 bytes]: 16 contiguous bytes a lane, blocks w + 4i a warp
         w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
         s_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
         s7_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1, 1], [4, 1, 1, 1, 1, 1, 1],
                                               [6, 5, 4, 3, 2, 1, 0])
         flat5: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
         # the bulk copy wrote each block's 512 bytes in the compute layout's (g, c, byte) order
-        wq = _view(w_buf, gl.uint8, [4, 8, 4, 1, 16], flat5).load(w_l)
+        wq = _view(w_buf, gl.uint8, [RB, 8, 4, 1, 16], flat5).load(w_l)
         # the block's 64 scale bytes (g, t, h); the four lanes c of a row read the same 8
-        sq = _view(s_buf, gl.uint8, [4, 8, 1, 1, 8], flat5).load(s_l)
-        sq = sq + gl.zeros([4, 8, 4, 1, 8], gl.uint8, s_l)
+        sq = _view(s_buf, gl.uint8, [RB, 8, 1, 1, 8], flat5).load(s_l)
+        sq = sq + gl.zeros([RB, 8, 4, 1, 8], gl.uint8, s_l)
         s16 = gl.convert_layout(
-            gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [4, 8, 4, 1, 4, 2]),
+            gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [RB, 8, 4, 1, 4, 2]),
                                                         gl.SliceLayout(6, s7_l)), 6)
-                       + gl.zeros([4, 8, 4, 1, 4, 2, 2], gl.uint8, s7_l), [4, 8, 4, 1, 16]), w_l)
+                       + gl.zeros([RB, 8, 4, 1, 4, 2, 2], gl.uint8, s7_l), [RB, 8, 4, 1, 16]), w_l)
         lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
                                            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         wv = gl.join(lo, hi)
-        wv = gl.reshape(wv, [4, 8, 4, 1, 4, 2, 2, 2])  # [nb, g, c, kb, t, h, e, q]
+        wv = gl.reshape(wv, [RB, 8, 4, 1, 4, 2, 2, 2])  # [nb, g, c, kb, t, h, e, q]
         wv = gl.permute(wv, [0, 5, 1, 3, 4, 7, 2, 6])  # [nb, h, g, kb, t, q, c, e]
-        return gl.convert_layout(gl.reshape(wv, [64, 64]), a_l)
+        return gl.convert_layout(gl.reshape(wv, [RB * 16, 64]), a_l)
 
     @gluon.jit
     def _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, j, acc, a_prev, wg: gl.constexpr, KB: gl.constexpr,
-                  NWG: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr, IN_FLIGHT: gl.constexpr):
+                  NWG: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr, IN_FLIGHT: gl.constexpr):
         """Ring stage j of a consumer warpgroup: wait for it, decode and multiply its KB blocks, hand a stage
         back. Returns (acc, the A operand of the MMA left in flight; unchanged when each MMA is waited)."""
         STAGES: gl.constexpr = ready.type.shape[0]
@@ -147,7 +148,7 @@ if HAVE_WS:
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         for kb in gl.static_range(KB):
             idx = (s * KB + kb) * NWG + wg
-            a = _ws_decode(w_bufs.index(idx), s_bufs.index(idx), ASM, a_l)
+            a = _ws_decode(w_bufs.index(idx), s_bufs.index(idx), RB, ASM, a_l)
             acc = warpgroup_mma(a, x_bufs.index(s * KB + kb).permute((1, 0)), acc, is_async=True)
             if IN_FLIGHT:
                 acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
@@ -164,17 +165,18 @@ if HAVE_WS:
     @gluon.jit
     def _ws_consumer(x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, wg: gl.constexpr,
                      gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, m0, row0, tile, pid_k, n_split,
-                     KB: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, IS_NV: gl.constexpr,
+                     KB: gl.constexpr, NWG: gl.constexpr, RB: gl.constexpr, BM: gl.constexpr, IS_NV: gl.constexpr,
                      ASM: gl.constexpr, IN_FLIGHT: gl.constexpr):
-        """One consumer warpgroup: 64 weight rows (from row0) x BM rows of x. Per stage it decodes its
+        """One consumer warpgroup: RB x 16 weight rows (from row0) x BM rows of x (RB 8: each MMA is two
+        64-row instructions on one activation tile). Per stage it decodes its
         blocks into registers and multiplies them with the shared activation tiles (register-A
         warpgroup MMA, left in flight with IN_FLIGHT, else waited at once); two warpgroups share a CTA
         so that one decodes while the other's MMA runs. Then its own epilogue (split-K partials summed
         in a fixed order by the last program of the tile)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
-        acc = gl.zeros([64, BM], gl.float32, layout=mma)
-        a_prev = gl.zeros([64, 64], gl.bfloat16, layout=a_l)
+        acc = gl.zeros([RB * 16, BM], gl.float32, layout=mma)
+        a_prev = gl.zeros([RB * 16, 64], gl.bfloat16, layout=a_l)
         if IN_FLIGHT:
             # Each MMA stays in flight while the next block is decoded: wait(1) after issuing block b
             # completes block b - 1, so a stage goes back to the producer one block late (at the first
@@ -182,22 +184,22 @@ if HAVE_WS:
             # its registers live (unwritten) until the MMA has read them. The first stage is peeled (a
             # split has at least one): no path then reaches the final wait without an MMA, which ptxas
             # would otherwise answer by serialising every MMA (its C7515).
-            acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, 0, acc, a_prev, wg, KB, NWG, ASM, a_l,
+            acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, 0, acc, a_prev, wg, KB, NWG, RB, ASM, a_l,
                                     IN_FLIGHT)
             for it in range(i0 + 1, i1):
                 acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, it - i0, acc, a_prev, wg, KB, NWG,
-                                        ASM, a_l, IN_FLIGHT)
+                                        RB, ASM, a_l, IN_FLIGHT)
             acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
         else:
             for it in range(i0, i1):
                 acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, it - i0, acc, a_prev, wg, KB, NWG,
-                                        ASM, a_l, IN_FLIGHT)
+                                        RB, ASM, a_l, IN_FLIGHT)
         if IS_NV:
             alpha = 128.0 / gl.load(gs_ptr)
         else:
             alpha = 4611686018427387904.0
         acc = acc * alpha
-        offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        offs_n = row0 + gl.arange(0, RB * 16, layout=gl.SliceLayout(1, mma))
         offs_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
         o_off = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
@@ -209,7 +211,7 @@ if HAVE_WS:
             _cta_barrier()
             count = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if count == n_split - 1:
-                total = gl.zeros([64, BM], gl.float32, layout=mma)
+                total = gl.zeros([RB * 16, BM], gl.float32, layout=mma)
                 for p in range(0, n_split):
                     total += gl.load(ws_ptr + p * mn + o_off, mask=mask, other=0.0, cache_modifier=".cg")
                 gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -219,10 +221,10 @@ if HAVE_WS:
     def _ws_kernel(x_desc, w_desc, s_desc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NB_K, iters_per_split, MT,
                    IS_NV: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
                    KB: gl.constexpr, ASM: gl.constexpr, REGS: gl.constexpr, IN_FLIGHT: gl.constexpr,
-                   num_warps: gl.constexpr, PDL: gl.constexpr = False):
+                   num_warps: gl.constexpr, RPW: gl.constexpr = 1, PDL: gl.constexpr = False):
         """out[M, N] = x W^T. Grid (N tiles * MT, split): the MT row tiles of x for one weight tile next
-        to each other (they share it in L2). A CTA: NWG consumer warpgroups of 64 weight rows each
-        and one producer warp."""
+        to each other (they share it in L2). A CTA: NWG consumer warpgroups of RPW x 64 weight rows each
+        (all of them on one activation tile) and one producer warp."""
         _pdl_enter(PDL)
         pid0 = gl.program_id(0)
         pid_n = pid0 // MT
@@ -232,29 +234,31 @@ if HAVE_WS:
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, gl.cdiv(NB_K, KB))
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES * KB, BM, 64], x_desc.layout)
-        w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, 4, 2, 256], w_desc.layout)
-        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, 4, 64], s_desc.layout)
+        RB: gl.constexpr = 4 * RPW  # 16-row weight blocks a consumer warpgroup
+        w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, RB, 2, 256], w_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, RB, 64], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NWG)
-        row0 = pid_n * (64 * NWG)
+        row0 = pid_n * (RB * 16 * NWG)
         tile = pid0 * NWG
         if NWG == 2:
             gl.warp_specialize([
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM, IN_FLIGHT)),
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, RB, BM, IS_NV, ASM, IN_FLIGHT)),
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0 + 64, tile + 1, pid_k, n_split, KB, NWG, BM, IS_NV, ASM, IN_FLIGHT)),
-                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
+                                M, N, m0, row0 + RB * 16, tile + 1, pid_k, n_split, KB, NWG, RB, BM, IS_NV, ASM,
+                                IN_FLIGHT)),
+                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * RB * NWG,
                               i0, i1, KB, NWG)),
             ], [4, 1], [REGS, 24])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, BM, IS_NV, ASM, IN_FLIGHT)),
-                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * 4 * NWG,
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, RB, BM, IS_NV, ASM, IN_FLIGHT)),
+                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * RB * NWG,
                               i0, i1, KB, NWG)),
             ], [1], [24])
 
@@ -276,20 +280,21 @@ def pick_config(M: int, N: int, K: int) -> dict:
     return dict(BM=BM, NWG=2, KB=KB, STAGES=4, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT)
 
 
-def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM: int, cache: dict | None):
+def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM: int, cache: dict | None,
+           rpw: int = 1):
     gl_layout = gl.NVMMASharedLayout
     M, K = x2.shape
     x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [BM, BK],
                               gl_layout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    key = ("ws_descriptors", packed_c.data_ptr(), scales_c.data_ptr())
+    key = ("ws_descriptors", packed_c.data_ptr(), scales_c.data_ptr(), rpw)
     wd = cache.get(key) if cache is not None else None
     if wd is None:
         nb, nbk = packed_c.shape[:2]
         w3 = packed_c.view(nb, nbk * 2, 256)
         s2 = scales_c.view(nb, nbk * 64)
-        wd = (TensorDescriptor(w3, [nb, nbk * 2, 256], [nbk * 512, 256, 1], [4, 2, 256],
+        wd = (TensorDescriptor(w3, [nb, nbk * 2, 256], [nbk * 512, 256, 1], [4 * rpw, 2, 256],
                                gl_layout(swizzle_byte_width=0, element_bitwidth=8, rank=3)),
-              TensorDescriptor(s2, [nb, nbk * 64], [nbk * 64, 1], [4, 64],
+              TensorDescriptor(s2, [nb, nbk * 64], [nbk * 64, 1], [4 * rpw, 64],
                                gl_layout(swizzle_byte_width=0, element_bitwidth=8, rank=2)))
         if cache is not None:
             cache[key] = wd
@@ -313,7 +318,8 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     if out is None:
         out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     mt = triton.cdiv(M, BM)
-    n_tiles = triton.cdiv(packed_c.shape[0] * 16, 64 * NWG)
+    rpw = cfg.get("RPW", 1)
+    n_tiles = triton.cdiv(packed_c.shape[0] * 16, 64 * NWG * rpw)
     nbk = packed_c.shape[1]
     iters = triton.cdiv(nbk, KB)
     split_k = split_k or cfg.get("split")
@@ -325,11 +331,11 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     ips = triton.cdiv(iters, split_k)
     split = triton.cdiv(iters, ips)
     ws, cnt = common.workspace(x2.device, 0 if split == 1 else split * M * N, n_tiles * mt * NWG if split > 1 else 0)
-    x_desc, w_desc, s_desc = _descs(x2, packed_c, scales_c, BM, cache)
+    x_desc, w_desc, s_desc = _descs(x2, packed_c, scales_c, BM, cache, rpw)
     _ws_kernel[(n_tiles * mt, split)](
         x_desc, w_desc, s_desc, gs if gs is not None else scales_c, out, ws, cnt, M, N, nbk, ips, mt,
         IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=mma._ASM_NV if is_nv else mma._ASM_MX,
-        REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, **launch, **common.pdl_args(x2.device))
+        REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, RPW=rpw, **launch, **common.pdl_args(x2.device))
     return out
 
 

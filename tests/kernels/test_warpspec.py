@@ -78,6 +78,34 @@ def test_matches_the_reference_and_repeats_bitwise_gpu(fmt, n, k, in_flight):
 
 @pytest.mark.gpu
 @sm90
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("nwg,stages", [(1, 6), (2, 3)])
+def test_two_row_blocks_a_warpgroup_gpu(fmt, nwg, stages):
+    """RPW 2: each consumer warpgroup multiplies 128 weight rows (two 64-row MMAs a block) on one activation
+    tile; ragged N (a tile past the last row), every BM, forced split-K, bitwise repeatable."""
+    if not warpspec.MMA_IN_FLIGHT:
+        pytest.skip("RPW 2 is timed with MMAs in flight (Triton >= 3.7)")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(7)
+    n, k = 1000, 1088
+    t = formats.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02, fmt)
+    is_nv = common.scale_mode(fmt)
+    pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv)
+    w = formats.dequantize(t, fmt, dtype=torch.float32)
+    for M in (3, 17, 40, 64, 100, 256):
+        x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
+        ref = x.float() @ w.T
+        for split in (None, 3):
+            cfg = {"RPW": 2, "NWG": nwg, "STAGES": stages}
+            y = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split, config=cfg)
+            err = float((y.float() - ref).norm() / ref.norm())
+            assert err < 5e-3, (fmt, nwg, M, split, err)
+            again = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split, config=cfg)
+            assert torch.equal(y, again), (fmt, nwg, M, split)
+
+
+@pytest.mark.gpu
+@sm90
 def test_strided_rows_gpu():
     dev = torch.device("cuda")
     t = formats.quantize(torch.randn(384, 512, device=dev) * 0.02, "nvfp4")
