@@ -268,16 +268,25 @@ if HAVE_WS:
 
 
 def pick_config(M: int, N: int, K: int) -> dict:
-    """Launch config by rule. BM: the activation rows of a CTA, a power of two from 16 holding M up to
-    64; above that 64-row tiles with MMAs in flight (128-row tiles hold twice the accumulators, which
-    spill under the 168-register cap of 12 warps, and measured slower: results/kernels/NOTES.md), else
-    128-row tiles. NWG: consumer warpgroups (64 weight rows each) of a CTA. KB: 64-column
-    blocks a ring stage."""
-    BM = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 or MMA_IN_FLIGHT else 128
-    KB = 2 if BM <= 64 else 1
-    if MMA_IN_FLIGHT and 32 < M <= 64:  # one warpgroup a CTA and a deeper ring measured faster here (NOTES)
-        return dict(BM=BM, NWG=1, KB=KB, STAGES=6, REGS=232, maxnreg=None, waves=1, in_flight=True)
-    return dict(BM=BM, NWG=2, KB=KB, STAGES=4, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT)
+    """Launch config by rule (measured per M on a 7B layer: results/kernels/NOTES.md). BM: the activation
+    rows of a CTA; NWG: consumer warpgroups of a CTA; RPW: 64-row weight blocks a warpgroup (all on one
+    activation tile); KB: 64-column blocks a ring stage; PAD: activations copied into whole BM-row tiles.
+
+    With MMAs in flight (Triton >= 3.7), one consumer warpgroup a CTA (255 registers, no spills):
+      - 17-32 rows: 32-row tiles, 128 weight rows a warpgroup;
+      - 33-64: 64-row tiles, a six-stage ring;
+      - 65-256: 128-row tiles, so a weight block is decoded once per 128 rows, the rows padded to whole
+        tiles (a partly filled 128-row tile measured up to 1.5x slower than a full one).
+    Waited (Triton 3.6): two consumer warpgroups, BM a power of two from 16 holding M up to 64, else 128."""
+    if MMA_IN_FLIGHT and M > 16:
+        if M <= 32:
+            return dict(BM=32, NWG=1, RPW=2, KB=2, STAGES=6, REGS=232, maxnreg=None, waves=1, in_flight=True)
+        if M <= 64:
+            return dict(BM=64, NWG=1, RPW=1, KB=2, STAGES=6, REGS=232, maxnreg=None, waves=1, in_flight=True)
+        return dict(BM=128, NWG=1, RPW=1, KB=2, STAGES=4, REGS=232, maxnreg=None, waves=1, in_flight=True, PAD=True)
+    BM = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    return dict(BM=BM, NWG=2, RPW=1, KB=2 if BM <= 64 else 1, STAGES=4, REGS=232, maxnreg=None, waves=1,
+                in_flight=MMA_IN_FLIGHT)
 
 
 def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM: int, cache: dict | None,
@@ -331,6 +340,10 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     ips = triton.cdiv(iters, split_k)
     split = triton.cdiv(iters, ips)
     ws, cnt = common.workspace(x2.device, 0 if split == 1 else split * M * N, n_tiles * mt * NWG if split > 1 else 0)
+    if cfg.get("PAD") and M % BM:  # whole tiles for the bulk copies; rows past M give outputs never stored
+        xp = x2.new_empty((mt * BM, K))
+        xp[:M].copy_(x2)
+        x2 = xp
     x_desc, w_desc, s_desc = _descs(x2, packed_c, scales_c, BM, cache, rpw)
     _ws_kernel[(n_tiles * mt, split)](
         x_desc, w_desc, s_desc, gs if gs is not None else scales_c, out, ws, cnt, M, N, nbk, ips, mt,
