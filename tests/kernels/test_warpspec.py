@@ -82,7 +82,8 @@ def test_matches_the_reference_and_repeats_bitwise_gpu(fmt, n, k, in_flight):
 @pytest.mark.parametrize("nwg,stages", [(1, 6), (2, 3)])
 def test_two_row_blocks_a_warpgroup_gpu(fmt, nwg, stages):
     """RPW 2: each consumer warpgroup multiplies 128 weight rows (two 64-row MMAs a block) on one activation
-    tile; ragged N (a tile past the last row), every BM, forced split-K, bitwise repeatable."""
+    tile; ragged N (a tile past the last row), 32- and 64-row activation tiles (several at 100 and 256 rows),
+    forced split-K, bitwise repeatable."""
     if not warpspec.MMA_IN_FLIGHT:
         pytest.skip("RPW 2 is timed with MMAs in flight (Triton >= 3.7)")
     dev = torch.device("cuda")
@@ -96,7 +97,7 @@ def test_two_row_blocks_a_warpgroup_gpu(fmt, nwg, stages):
         x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
         ref = x.float() @ w.T
         for split in (None, 3):
-            cfg = {"RPW": 2, "NWG": nwg, "STAGES": stages}
+            cfg = {"RPW": 2, "NWG": nwg, "STAGES": stages, "BM": 32 if M <= 32 else 64, "KB": 2}
             y = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split, config=cfg)
             err = float((y.float() - ref).norm() / ref.norm())
             assert err < 5e-3, (fmt, nwg, M, split, err)
