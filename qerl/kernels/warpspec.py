@@ -3,7 +3,7 @@
 y [M, N] = x [M, K] W^T, W in the compute layout (``layout.to_compute_layout``: 16-row x 64-column
 blocks of 512 code bytes, each lane's 16 bytes its MMA fragment, and 64 scale bytes a block).
 
-A CTA: NWG consumer warpgroups (64 weight rows each) x BM rows of x, over a K range, and one
+A CTA: NWG consumer warpgroups (RPW x 64 weight rows each) x BM rows of x, over a K range, and one
 producer warp:
   - the producer (a worker partition of one warp, 24 registers) streams, per ring stage, KB
     activation tiles [BM, 64] (bf16, 128-byte swizzle) and each warpgroup's KB weight blocks and
@@ -11,9 +11,9 @@ producer warp:
     completing on its own mbarrier. It waits only on the ring's "empty" barriers: no CTA barrier in
     the loop.
   - each consumer warpgroup (the default partition and NWG - 1 worker partitions) waits for a
-    stage, decodes its 64 rows in registers (the ``qerl.kernels.mma`` decode: exact, 20 instructions
-    per 8 weights) straight into the register A operand of the warpgroup MMA, whose B operand is the
-    shared activation tile. Two forms of this loop, chosen by the installed Triton (MMA_IN_FLIGHT):
+    stage, decodes its RPW x 64 rows in registers (the ``qerl.kernels.mma`` decode: exact, 20
+    instructions per 8 weights) straight into the register A operand of the warpgroup MMA (RPW 2: two
+    64-row instructions an MMA), whose B operand is the shared activation tile. Two forms of this loop, chosen by the installed Triton (MMA_IN_FLIGHT):
       - in flight (Triton >= 3.7): each MMA runs while the next block is decoded (wait(1)), and a
         stage goes back to the producer one block late;
       - waited (Triton 3.6): each MMA is waited at once and the stage handed back after its blocks,
@@ -24,11 +24,11 @@ producer warp:
 Split-K partials are summed in a fixed order by the last program of a tile (bitwise repeatable).
 
 Where it serves (SERVED_M): 17 <= M <= 32 with either loop, and with MMAs in flight also 38 <= M <= 256
-(activation tiles of at most 64 rows; one consumer warpgroup a CTA at 33-64). The mma kernel serves
-the other M up to 256. The per-M measurements: results/kernels/NOTES.md (h100_families.json).
+(one consumer warpgroup a CTA; 128-row activation tiles from 65 rows, see ``pick_config``). The mma
+kernel serves the other M up to 256. The per-M measurements: results/kernels/NOTES.md.
 Measured and not kept: decoding into shared memory for a shared-operand MMA (the decoded tile's
-shared-memory traffic bounded it near half the bf16 rate), three or four consumer warpgroups and
-128-row tiles (register spills).
+shared-memory traffic bounded it near half the bf16 rate), three or four consumer warpgroups, 128-row
+tiles under two consumer warpgroups (register spills), 256-row tiles (1.5-3x slower than 128).
 
 Requires Gluon with warp_specialize, TMA and mbarriers (Triton >= 3.6) and an sm_90 GPU;
 ``available()`` says whether it can run (a self-test against the fp32 reference at the first call).
@@ -354,8 +354,8 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
 
 # The M ranges this kernel serves in the dispatch (the door, Plan, one-weight grouped launches): where it
 # beat the other kernels on the layers measured (results/kernels/NOTES.md). 17-32 rows in either form;
-# with its MMAs in flight also 38-256 rows (64-row tiles; at 33-37 the mma kernel measured faster, and
-# the waited form lost to it from 33 rows on).
+# with its MMAs in flight also 38-256 rows (at 33-37 the mma kernel measured faster, and the waited form
+# lost to it from 33 rows on).
 SERVED_M = ((17, 32), (38, 256)) if MMA_IN_FLIGHT else ((17, 32),)
 
 
