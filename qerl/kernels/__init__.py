@@ -279,7 +279,8 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
 
 def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor] | None:
     """[x W_i^T] for 1-3 4-bit weights of one format sharing x [M, K] (rows of stride K), in ONE
-    launch of the tensor-core kernel; None where that kernel does not apply (formats or backends
+    launch of the tensor-core kernel (from GROUPED_WARPSPEC_MIN_M rows where the warp-specialised kernel
+    serves: one launch of it a weight); None where those kernels do not apply (formats or backends
     other than Triton, M or x's layout outside its range, a weight without an exact compute
     layout): the caller then runs each weight's own linear."""
     if not 1 <= len(weights) <= 3:
@@ -298,11 +299,17 @@ def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]
             for w in weights]
     if any(a is None for a in args):
         return None
-    if len(weights) == 1 and warpspec.serves(x):  # one weight at the rows the warp-specialised kernel serves
-        return [warpspec.linear(x, args[0][0], args[0][1], args[0][2], args[0][3], K, is_nv, cache=weights[0].cache)]
-    # 2-3 weights stay one grouped launch of the mma kernel: one warp-specialised launch a weight was
-    # no faster at 32 rows and slower at 64 and 128 in the 7B decode step (LOG.md, 2026-11-27)
+    if warpspec.serves(x) and (len(weights) == 1 or x.shape[0] >= GROUPED_WARPSPEC_MIN_M):
+        # one warp-specialised launch a weight, at the rows it serves
+        return [warpspec.linear(x, a[0], a[1], a[2], a[3], K, is_nv, cache=w.cache) for a, w in zip(args, weights)]
     return mma.grouped_linear(x, args, K, is_nv)
+
+
+# Rows from which 2-3 weights sharing x run as one warp-specialised launch each rather than one grouped
+# launch of the mma kernel: below 65 rows the grouped launch was as fast or faster in the 7B decode step
+# (LOG.md, 2026-11-27); from 65 the warp-specialised kernel's 128-row tiles (results/kernels/NOTES.md).
+# Benchmarks set it to compare the two.
+GROUPED_WARPSPEC_MIN_M = 65
 
 
 def make_plan(weight: Weight, device: torch.device):

@@ -134,3 +134,28 @@ def test_the_door_runs_a_named_family_gpu(kind):
         y = kernels.linear_tuned(x, "nvfp4", t, kind=kind, cache=cache)
         ref = x.float() @ w.T
         assert float((y.float() - ref).norm() / ref.norm()) < 5e-3, (kind, M)
+
+
+@pytest.mark.gpu
+@sm90
+def test_grouped_launch_takes_the_warp_specialised_kernel_from_its_rows_gpu():
+    """kernels.grouped_linear over three weights sharing x: each output against the fp32 reference, and
+    from GROUPED_WARPSPEC_MIN_M rows (Triton >= 3.7) bitwise the warp-specialised kernel's own call."""
+    from qerl import kernels
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    k = 512
+    shapes = (384, 128, 128)
+    ts = [formats.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02, "nvfp4") for n in shapes]
+    weights = [kernels.Weight("nvfp4", t, n, k, "triton", {}) for t, n in zip(ts, shapes)]
+    for M in (20, 48, 70, 200):
+        x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
+        ys = kernels.grouped_linear(x, weights)
+        assert ys is not None and len(ys) == 3
+        for y, t, w in zip(ys, ts, weights):
+            ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
+            assert float((y.float() - ref).norm() / ref.norm()) < 5e-3, M
+            if warpspec.MMA_IN_FLIGHT and M >= kernels.GROUPED_WARPSPEC_MIN_M:
+                pc, sc, gs, n = layout.weight_args(w.cache, t, True, w.out_features)
+                assert torch.equal(y, warpspec.linear(x, pc, sc, gs, n, k, True, cache=w.cache)), M
