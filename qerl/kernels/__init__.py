@@ -306,10 +306,11 @@ def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]
 
 
 # Rows from which 2-3 weights sharing x run as one warp-specialised launch each rather than one grouped
-# launch of the mma kernel: below 65 rows the grouped launch was as fast or faster in the 7B decode step
-# (LOG.md, 2026-11-27); from 65 the warp-specialised kernel's 128-row tiles (results/kernels/NOTES.md).
-# Benchmarks set it to compare the two.
-GROUPED_WARPSPEC_MIN_M = 65
+# launch of the mma kernel. 7B layer as the decode step runs it (benchmarks.grouped_rule, H100, 57ecfbc):
+# the grouped launch was faster at 32-192 rows (M 64: 127 vs 154 us, M 192: 282 vs 315), the per-weight
+# launches at 256 (307 vs 335); the threshold sits halfway between the two measured points. Benchmarks
+# set it to compare the two.
+GROUPED_WARPSPEC_MIN_M = 225
 
 
 def make_plan(weight: Weight, device: torch.device):

@@ -149,7 +149,7 @@ def test_grouped_launch_takes_the_warp_specialised_kernel_from_its_rows_gpu():
     shapes = (384, 128, 128)
     ts = [formats.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02, "nvfp4") for n in shapes]
     weights = [kernels.Weight("nvfp4", t, n, k, "triton", {}) for t, n in zip(ts, shapes)]
-    for M in (20, 48, 70, 200):
+    for M in (20, 48, 70, 200, 240):
         x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
         ys = kernels.grouped_linear(x, weights)
         assert ys is not None and len(ys) == 3
