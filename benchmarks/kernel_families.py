@@ -121,6 +121,7 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         sys.exit("error: kernel_families needs a CUDA GPU")
     dev = torch.cuda.get_device_properties(0)
+    EXTRA_WS.clear()
     EXTRA_WS.update(dict(args.ws))
     families = list(args.families) + list(EXTRA_WS)
     bad = check(families, args.m)

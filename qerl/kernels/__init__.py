@@ -277,6 +277,14 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     return ops.grad_input(dy, fmt, *_triton_args(spec, tensors))
 
 
+# Rows from which 2-3 weights sharing x run as one warp-specialised launch each rather than one grouped
+# launch of the mma kernel. 7B layer as the decode step runs it (benchmarks.grouped_rule, H100, 57ecfbc):
+# the grouped launch was faster at 32-192 rows (M 64: 127 vs 154 us, M 192: 282 vs 315), the per-weight
+# launches at 256 (307 vs 335); the threshold sits halfway between the two measured points. Benchmarks
+# set it to compare the two.
+GROUPED_WARPSPEC_MIN_M = 225
+
+
 def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor] | None:
     """[x W_i^T] for 1-3 4-bit weights of one format sharing x [M, K] (rows of stride K), in ONE
     launch of the tensor-core kernel (from GROUPED_WARPSPEC_MIN_M rows where the warp-specialised kernel
@@ -303,14 +311,6 @@ def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]
         # one warp-specialised launch a weight, at the rows it serves
         return [warpspec.linear(x, a[0], a[1], a[2], a[3], K, is_nv, cache=w.cache) for a, w in zip(args, weights)]
     return mma.grouped_linear(x, args, K, is_nv)
-
-
-# Rows from which 2-3 weights sharing x run as one warp-specialised launch each rather than one grouped
-# launch of the mma kernel. 7B layer as the decode step runs it (benchmarks.grouped_rule, H100, 57ecfbc):
-# the grouped launch was faster at 32-192 rows (M 64: 127 vs 154 us, M 192: 282 vs 315), the per-weight
-# launches at 256 (307 vs 335); the threshold sits halfway between the two measured points. Benchmarks
-# set it to compare the two.
-GROUPED_WARPSPEC_MIN_M = 225
 
 
 def make_plan(weight: Weight, device: torch.device):

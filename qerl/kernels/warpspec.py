@@ -13,7 +13,8 @@ producer warp:
   - each consumer warpgroup (the default partition and NWG - 1 worker partitions) waits for a
     stage, decodes its RPW x 64 rows in registers (the ``qerl.kernels.mma`` decode: exact, 20
     instructions per 8 weights) straight into the register A operand of the warpgroup MMA (RPW 2: two
-    64-row instructions an MMA), whose B operand is the shared activation tile. Two forms of this loop, chosen by the installed Triton (MMA_IN_FLIGHT):
+    64-row instructions an MMA), whose B operand is the shared activation tile. Two forms of this
+    loop, chosen by the installed Triton (MMA_IN_FLIGHT):
       - in flight (Triton >= 3.7): each MMA runs while the next block is decoded (wait(1)), and a
         stage goes back to the producer one block late;
       - waited (Triton 3.6): each MMA is waited at once and the stage handed back after its blocks,
@@ -278,15 +279,15 @@ def pick_config(M: int, N: int, K: int) -> dict:
       - 65-256: 128-row tiles, so a weight block is decoded once per 128 rows, the rows padded to whole
         tiles (a partly filled 128-row tile measured up to 1.5x slower than a full one).
     Waited (Triton 3.6): two consumer warpgroups, BM a power of two from 16 holding M up to 64, else 128."""
+    base = dict(RPW=1, KB=2, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT)
     if MMA_IN_FLIGHT and M > 16:
         if M <= 32:
-            return dict(BM=32, NWG=1, RPW=2, KB=2, STAGES=6, REGS=232, maxnreg=None, waves=1, in_flight=True)
+            return dict(base, BM=32, NWG=1, RPW=2, STAGES=6)
         if M <= 64:
-            return dict(BM=64, NWG=1, RPW=1, KB=2, STAGES=6, REGS=232, maxnreg=None, waves=1, in_flight=True)
-        return dict(BM=128, NWG=1, RPW=1, KB=2, STAGES=4, REGS=232, maxnreg=None, waves=1, in_flight=True, PAD=True)
+            return dict(base, BM=64, NWG=1, STAGES=6)
+        return dict(base, BM=128, NWG=1, STAGES=4, PAD=True)
     BM = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-    return dict(BM=BM, NWG=2, RPW=1, KB=2 if BM <= 64 else 1, STAGES=4, REGS=232, maxnreg=None, waves=1,
-                in_flight=MMA_IN_FLIGHT)
+    return dict(base, BM=BM, NWG=2, KB=2 if BM <= 64 else 1, STAGES=4)
 
 
 def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM: int, cache: dict | None,
@@ -327,7 +328,7 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
     if out is None:
         out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     mt = triton.cdiv(M, BM)
-    rpw = cfg.get("RPW", 1)
+    rpw = cfg["RPW"]
     n_tiles = triton.cdiv(packed_c.shape[0] * 16, 64 * NWG * rpw)
     nbk = packed_c.shape[1]
     iters = triton.cdiv(nbk, KB)
