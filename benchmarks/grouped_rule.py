@@ -1,8 +1,9 @@
-"""The grouped q/k/v and gate/up launches of the fused decode step: one grouped launch of the mma kernel
-against one warp-specialised launch a weight, side by side in one run (GPU, sm_90, Triton >= 3.7).
+"""The grouped q/k/v and gate/up launches of the fused decode step, side by side in one run (GPU, sm_90,
+Triton >= 3.7): one grouped launch of the mma kernel, one warp-specialised launch over the group, and one
+warp-specialised launch a weight (the form before the grouped one).
 
 Times the 7B layer as the decode step runs it (``bench_kernels.grouped_layer``: q/k/v, o, gate/up, down)
-at each M under both settings of ``qerl.kernels.GROUPED_WARPSPEC_MIN_M``, with bf16 cuBLAS in the same run.
+at each M under each setting of ``qerl.kernels.GROUPED_WARPSPEC_MIN_M``, with bf16 cuBLAS in the same run.
 Writes results/kernels/<gpu>_grouped_rule.json (env: torch, Triton, GPU, git sha, date).
 
 Run:   python -m benchmarks.grouped_rule --m 64 96 128 192 256
@@ -18,6 +19,7 @@ import torch
 from benchmarks import speed_common as sc
 from benchmarks.bench_kernels import grouped_layer
 from qerl import kernels
+from qerl.kernels import warpspec
 
 
 def main(argv=None) -> dict:
@@ -28,14 +30,19 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         sys.exit("error: grouped_rule needs a CUDA GPU")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    rule = kernels.GROUPED_WARPSPEC_MIN_M
+    rule, one_launch = kernels.GROUPED_WARPSPEC_MIN_M, warpspec.grouped_linear
+
+    def per_weight(x2, weights, K, is_nv, caches=None):
+        return [warpspec.linear(x2, *w, K, is_nv, cache=c) for w, c in zip(weights, caches or [None] * len(weights))]
+
     layer_us = {}
     try:
-        for name, from_m in (("grouped_mma", 1 << 30), ("warpspec_per_weight", 0)):
-            kernels.GROUPED_WARPSPEC_MIN_M = from_m
+        for name, from_m, form in (("grouped_mma", 1 << 30, one_launch), ("warpspec_group", 0, one_launch),
+                                   ("warpspec_per_weight", 0, per_weight)):
+            kernels.GROUPED_WARPSPEC_MIN_M, warpspec.grouped_linear = from_m, form
             layer_us[name] = {str(m): [round(v, 2) for v in t] for m, t in grouped_layer(l2, tuple(args.m)).items()}
     finally:
-        kernels.GROUPED_WARPSPEC_MIN_M = rule
+        kernels.GROUPED_WARPSPEC_MIN_M, warpspec.grouped_linear = rule, one_launch
     prov = sc.provenance()
     prov["env"]["mma_in_flight"] = kernels.MMA_IN_FLIGHT
     out = dict(what="qwen2.5-7b layer as the fused decode step runs it, us: [bf16 cuBLAS, nvfp4] per M",

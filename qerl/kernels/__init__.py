@@ -308,8 +308,8 @@ def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]
     if any(a is None for a in args):
         return None
     if warpspec.serves(x) and (len(weights) == 1 or x.shape[0] >= GROUPED_WARPSPEC_MIN_M):
-        # one warp-specialised launch a weight, at the rows it serves
-        return [warpspec.linear(x, a[0], a[1], a[2], a[3], K, is_nv, cache=w.cache) for a, w in zip(args, weights)]
+        # one warp-specialised launch over the group, at the rows it serves
+        return warpspec.grouped_linear(x, args, K, is_nv, caches=[w.cache for w in weights])
     return mma.grouped_linear(x, args, K, is_nv)
 
 

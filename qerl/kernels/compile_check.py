@@ -127,6 +127,12 @@ def launches() -> None:
         for m in (24, 48, 128):
             xm = torch.randn(m, Kw, dtype=bf)
             warpspec.linear(xm, pc, sc, gs, Nw, Kw, True, out=torch.empty(m, Nw, dtype=bf))
+        # one launch over a group (q/k/v: a wide weight and two narrow ones)
+        kv_pc, kv_sc = pc[: 512 // 16], sc[: 512 // 16]
+        for m in (48, 128):
+            xm = torch.randn(m, Kw, dtype=bf)
+            warpspec.grouped_linear(xm, [(pc, sc, gs, Nw), (kv_pc, kv_sc, gs, 512), (kv_pc, kv_sc, gs, 512)], Kw,
+                                    True, [torch.empty(m, n, dtype=bf) for n in (Nw, 512, 512)])
 
 
 def main() -> int:

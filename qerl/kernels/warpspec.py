@@ -113,6 +113,20 @@ if HAVE_WS:
                     _tma_load(s_desc, [nb0 + w * RW, k * 64], bar, s_bufs.index(idx))
 
     @gluon.jit
+    def _ws_group_loader(x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, g, x_bufs, w_bufs, s_bufs,
+                         ready, empty, m0, nb0, i0, i1, KB: gl.constexpr, NWG: gl.constexpr, NG: gl.constexpr):
+        """The producer warp of a launch over NG weights: the loads of weight g's tile (one branch a CTA)."""
+        if NG == 1:
+            _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, KB, NWG)
+        else:
+            if g == 0:
+                _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, KB, NWG)
+            elif g == 1:
+                _ws_loader(x_desc, w_desc1, s_desc1, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, KB, NWG)
+            else:
+                _ws_loader(x_desc, w_desc2, s_desc2, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, KB, NWG)
+
+    @gluon.jit
     def _ws_decode(w_buf, s_buf, RB: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr):
         """One 64-column block of a warpgroup's RB x 16 weight rows from its ring buffers -> bf16 [RB * 16, 64]
         in the MMA's register A layout (the qerl.kernels.mma decode: exact, 20 instructions per 8 weights).
@@ -219,12 +233,14 @@ if HAVE_WS:
                 gl.atomic_xchg(cnt_ptr + tile, 0)
 
     @gluon.jit
-    def _ws_kernel(x_desc, w_desc, s_desc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NB_K, iters_per_split, MT,
+    def _ws_kernel(x_desc, w_desc, s_desc, gs_ptr, out_ptr, w_desc1, s_desc1, gs1, out1, w_desc2, s_desc2, gs2, out2,
+                   ws_ptr, cnt_ptr, M, N, N1, N2, T0, T1, NB_K, iters_per_split, MT,
                    IS_NV: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
                    KB: gl.constexpr, ASM: gl.constexpr, REGS: gl.constexpr, IN_FLIGHT: gl.constexpr,
-                   num_warps: gl.constexpr, RPW: gl.constexpr = 1, PDL: gl.constexpr = False):
-        """out[M, N] = x W^T. Grid (N tiles * MT, split): the MT row tiles of x for one weight tile next
-        to each other (they share it in L2). A CTA: NWG consumer warpgroups of RPW x 64 weight rows each
+                   num_warps: gl.constexpr, RPW: gl.constexpr = 1, NG: gl.constexpr = 1, PDL: gl.constexpr = False):
+        """out_g[M, N_g] = x W_g^T for NG weights (1-3) sharing x. Grid (weight tiles * MT, split): the T0
+        tiles of weight 0, then T1 of weight 1, then weight 2's; the MT row tiles of x for one weight tile
+        next to each other (they share it in L2). A CTA: NWG consumer warpgroups of RPW x 64 weight rows each
         (all of them on one activation tile) and one producer warp."""
         _pdl_enter(PDL)
         pid0 = gl.program_id(0)
@@ -232,6 +248,21 @@ if HAVE_WS:
         m0 = (pid0 % MT) * BM
         pid_k = gl.program_id(1)
         n_split = gl.num_programs(1)
+        g = 0
+        if NG > 1:  # this tile's weight g: its global scale, output, width and workspace slice
+            g = (pid_n >= T0).to(gl.int32)
+            if NG > 2:
+                g += (pid_n >= T0 + T1).to(gl.int32)
+            before = gl.where(g == 0, 0, gl.where(g == 1, N, N + N1))  # output columns of the weights before g
+            pid_n -= gl.where(g == 0, 0, gl.where(g == 1, T0, T0 + T1))
+            N = gl.where(g == 0, N, gl.where(g == 1, N1, N2))
+            ws_ptr += (n_split * M).to(gl.int64) * before
+            if g == 1:
+                gs_ptr = gs1
+                out_ptr = out1
+            elif g == 2:
+                gs_ptr = gs2
+                out_ptr = out2
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, gl.cdiv(NB_K, KB))
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES * KB, BM, 64], x_desc.layout)
@@ -252,15 +283,15 @@ if HAVE_WS:
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                                 M, N, m0, row0 + RB * 16, tile + 1, pid_k, n_split, KB, NWG, RB, BM, IS_NV, ASM,
                                 IN_FLIGHT)),
-                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * RB * NWG,
-                              i0, i1, KB, NWG)),
+                (_ws_group_loader, (x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, g, x_bufs, w_bufs,
+                                    s_bufs, ready, empty, m0, pid_n * RB * NWG, i0, i1, KB, NWG, NG)),
             ], [4, 1], [REGS, 24])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
                                 M, N, m0, row0, tile, pid_k, n_split, KB, NWG, RB, BM, IS_NV, ASM, IN_FLIGHT)),
-                (_ws_loader, (x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, pid_n * RB * NWG,
-                              i0, i1, KB, NWG)),
+                (_ws_group_loader, (x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, g, x_bufs, w_bufs,
+                                    s_bufs, ready, empty, m0, pid_n * RB * NWG, i0, i1, KB, NWG, NG)),
             ], [1], [24])
 
 
@@ -290,12 +321,16 @@ def pick_config(M: int, N: int, K: int) -> dict:
     return dict(base, BM=BM, NWG=2, KB=2 if BM <= 64 else 1, STAGES=4)
 
 
-def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM: int, cache: dict | None,
-           rpw: int = 1):
-    gl_layout = gl.NVMMASharedLayout
+def _x_desc(x2: torch.Tensor, BM: int):
+    """The activations' bulk-copy descriptor: [BM, 64] bf16 tiles, 128-byte swizzle."""
     M, K = x2.shape
-    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [BM, BK],
-                              gl_layout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    return TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [BM, BK],
+                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+def _w_descs(packed_c: torch.Tensor, scales_c: torch.Tensor, cache: dict | None, rpw: int = 1):
+    """A weight's code and scale descriptors ([4 rpw] 16-row blocks a load), kept in its cache."""
+    gl_layout = gl.NVMMASharedLayout
     key = ("ws_descriptors", packed_c.data_ptr(), scales_c.data_ptr(), rpw)
     wd = cache.get(key) if cache is not None else None
     if wd is None:
@@ -308,7 +343,7 @@ def _descs(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, BM:
                                gl_layout(swizzle_byte_width=0, element_bitwidth=8, rank=2)))
         if cache is not None:
             cache[key] = wd
-    return x_desc, wd[0], wd[1]
+    return wd
 
 
 def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs: torch.Tensor | None, N: int,
@@ -316,21 +351,38 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
            split_k: int | None = None, cache: dict | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] W^T with W in the compute layout; bf16 x2 with contiguous rows, K and the
     row stride multiples of 8, 16-byte aligned (the bulk copies' rules)."""
+    return grouped_linear(x2, [(packed_c, scales_c, gs, N)], K, is_nv, None if out is None else [out], config,
+                          split_k, [cache])[0]
+
+
+def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: list | None = None,
+                   config: dict | None = None, split_k: int | None = None,
+                   caches: list | None = None) -> list[torch.Tensor]:
+    """[x2 W_i^T] for 1-3 weights (packed_c, scales_c, gs, N) of one format sharing x2, in ONE launch: the
+    weights' tiles side by side in the grid, each CTA one weight's tile (``caches``: each weight's descriptor
+    cache or None). The config is picked for the widest weight; split-K for all the tiles together."""
     M = x2.shape[0]
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"the warp-specialised kernel takes 1 to 3 weights a launch, got {len(weights)}")
     if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
         raise ValueError("the warp-specialised kernel takes bfloat16 activations with contiguous rows")
     if K % 8 or (M > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
         raise ValueError("the warp-specialised kernel copies activations in bulk: K and the row stride must be multiples of 8, "
                          "the data 16-byte aligned")
-    cfg = dict(pick_config(M, N, K), **(config or {}))
+    nbk = weights[0][0].shape[1]
+    if any(w[0].shape[1] != nbk for w in weights):
+        raise ValueError("the weights of one warp-specialised launch must share their input width")
+    Ns = [w[3] for w in weights]
+    caches = caches or [None] * len(weights)
+    cfg = dict(pick_config(M, max(Ns), K), **(config or {}))
     BM, NWG, stages, KB = cfg["BM"], cfg["NWG"], cfg["STAGES"], cfg["KB"]
     launch = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
-    if out is None:
-        out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    if outs is None:
+        outs = [torch.empty((M, n), dtype=x2.dtype, device=x2.device) for n in Ns]
     mt = triton.cdiv(M, BM)
     rpw = cfg["RPW"]
-    n_tiles = triton.cdiv(packed_c.shape[0] * 16, 64 * NWG * rpw)
-    nbk = packed_c.shape[1]
+    tiles = [triton.cdiv(w[0].shape[0] * 16, 64 * NWG * rpw) for w in weights]
+    n_tiles = sum(tiles)
     iters = triton.cdiv(nbk, KB)
     split_k = split_k or cfg.get("split")
     if split_k is None:
@@ -340,17 +392,23 @@ def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs:
             split_k *= 2
     ips = triton.cdiv(iters, split_k)
     split = triton.cdiv(iters, ips)
-    ws, cnt = common.workspace(x2.device, 0 if split == 1 else split * M * N, n_tiles * mt * NWG if split > 1 else 0)
+    ws, cnt = common.workspace(x2.device, 0 if split == 1 else split * M * sum(Ns),
+                               n_tiles * mt * NWG if split > 1 else 0)
     if cfg.get("PAD") and M % BM:  # whole tiles for the bulk copies; rows past M give outputs never stored
         xp = x2.new_empty((mt * BM, K))
         xp[:M].copy_(x2)
         x2 = xp
-    x_desc, w_desc, s_desc = _descs(x2, packed_c, scales_c, BM, cache, rpw)
+    args = [_x_desc(x2, BM)]
+    for i in range(3):  # absent weights repeat the last one (their branch is never taken)
+        w, c = weights[min(i, len(weights) - 1)], caches[min(i, len(weights) - 1)]
+        args += [*_w_descs(w[0], w[1], c, rpw), w[2] if w[2] is not None else w[1], outs[min(i, len(weights) - 1)]]
+    Np = Ns + [0] * (3 - len(Ns))
     _ws_kernel[(n_tiles * mt, split)](
-        x_desc, w_desc, s_desc, gs if gs is not None else scales_c, out, ws, cnt, M, N, nbk, ips, mt,
+        *args, ws, cnt, M, Np[0], Np[1], Np[2], tiles[0], tiles[1] if len(tiles) > 1 else 0, nbk, ips, mt,
         IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=mma._ASM_NV if is_nv else mma._ASM_MX,
-        REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, RPW=rpw, **launch, **common.pdl_args(x2.device))
-    return out
+        REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, RPW=rpw, NG=len(weights), **launch,
+        **common.pdl_args(x2.device))
+    return outs
 
 
 # The M ranges this kernel serves in the dispatch (the door, Plan, one-weight grouped launches): where it

@@ -36,6 +36,16 @@ def test_refuses_what_the_bulk_copies_cannot_take():
                       torch.zeros(1, 1, 8, 4, 2, dtype=torch.uint8), None, 16, 20, True)
 
 
+def test_a_group_launch_refuses_what_it_cannot_take():
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    w = (torch.zeros(1, 2, 512, dtype=torch.uint8), torch.zeros(1, 2, 64, dtype=torch.uint8), None, 16)
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        warpspec.grouped_linear(x, [w] * 4, 128, True)
+    narrow = (torch.zeros(1, 1, 512, dtype=torch.uint8), torch.zeros(1, 1, 64, dtype=torch.uint8), None, 16)
+    with pytest.raises(ValueError, match="share their input width"):
+        warpspec.grouped_linear(x, [w, narrow], 128, True)
+
+
 def test_not_available_on_the_cpu():
     assert not warpspec.available(torch.device("cpu"))
     assert not warpspec.serves(torch.zeros(20, 64, dtype=torch.bfloat16))
@@ -138,9 +148,35 @@ def test_the_door_runs_a_named_family_gpu(kind):
 
 @pytest.mark.gpu
 @sm90
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_one_launch_over_a_group_equals_its_weights_launches_gpu(fmt):
+    """warpspec.grouped_linear over 2 and 3 weights of different widths (ragged last tiles) sharing x: each
+    output bitwise the weight's own launch at the same split (none, and forced split-K: each weight's slice
+    of the workspace), and against the fp32 reference; every row tile class the kernel has."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(11)
+    k = 1088
+    shapes = (1000, 136, 200)
+    is_nv = common.scale_mode(fmt)
+    ts = [formats.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02, fmt) for n in shapes]
+    args = [(*layout.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv), t.get("weight_global_scale"), n)
+            for t, n in zip(ts, shapes)]
+    for M in (20, 48, 70, 200, 256):
+        x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
+        for ng in (2, 3):
+            for split in (1, 3):
+                ys = warpspec.grouped_linear(x, args[:ng], k, is_nv, split_k=split)
+                for y, a, t in zip(ys, args, ts):
+                    assert torch.equal(y, warpspec.linear(x, *a, k, is_nv, split_k=split)), (fmt, M, ng, split)
+                    ref = x.float() @ formats.dequantize(t, fmt, dtype=torch.float32).T
+                    assert float((y.float() - ref).norm() / ref.norm()) < 5e-3, (fmt, M, ng, split)
+
+
+@pytest.mark.gpu
+@sm90
 def test_grouped_launch_takes_the_warp_specialised_kernel_from_its_rows_gpu():
     """kernels.grouped_linear over three weights sharing x: each output against the fp32 reference, and
-    from GROUPED_WARPSPEC_MIN_M rows (Triton >= 3.7) bitwise the warp-specialised kernel's own call."""
+    from GROUPED_WARPSPEC_MIN_M rows (Triton >= 3.7) bitwise the warp-specialised launch over the group."""
     from qerl import kernels
 
     dev = torch.device("cuda")
@@ -153,9 +189,10 @@ def test_grouped_launch_takes_the_warp_specialised_kernel_from_its_rows_gpu():
         x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
         ys = kernels.grouped_linear(x, weights)
         assert ys is not None and len(ys) == 3
-        for y, t, w in zip(ys, ts, weights):
+        for y, t in zip(ys, ts):
             ref = x.float() @ formats.dequantize(t, "nvfp4", dtype=torch.float32).T
             assert float((y.float() - ref).norm() / ref.norm()) < 5e-3, M
-            if warpspec.MMA_IN_FLIGHT and M >= kernels.GROUPED_WARPSPEC_MIN_M:
-                pc, sc, gs, n = layout.weight_args(w.cache, t, True, w.out_features)
-                assert torch.equal(y, warpspec.linear(x, pc, sc, gs, n, k, True, cache=w.cache)), M
+        if warpspec.serves(x) and M >= kernels.GROUPED_WARPSPEC_MIN_M:
+            args = [layout.weight_args(w.cache, t, True, w.out_features) for w, t in zip(weights, ts)]
+            for y, want in zip(ys, warpspec.grouped_linear(x, args, k, True)):
+                assert torch.equal(y, want), M
