@@ -33,7 +33,7 @@ def main(argv=None) -> dict:
     rule, one_launch = kernels.GROUPED_WARPSPEC_MIN_M, warpspec.grouped_linear
 
     def per_weight(x2, weights, K, is_nv, caches=None):
-        return [warpspec.linear(x2, *w, K, is_nv, cache=c) for w, c in zip(weights, caches or [None] * len(weights))]
+        return [one_launch(x2, [w], K, is_nv, caches=[c])[0] for w, c in zip(weights, caches or [None] * len(weights))]
 
     layer_us = {}
     try:
