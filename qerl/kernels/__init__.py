@@ -277,18 +277,18 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
     return ops.grad_input(dy, fmt, *_triton_args(spec, tensors))
 
 
-# Rows from which 2-3 weights sharing x run as one warp-specialised launch each rather than one grouped
-# launch of the mma kernel. 7B layer as the decode step runs it (benchmarks.grouped_rule, H100, 57ecfbc):
-# the grouped launch was faster at 32-192 rows (M 64: 127 vs 154 us, M 192: 282 vs 315), the per-weight
-# launches at 256 (307 vs 335); the threshold sits halfway between the two measured points. Benchmarks
-# set it to compare the two.
-GROUPED_WARPSPEC_MIN_M = 225
+# Rows from which 2-3 weights sharing x run as one warp-specialised launch over the group (where that
+# kernel serves) rather than one grouped launch of the mma kernel. 7B layer as the decode step runs it
+# (benchmarks.grouped_rule, H200, Triton 3.7.1, 8c6c7af: results/kernels/h200_grouped_rule.json): the
+# warp-specialised group launch was the faster at every M measured from 32 to 256 (M 64: 124 vs 128 us,
+# M 128: 163 vs 194, M 256: 285 vs 337), so it takes every M it serves. Benchmarks set it to compare them.
+GROUPED_WARPSPEC_MIN_M = 1
 
 
 def grouped_linear(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor] | None:
     """[x W_i^T] for 1-3 4-bit weights of one format sharing x [M, K] (rows of stride K), in ONE
-    launch of the tensor-core kernel (from GROUPED_WARPSPEC_MIN_M rows where the warp-specialised kernel
-    serves: one launch of it a weight); None where those kernels do not apply (formats or backends
+    launch: of the warp-specialised kernel where it serves (from GROUPED_WARPSPEC_MIN_M rows), else of the
+    mma kernel; None where those kernels do not apply (formats or backends
     other than Triton, M or x's layout outside its range, a weight without an exact compute
     layout): the caller then runs each weight's own linear."""
     if not 1 <= len(weights) <= 3:
