@@ -532,3 +532,26 @@ def test_split_attention_equals_sdpa():
     torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="attention must be one of"):
         FastEngine(model, eos_token_ids=[2], pad_id=0, attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lora_a_beside_the_matmuls_gives_the_same_bits(monkeypatch):
+    """lora_a on a side stream beside the base matmuls (fused_linear.LORA_A_BESIDE) changes when it runs,
+    not what it computes: bf16 NVFP4 + LoRA, 40 sampled sequences of their own lengths (buckets 40 to 1:
+    the tiled and the in-norm lora_a) under CUDA graphs and eagerly give the in-line run's tokens and
+    log-probs bit for bit."""
+    from qerl.rollout import fused_linear
+
+    prompts = [GPU_PROMPTS[i % 4][: 5 + 3 * i] for i in range(40)]
+    caps = [1 + (37 * i) % 170 for i in range(40)]
+    kw = dict(temperature=1.0, seed=5, ignore_eos=True)
+    model = _gpu_model(BF, lora=True)
+    runs = {}
+    for beside in (False, True):
+        monkeypatch.setattr(fused_linear, "LORA_A_BESIDE", beside)
+        for graphs in (True, False):
+            runs[beside, graphs] = _gpu_engine(model, cuda_graphs=graphs).generate(prompts, caps, **kw)
+    for graphs in (True, False):
+        a, b = runs[False, graphs], runs[True, graphs]
+        assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs), graphs

@@ -199,16 +199,17 @@ _WORKSPACE: dict = {}
 RETIRED: list = []
 
 
-def workspace(device: torch.device, n_out: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 split-K workspace and (zeroed) tile counters for this device.
+def workspace(device: torch.device, n_out: int, n_tiles: int, lane: str = "main") -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 split-K workspace and (zeroed) tile counters for this device and ``lane``.
 
-    split * M * N floats (one slice per split, overwritten each call). One pair per device, not per
-    stream, so that a CUDA graph captured on a side stream reuses the one allocated during
-    warm-up; split-K launches must therefore not run concurrently on two streams of one device
-    (qerl runs everything on one stream). A buffer that is outgrown is retired, not freed
-    (``RETIRED``); growth doubles, so the retired ones sum to less than the live one.
+    split * M * N floats (one slice per split, overwritten each call). One pair per device and lane, not
+    per stream, so that a CUDA graph captured on a side stream reuses the one allocated during
+    warm-up; split-K launches of one lane must therefore not run concurrently. Lane "main": the
+    matmuls and attention, in stream order; lane "lora_a": the tiled lora_a, which the fused decode step
+    runs beside the base matmuls (qerl.rollout.fused_linear). A buffer that is outgrown is retired, not
+    freed (``RETIRED``); growth doubles, so the retired ones sum to less than the live one.
     """
-    key = str(device)
+    key = (str(device), lane)
     ws, cnt = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < n_out:
         if ws is not None:

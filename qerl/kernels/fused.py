@@ -371,7 +371,7 @@ def _lora_a_tiled(x: torch.Tensor, As: list[torch.Tensor], BLOCK_M: int, BLOCK_K
     R, n = As[0].shape[0], len(As)
     S, mt = triton.cdiv(K, K_CHUNK), triton.cdiv(M, BLOCK_M)
     BLOCK_R = max(16, triton.next_power_of_2(R))
-    ws, cnt = workspace(x.device, n * S * M * R if S > 1 else 1, n * mt)
+    ws, cnt = workspace(x.device, n * S * M * R if S > 1 else 1, n * mt, lane="lora_a")
     h = torch.empty((1, M, n * R), dtype=torch.float32, device=x.device)
     a = list(As) + [As[0]] * (3 - n)
     _lora_a_tiled_kernel[(mt, S, n)](x, a[0], a[1], a[2], h, ws, cnt, M, K, R, n * R, K_CHUNK,

@@ -3,7 +3,8 @@
 ``grouped_linears(x, modules)`` returns [m(x) for m in modules] computed as: the modules' base
 matmuls (4-bit weights of one format at decode batches on the GPU: ONE launch of
 qerl.kernels.grouped_linear for the group; else each module's 4-bit kernel or F.linear), then ONE
-``lora_a`` launch for the adapters of the group (stacked A, read live from the parameters) and ONE
+``lora_a`` launch for the adapters of the group (stacked A, read live from the parameters; on a GPU on a
+side stream, beside the base matmuls: ``LORA_A_BESIDE``) and ONE
 ``lora_out`` launch that adds bias and ``scaling * h B^T`` to every base output in place. A QuantLinear
 with LoRA thus costs its base GEMV plus 2/n kernels instead of base + 5 (bias add, two casts, the
 A GEMM, the B addmm). Modules the group cannot take (another Linear type, LoRA dropout in training
@@ -72,45 +73,73 @@ def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
     return [p.A for p in parts]
 
 
+# lora_a beside the base matmuls: both read x only, so the group's lora_a runs on a side stream while the
+# current stream runs the base matmuls, and the current stream waits for it before lora_out. The matmuls
+# leave room on each SM for lora_a's few small programs (7B, bs64: the decode step's lora_a took 0.77 ms of
+# 6.15 in line; results/decode_profile/NOTES.md). Off: everything in stream order (A/B runs).
+LORA_A_BESIDE = True
+_SIDE: dict = {}
+
+
+def _lora_a_start(x: torch.Tensor, As: list[torch.Tensor]):
+    """Start h = lora_a(x, As); returns a function that gives h, ready on the current stream. On a GPU with
+    LORA_A_BESIDE, lora_a runs on a side stream that first waits for everything the current stream has
+    queued (so it never overwrites memory that earlier work still reads); the caller keeps x alive until it
+    takes h (the current stream then waits for the side stream, so x is read before it can be freed)."""
+    if not (LORA_A_BESIDE and x.is_cuda):
+        h = lora_a(x, As)
+        return lambda: h
+    main = torch.cuda.current_stream(x.device)
+    side = _SIDE.get(x.device)
+    if side is None:
+        side = _SIDE[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        h = lora_a(x, As)
+
+    def take():
+        main.wait_stream(side)
+        return h
+    return take
+
+
 def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor | None = None) -> list[torch.Tensor]:
     """[m(x) for m in modules] for x [M, K] (outputs [M, N_i]), grouped as the module docstring says.
     ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``)."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
+    launches = []  # (outputs, has_lora, has_bias, scaling, h or a function that gives it)
+    if h is not None:  # one LoRA group (stacked_A)
+        launches.append((list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, lambda: h))
+    else:
+        groups: dict = {}
+        for i, p in enumerate(parts):
+            if p is not None and (p.A is not None or p.bias is not None):
+                groups.setdefault(p.key(), []).append(i)
+        for (has_lora, has_bias, _, scaling), members in groups.items():
+            for j in range(0, len(members), 3):  # the kernels take up to three outputs
+                idx = members[j:j + 3]
+                hs = _lora_a_start(x, [parts[i].A for i in idx]) if has_lora else None
+                launches.append((idx, has_lora, has_bias, scaling, hs))
     ys = _mma_group(x, modules) if all(p is not None for p in parts) else None  # one launch for the group
     if ys is None:
         ys = [(p.base(x) if p is not None else m(x)).contiguous() for p, m in zip(parts, modules)]  # rows of stride N
-    if h is not None:  # one LoRA group (stacked_A)
-        _epilogue(x, ys, parts, list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, h)
-        return ys
-    groups: dict = {}
-    for i, p in enumerate(parts):
-        if p is not None and (p.A is not None or p.bias is not None):
-            groups.setdefault(p.key(), []).append(i)
-    for (has_lora, has_bias, _, scaling), members in groups.items():
-        for j in range(0, len(members), 3):  # the kernels take up to three outputs
-            _epilogue(x, ys, parts, members[j:j + 3], has_lora, has_bias, scaling)
+    for idx, has_lora, has_bias, scaling, hs in launches:
+        lora_out([ys[i] for i in idx], hs() if has_lora else None, [parts[i].B for i in idx] if has_lora else [],
+                 [parts[i].bias for i in idx] if has_bias else [], float(scaling))
     return ys
-
-
-def _epilogue(x, ys, parts, idx, has_lora, has_bias, scaling, h=None):
-    """One lora_a (if LoRA and no h given) and one lora_out launch for the outputs ``idx`` (<= 3)."""
-    if has_lora and h is None:
-        h = lora_a(x, [parts[i].A for i in idx])
-    lora_out([ys[i] for i in idx], h, [parts[i].B for i in idx] if has_lora else [],
-                   [parts[i].bias for i in idx] if has_bias else [], float(scaling))
 
 
 def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(gate(x)) * up(x) for x [M, K]: the two base matmuls, then (with LoRA or biases) one
-    ``lora_a`` (unless h is given) and one ``lora_silu_mul`` launch; else ``silu_mul``."""
+    ``lora_a`` (unless h is given; beside the matmuls) and one ``lora_silu_mul`` launch; else ``silu_mul``."""
     x = x.contiguous()
     pg, pu = _parts(gate), _parts(up)
     if pg is None or pu is None or pg.key() != pu.key() or (pg.A is None and pg.bias is None):
         return silu_mul(*grouped_linears(x, [gate, up], h))
+    hs = (lambda: h) if h is not None or pg.A is None else _lora_a_start(x, [pg.A, pu.A])
     gu = _mma_group(x, [gate, up])
     g, u = gu if gu is not None else (pg.base(x).contiguous(), pu.base(x).contiguous())
-    if pg.A is not None and h is None:
-        h = lora_a(x, [pg.A, pu.A])
+    h = hs()
     return lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
-                               [pg.bias, pu.bias] if pg.bias is not None else [], float(pg.scaling))
+                         [pg.bias, pu.bias] if pg.bias is not None else [], float(pg.scaling))

@@ -152,7 +152,7 @@ def test_split_k_reduces_and_leaves_workspace_clean(fmt, kind):
             y = ops.launch_linear(x[:m], *args, kind=kind, config=dict(cfg, BLOCK_M=bm),
                                   split_k=3)
             assert rel_err(y, ref[:m]) < tol
-    _, cnt = common._WORKSPACE[str(x.device)]
+    _, cnt = common._WORKSPACE[(str(x.device), "main")]
     assert not cnt.any()
 
 
