@@ -73,20 +73,24 @@ def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
     return [p.A for p in parts]
 
 
-# lora_a beside the base matmuls: both read x only, so the group's lora_a runs on a side stream while the
-# current stream runs the base matmuls, and the current stream waits for it before lora_out. The matmuls
-# leave room on each SM for lora_a's few small programs (7B, bs64: the decode step's lora_a took 0.77 ms of
-# 6.15 in line; results/decode_profile/NOTES.md). Off: everything in stream order (A/B runs).
+# lora_a beside the base matmuls: both read x only, so from LORA_A_BESIDE_MIN_M rows the group's lora_a runs
+# on a side stream while the current stream runs the base matmuls, and the current stream waits for it
+# before lora_out. The matmuls leave room on each SM for lora_a's few small programs. 7B decode step, H200,
+# Triton 3.7.1, ms, in line -> beside (results/decode_profile/NOTES.md): NVFP4 bs1 3.11 -> 3.18, bs8 3.76 ->
+# 3.62, bs16 4.37 -> 3.90, bs64 6.10 -> 5.37; bf16 bs16 6.41 -> 6.09, bs64 6.85 -> 6.55. Off: in stream
+# order (A/B runs).
 LORA_A_BESIDE = True
+LORA_A_BESIDE_MIN_M = 8
 _SIDE: dict = {}
 
 
 def _lora_a_start(x: torch.Tensor, As: list[torch.Tensor]):
     """Start h = lora_a(x, As); returns a function that gives h, ready on the current stream. On a GPU with
-    LORA_A_BESIDE, lora_a runs on a side stream that first waits for everything the current stream has
-    queued (so it never overwrites memory that earlier work still reads); the caller keeps x alive until it
-    takes h (the current stream then waits for the side stream, so x is read before it can be freed)."""
-    if not (LORA_A_BESIDE and x.is_cuda):
+    LORA_A_BESIDE, from LORA_A_BESIDE_MIN_M rows, lora_a runs on a side stream that first waits for
+    everything the current stream has queued (so it never overwrites memory that earlier work still reads);
+    the caller keeps x alive until it takes h (the current stream then waits for the side stream, so x is
+    read before it can be freed)."""
+    if not (LORA_A_BESIDE and x.is_cuda and x.shape[0] >= LORA_A_BESIDE_MIN_M):
         h = lora_a(x, As)
         return lambda: h
     main = torch.cuda.current_stream(x.device)
