@@ -514,12 +514,15 @@ def load_decode_profile(results=RESULTS, name=None):
 
 def plot_decode_profile(results=RESULTS, out_dir=None, name="decode_profile", profile=None):
     """Where a decode step's time goes (results/decode_profile/): kernel ms per step by kind,
-    one stacked bar per method and batch, the wall time per step marked -> decode_profile.png."""
+    one stacked bar per method and batch (and setting, in an A/B profile), the wall time per step marked
+    -> decode_profile.png."""
     d = profile if profile is not None else load_decode_profile(results)
     if d is None or not d.get("rows"):
         return None
     rows = sorted(d["rows"], key=lambda r: (r["batch"], not formats.is_dense(r["method"])))
-    labels = [f"{r['method']} bs{r['batch']}" for r in rows]
+    # an A/B profile (several settings of a switch a method and batch): the switch in each bar's label
+    varied = [k for k in ("attention", "pdl", "lora_a_beside") if len({str(r.get(k)) for r in rows}) > 1]
+    labels = [" ".join([f"{r['method']} bs{r['batch']}"] + [f"{k}={r.get(k)}" for k in varied]) for r in rows]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     left = [0.0] * len(rows)
     for cat in DECODE_CATEGORIES:
@@ -592,7 +595,9 @@ def make_all(results=RESULTS, out_dir=None):
         if isinstance(out[name], plt.Figure):
             plt.close(out[name])
     for name, decl in artefacts(results).items():  # the declared figures at the small profile
-        if name != "table1" and (decl.get("figure") or {}).get("draw"):  # table1: drawn above
+        # table1: drawn above; a speed artefact's figure (rollout, table3) is drawn from its <gpu>.json rows
+        # by the notebook (speed_results), not from a run folder
+        if name != "table1" and (decl.get("figure") or {}).get("draw") in _drawings():
             out[name] = experiment_figure(name, "small", results=results, out_dir=out_dir)
             if isinstance(out[name], plt.Figure):
                 plt.close(out[name])

@@ -146,6 +146,10 @@ def test_decode_profile_plot_stacks_the_categories(tmp_path):
     (tmp_path / "decode_profile").mkdir()
     (tmp_path / "decode_profile" / "a.json").write_text(json.dumps(d2))
     assert plots.load_decode_profile(tmp_path)["rows"] == rows
+    ab = dict(d, rows=[dict(r, lora_a_beside=on) for r in rows[:2] for on in (True, False)])
+    fig = plots.plot_decode_profile(results=tmp_path, out_dir=tmp_path, profile=ab)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert len(set(labels)) == 4 and any("lora_a_beside=True" in t for t in labels), labels
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
