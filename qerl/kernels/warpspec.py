@@ -23,6 +23,9 @@ producer warp:
     The warpgroups of a CTA (NWG 1 or 2) share the activation tile, interleave (one decodes while
     another's MMA runs), and each writes its own epilogue.
 Split-K partials are summed in a fixed order by the last program of a tile (bitwise repeatable).
+One launch can serve 1-3 weights sharing x (``grouped_linear``: the fused decode step's q/k/v and gate/up):
+their tiles lie side by side in the grid, and a CTA takes its weight's descriptors, global scale, output and
+workspace slice; each output is bitwise that weight's own launch at the same split.
 
 Where it serves (SERVED_M): 17 <= M <= 32 with either loop, and with MMAs in flight also 38 <= M <= 256
 (one consumer warpgroup a CTA; 128-row activation tiles from 65 rows, see ``pick_config``). The mma
