@@ -19,7 +19,6 @@ import torch
 from benchmarks import speed_common as sc
 from benchmarks.bench_kernels import grouped_layer
 from qerl import kernels
-from qerl.kernels import warpspec
 
 
 def main(argv=None) -> dict:
@@ -30,19 +29,19 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         sys.exit("error: grouped_rule needs a CUDA GPU")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    rule, one_launch = kernels.GROUPED_WARPSPEC_MIN_M, warpspec.grouped_linear
+    rule, door = kernels.GROUPED_WARPSPEC_MIN_M, kernels.grouped_linear
 
-    def per_weight(x2, weights, K, is_nv, caches=None):
-        return [one_launch(x2, [w], K, is_nv, caches=[c])[0] for w, c in zip(weights, caches or [None] * len(weights))]
+    def per_weight(x, weights):  # the form before the group launch: the door once a weight
+        return [door(x, [w])[0] for w in weights]
 
     layer_us = {}
     try:
-        for name, from_m, form in (("grouped_mma", 1 << 30, one_launch), ("warpspec_group", 0, one_launch),
+        for name, from_m, form in (("grouped_mma", 1 << 30, door), ("warpspec_group", 0, door),
                                    ("warpspec_per_weight", 0, per_weight)):
-            kernels.GROUPED_WARPSPEC_MIN_M, warpspec.grouped_linear = from_m, form
+            kernels.GROUPED_WARPSPEC_MIN_M, kernels.grouped_linear = from_m, form
             layer_us[name] = {str(m): [round(v, 2) for v in t] for m, t in grouped_layer(l2, tuple(args.m)).items()}
     finally:
-        kernels.GROUPED_WARPSPEC_MIN_M, warpspec.grouped_linear = rule, one_launch
+        kernels.GROUPED_WARPSPEC_MIN_M, kernels.grouped_linear = rule, door
     prov = sc.provenance()
     prov["env"]["mma_in_flight"] = kernels.MMA_IN_FLIGHT
     out = dict(what="qwen2.5-7b layer as the fused decode step runs it, us: [bf16 cuBLAS, nvfp4] per M",
