@@ -279,9 +279,10 @@ def grad_input(dy: torch.Tensor, fmt: str, tensors: dict, out_features: int, in_
 
 # Rows from which 2-3 weights sharing x run as one warp-specialised launch over the group (where that
 # kernel serves) rather than one grouped launch of the mma kernel. 7B layer as the decode step runs it
-# (benchmarks.grouped_rule, H200, Triton 3.7.1, 8c6c7af: results/kernels/h200_grouped_rule.json): the
+# (benchmarks.grouped_rule, H200, Triton 3.7.1, two runs: results/kernels/h200_grouped_rule*.json): the
 # warp-specialised group launch was the faster at every M measured from 32 to 256 (M 64: 124 vs 128 us,
-# M 128: 163 vs 194, M 256: 285 vs 337), so it takes every M it serves. Benchmarks set it to compare them.
+# M 128: 163 vs 194, M 256: 285 vs 337) but M 160, a tie (280 vs 281, then 293 vs 282), so it takes every
+# M it serves. Benchmarks set it to compare them.
 GROUPED_WARPSPEC_MIN_M = 1
 
 
