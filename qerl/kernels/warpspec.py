@@ -401,10 +401,10 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
         xp = x2.new_empty((mt * BM, K))
         xp[:M].copy_(x2)
         x2 = xp
-    args = [_x_desc(x2, BM)]
-    for i in range(3):  # absent weights repeat the last one (their branch is never taken)
-        w, c = weights[min(i, len(weights) - 1)], caches[min(i, len(weights) - 1)]
-        args += [*_w_descs(w[0], w[1], c, rpw), w[2] if w[2] is not None else w[1], outs[min(i, len(weights) - 1)]]
+    per = [(*_w_descs(w[0], w[1], c, rpw), w[2] if w[2] is not None else w[1], o)
+           for w, c, o in zip(weights, caches, outs)]
+    per += [per[-1]] * (3 - len(per))  # absent weights repeat the last one (their branch is never taken)
+    args = [_x_desc(x2, BM), *(a for p in per for a in p)]
     Np = Ns + [0] * (3 - len(Ns))
     _ws_kernel[(n_tiles * mt, split)](
         *args, ws, cnt, M, Np[0], Np[1], Np[2], tiles[0], tiles[1] if len(tiles) > 1 else 0, nbk, ips, mt,

@@ -3,8 +3,8 @@
 ``grouped_linears(x, modules)`` returns [m(x) for m in modules] computed as: the modules' base
 matmuls (4-bit weights of one format at decode batches on the GPU: ONE launch of
 qerl.kernels.grouped_linear for the group; else each module's 4-bit kernel or F.linear), then ONE
-``lora_a`` launch for the adapters of the group (stacked A, read live from the parameters; on a GPU on a
-side stream, beside the base matmuls: ``LORA_A_BESIDE``) and ONE
+``lora_a`` launch for the adapters of the group (stacked A, read live from the parameters; on a GPU from
+LORA_A_BESIDE_MIN_M rows on a side stream, beside the base matmuls) and ONE
 ``lora_out`` launch that adds bias and ``scaling * h B^T`` to every base output in place. A QuantLinear
 with LoRA thus costs its base GEMV plus 2/n kernels instead of base + 5 (bias add, two casts, the
 A GEMM, the B addmm). Modules the group cannot take (another Linear type, LoRA dropout in training
