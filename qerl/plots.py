@@ -521,7 +521,7 @@ def plot_decode_profile(results=RESULTS, out_dir=None, name="decode_profile", pr
         return None
     rows = sorted(d["rows"], key=lambda r: (r["batch"], not formats.is_dense(r["method"])))
     # an A/B profile (several settings of a switch a method and batch): the switch in each bar's label
-    varied = [k for k in ("attention", "pdl", "lora_a_beside") if len({str(r.get(k)) for r in rows}) > 1]
+    varied = [k for k in ("attention", "pdl", "lora_a_beside", "stream_k") if len({str(r.get(k)) for r in rows}) > 1]
     labels = [" ".join([f"{r['method']} bs{r['batch']}"] + [f"{k}={r.get(k)}" for k in varied]) for r in rows]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     left = [0.0] * len(rows)

@@ -426,6 +426,22 @@ def set_pdl(on: bool) -> bool:
     return common.set_pdl(on)
 
 
+def set_stream_k(on: bool) -> bool:
+    """The warp-specialised kernel's cut of a launch among CTAs from now on: stream-K (on, the default) or
+    split-K (off); returns the previous setting (A/B runs; CUDA graphs keep the cut they captured)."""
+    from qerl.kernels import warpspec
+
+    before, warpspec.STREAM_K = warpspec.STREAM_K, bool(on)
+    return before
+
+
+def stream_k() -> bool:
+    """Whether the warp-specialised kernel cuts its launches stream-K (``set_stream_k``)."""
+    from qerl.kernels import warpspec
+
+    return warpspec.STREAM_K
+
+
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
