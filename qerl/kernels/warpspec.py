@@ -256,47 +256,54 @@ if HAVE_WS:
                                                 KB, NWG, RB, ASM, a_l, IN_FLIGHT)
                 j += i1 - i0
                 g, pid_n, mt = _ws_tile(u, MT, T0, T1, NG)
-                gsp = gs_ptr
-                outp = out_ptr
-                Ng = N
-                wsp = ws_ptr
-                if NG > 1:  # weight g's global scale, output, width and workspace slice
-                    before = gl.where(g == 0, 0, gl.where(g == 1, N, N + N1))  # output columns of the weights before g
-                    Ng = gl.where(g == 0, N, gl.where(g == 1, N1, N2))
-                    wsp += (S * M).to(gl.int64) * before
-                    if g == 1:
-                        gsp = gs1
-                        outp = out1
-                    elif g == 2:
-                        gsp = gs2
-                        outp = out2
-                if IS_NV:
-                    alpha = 128.0 / gl.load(gsp)
-                else:
-                    alpha = 4611686018427387904.0
-                acc = acc * alpha
                 row0 = pid_n * (RB * 16 * NWG) + wg * (RB * 16)
-                m0 = mt * BM
-                offs_n = row0 + gl.arange(0, RB * 16, layout=gl.SliceLayout(1, mma))
-                offs_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-                mask = (offs_n[:, None] < Ng) & (offs_m[None, :] < M)
-                o_off = offs_m[None, :] * Ng + offs_n[:, None]  # < 2^31 (grouped_linear checks)
                 first = (u * IP) // L  # the CTAs over this tile: first .. first + n_parts - 1
                 n_parts = (u * IP + I - 1) // L - first + 1
-                if n_parts == 1:
-                    gl.store(outp + o_off, acc.to(outp.dtype.element_ty), mask=mask)
-                else:  # workspace [S, M, N]: part c - first; the last CTA to arrive sums the parts in order
-                    tile = u * NWG + wg
-                    mn = ((c - first).to(gl.int64) * 0 + M) * Ng
-                    gl.store(wsp + (c - first).to(gl.int64) * mn + o_off, acc, mask=mask)
-                    _cta_barrier()
-                    count = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-                    if count == n_parts - 1:
-                        total = gl.zeros([RB * 16, BM], gl.float32, layout=mma)
-                        for q in range(0, n_parts):
-                            total += gl.load(wsp + q * mn + o_off, mask=mask, other=0.0, cache_modifier=".cg")
-                        gl.store(outp + o_off, total.to(outp.dtype.element_ty), mask=mask)
-                        gl.atomic_xchg(cnt_ptr + tile, 0)
+                tile = u * NWG + wg
+                # weight g's global scale, output, width and workspace slice [S, M, N_g] (one branch a segment)
+                if NG == 1:
+                    _ws_epilogue(acc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, tile, M, N, row0, mt * BM, c - first, n_parts,
+                                 RB, BM, IS_NV)
+                else:
+                    if g == 0:
+                        _ws_epilogue(acc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, tile, M, N, row0, mt * BM, c - first,
+                                     n_parts, RB, BM, IS_NV)
+                    elif g == 1:
+                        _ws_epilogue(acc, gs1, out1, ws_ptr + (S * M).to(gl.int64) * N, cnt_ptr, tile, M, N1, row0,
+                                     mt * BM, c - first, n_parts, RB, BM, IS_NV)
+                    else:
+                        _ws_epilogue(acc, gs2, out2, ws_ptr + (S * M).to(gl.int64) * (N + N1), cnt_ptr, tile, M, N2,
+                                     row0, mt * BM, c - first, n_parts, RB, BM, IS_NV)
+
+    @gluon.jit
+    def _ws_epilogue(acc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, tile, M, N, row0, m0, part, n_parts, RB: gl.constexpr,
+                     BM: gl.constexpr, IS_NV: gl.constexpr):
+        """A segment's output: its tile stored where one CTA covers it; else its partial sum stored as part
+        ``part`` of the tile's ``n_parts`` in the workspace [n_parts.., M, N], and the last CTA of the tile to
+        arrive sums the parts in their order."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        if IS_NV:
+            alpha = 128.0 / gl.load(gs_ptr)
+        else:
+            alpha = 4611686018427387904.0
+        acc = acc * alpha
+        offs_n = row0 + gl.arange(0, RB * 16, layout=gl.SliceLayout(1, mma))
+        offs_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        o_off = offs_m[None, :] * N + offs_n[:, None]  # < 2^31 (grouped_linear checks)
+        if n_parts == 1:
+            gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            mn = (part.to(gl.int64) * 0 + M) * N
+            gl.store(ws_ptr + part.to(gl.int64) * mn + o_off, acc, mask=mask)
+            _cta_barrier()
+            count = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if count == n_parts - 1:
+                total = gl.zeros([RB * 16, BM], gl.float32, layout=mma)
+                for q in range(0, n_parts):
+                    total += gl.load(ws_ptr + q * mn + o_off, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0)
 
     @gluon.jit
     def _ws_kernel(x_desc, w_desc, s_desc, gs_ptr, out_ptr, w_desc1, s_desc1, gs1, out1, w_desc2, s_desc2, gs2, out2,
