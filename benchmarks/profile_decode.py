@@ -20,7 +20,7 @@ after each row. ``--pdl on off`` times each row with programmatic dependent laun
     python -m benchmarks.profile_decode --batch 4 16 64 --prompt 1792 --attention qerl sdpa   # long cache, both kernels
     python -m benchmarks.profile_decode --batch 1 4 16 64 --pdl on off --no-profile            # PDL A/B, walls
     python -m benchmarks.profile_decode --batch 16 64 --lora-a-beside on off                  # lora_a beside the matmuls, A/B
-    python -m benchmarks.profile_decode --batch 16 64 --stream-k on off                       # stream-K or split-K cut, A/B
+    python -m benchmarks.profile_decode --batch 16 64 --stream-k 1 0.75 0                       # stream-K (share of the SMs) or split-K, A/B
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ def main(argv=None) -> dict:
                     help="programmatic dependent launch of qerl's kernels, each in turn (sm_90; default: as set)")
     ap.add_argument("--lora-a-beside", nargs="+", choices=("on", "off"), default=None,
                     help="time each row with the group's lora_a beside the base matmuls (a side stream) and in line")
-    ap.add_argument("--stream-k", nargs="+", choices=("on", "off"), default=None,
-                    help="time each row with the warp-specialised kernel's stream-K cut and with split-K")
+    ap.add_argument("--stream-k", nargs="+", type=float, default=None,
+                    help="time each row with the warp-specialised kernel's stream-K cut over each share of the SMs "
+                         "(0: split-K)")
     ap.add_argument("--no-profile", action="store_true", help="wall times only (no profiler pass)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda")
@@ -137,7 +138,7 @@ def _rows(args, device, config, vocab, res) -> None:
             if beside is not None:
                 fused_linear.LORA_A_BESIDE = beside == "on"  # read at capture: a new engine each setting
             if stream is not None:
-                kernels.set_stream_k(stream == "on")  # read at each launch, so at capture: a new engine each setting
+                kernels.set_stream_k(stream)  # read at each launch, so at capture: a new engine each setting
             engine = sc.make_fast_engine(model, batch, args.prompt + args.tokens + 16)
             prompts = sc.random_prompts(batch, args.prompt, vocab, args.seed)
 

@@ -426,17 +426,21 @@ def set_pdl(on: bool) -> bool:
     return common.set_pdl(on)
 
 
-def set_stream_k(on: bool) -> bool:
-    """The warp-specialised kernel's cut of a launch among CTAs from now on: stream-K (on, the default) or
-    split-K (off); returns the previous setting (A/B runs; CUDA graphs keep the cut they captured)."""
+def set_stream_k(share: float) -> float:
+    """The warp-specialised kernel's cut of a launch among CTAs from now on: stream-K over this share of the
+    SMs (0 < share <= 1), or split-K (0); returns the previous setting (A/B runs; CUDA graphs keep the cut
+    they captured)."""
     from qerl.kernels import warpspec
 
-    before, warpspec.STREAM_K = warpspec.STREAM_K, bool(on)
+    share = float(share)
+    if not 0 <= share <= 1:
+        raise ValueError(f"stream-K takes a share of the SMs in (0, 1], or 0 for split-K; got {share}")
+    before, warpspec.STREAM_K = warpspec.STREAM_K, share
     return before
 
 
-def stream_k() -> bool:
-    """Whether the warp-specialised kernel cuts its launches stream-K (``set_stream_k``)."""
+def stream_k() -> float:
+    """The share of the SMs the warp-specialised kernel's stream-K cut uses (0: split-K; ``set_stream_k``)."""
     from qerl.kernels import warpspec
 
     return warpspec.STREAM_K

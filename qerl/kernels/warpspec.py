@@ -365,7 +365,8 @@ def pick_config(M: int, N: int, K: int) -> dict:
       - 65-256: 128-row tiles, so a weight block is decoded once per 128 rows, the rows padded to whole
         tiles (a partly filled 128-row tile measured up to 1.5x slower than a full one).
     Waited (Triton 3.6): two consumer warpgroups, BM a power of two from 16 holding M up to 64, else 128."""
-    base = dict(RPW=1, KB=2, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT, stream=STREAM_K)
+    base = dict(RPW=1, KB=2, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT,
+                stream=STREAM_K if M <= STREAM_K_MAX_M else 0)
     if MMA_IN_FLIGHT and M > 16:
         if M <= 32:
             return dict(base, BM=32, NWG=1, RPW=2, STAGES=6)
@@ -401,9 +402,11 @@ def _w_descs(packed_c: torch.Tensor, scales_c: torch.Tensor, cache: dict | None,
     return wd
 
 
-# How a launch's tiles are cut among CTAs by default (``partition``): stream-K (True), else split-K by the
-# power-of-two rule. A switch for A/B runs (benchmarks.profile_decode --stream-k), read at each launch.
-STREAM_K = True
+# How a launch's tiles are cut among CTAs by default (``partition``): stream-K over this share of the SMs
+# (a float in (0, 1]), or split-K by the power-of-two rule (0); stream-K only up to STREAM_K_MAX_M rows (at
+# 128-row tiles it measured slower). Read at each launch (benchmarks.profile_decode --stream-k for A/B runs).
+STREAM_K = 1.0
+STREAM_K_MAX_M = 64
 # A CTA takes at least this many K steps in the stream-K partition (its ring's fill amortised).
 MIN_STEPS = 4
 
@@ -471,8 +474,10 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     tiles = [triton.cdiv(w[0].shape[0] * 16, 64 * NWG * rpw) for w in weights]
     U = sum(tiles) * mt
     iters = triton.cdiv(nbk, KB)
-    G, L, IP, S = partition(U, iters, cfg.get("ctas") or common.num_sms(x2.device) * cfg["waves"],
-                            split_k or cfg.get("split"), bool(cfg["stream"]))
+    ctas = cfg.get("ctas") or common.num_sms(x2.device) * cfg["waves"]
+    if cfg["stream"] and not cfg.get("ctas"):
+        ctas = max(1, round(ctas * float(cfg["stream"])))
+    G, L, IP, S = partition(U, iters, ctas, split_k or cfg.get("split"), bool(cfg["stream"]))
     if mt * BM * max(Ns) >= 2 ** 31:
         raise ValueError(f"the warp-specialised kernel indexes its outputs in 32 bits: {M} rows x {max(Ns)} columns is too many")
     ws, cnt = common.workspace(x2.device, 0 if S == 1 else S * M * sum(Ns), U * NWG if S > 1 else 0)
