@@ -20,7 +20,6 @@ after each row. ``--pdl on off`` times each row with programmatic dependent laun
     python -m benchmarks.profile_decode --batch 4 16 64 --prompt 1792 --attention qerl sdpa   # long cache, both kernels
     python -m benchmarks.profile_decode --batch 1 4 16 64 --pdl on off --no-profile            # PDL A/B, walls
     python -m benchmarks.profile_decode --batch 16 64 --lora-a-beside on off                  # lora_a beside the matmuls, A/B
-    python -m benchmarks.profile_decode --batch 16 64 --stream-k 1 0.75 0                       # stream-K (share of the SMs) or split-K, A/B
 """
 
 from __future__ import annotations
@@ -100,9 +99,6 @@ def main(argv=None) -> dict:
                     help="programmatic dependent launch of qerl's kernels, each in turn (sm_90; default: as set)")
     ap.add_argument("--lora-a-beside", nargs="+", choices=("on", "off"), default=None,
                     help="time each row with the group's lora_a beside the base matmuls (a side stream) and in line")
-    ap.add_argument("--stream-k", nargs="+", type=float, default=None,
-                    help="time each row with the warp-specialised kernel's stream-K cut over each share of the SMs "
-                         "(0: split-K)")
     ap.add_argument("--no-profile", action="store_true", help="wall times only (no profiler pass)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda")
@@ -115,14 +111,13 @@ def main(argv=None) -> dict:
     vocab = sc.vocab_size(args.model)
     res = dict(provenance=sc.provenance(), settings=vars(args), rows=[])
     pdl_before = kernels.set_pdl(args.pdl[0] == "on") if args.pdl else None
-    beside_before, stream_before = fused_linear.LORA_A_BESIDE, kernels.stream_k()
+    beside_before = fused_linear.LORA_A_BESIDE
     try:
         _rows(args, device, config, vocab, res)
     finally:
         if pdl_before is not None:
             kernels.set_pdl(pdl_before)
         fused_linear.LORA_A_BESIDE = beside_before
-        kernels.set_stream_k(stream_before)
     Path(args.out, "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
@@ -132,13 +127,11 @@ def _rows(args, device, config, vocab, res) -> None:
         if pdl is not None:
             kernels.set_pdl(pdl == "on")  # restored by main
         model = sc.build(args.model, method, args.lora_rank, device, seed=args.seed, config=config)
-        for batch, attention, beside, stream in [(b, a, s, k) for b in args.batch for a in args.attention
-                                                 for s in args.lora_a_beside or [None] for k in args.stream_k or [None]]:
+        for batch, attention, beside in [(b, a, s) for b in args.batch for a in args.attention
+                                         for s in args.lora_a_beside or [None]]:
             sc.ENGINE_OPTIONS["attention"] = attention
             if beside is not None:
                 fused_linear.LORA_A_BESIDE = beside == "on"  # read at capture: a new engine each setting
-            if stream is not None:
-                kernels.set_stream_k(stream)  # read at each launch, so at capture: a new engine each setting
             engine = sc.make_fast_engine(model, batch, args.prompt + args.tokens + 16)
             prompts = sc.random_prompts(batch, args.prompt, vocab, args.seed)
 
@@ -169,8 +162,7 @@ def _rows(args, device, config, vocab, res) -> None:
                 per_step[cat] = (t + (ms - ms0) / args.tokens, c + (count - c0) / args.tokens)
             step_ms = (walls[1 + args.tokens] - walls[1]) / args.tokens * 1e3
             row = dict(method=method, batch=batch, attention=getattr(engine, "attention", "sdpa"),
-                       pdl=kernels.pdl(device), lora_a_beside=fused_linear.LORA_A_BESIDE,
-                       stream_k=kernels.stream_k(), step_ms=step_ms,
+                       pdl=kernels.pdl(device), lora_a_beside=fused_linear.LORA_A_BESIDE, step_ms=step_ms,
                        kernel_ms=sum(t for t, _ in per_step.values()),
                        kernels_per_step=sum(c for _, c in per_step.values()),
                        categories={k: dict(ms=t, kernels=c) for k, (t, c) in sorted(per_step.items())},
@@ -178,7 +170,7 @@ def _rows(args, device, config, vocab, res) -> None:
                                     in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP]])
             res["rows"].append(row)
             Path(args.out, "profile_decode.json").write_text(json.dumps(res, indent=1, default=str))
-            print(f"== {method} bs{batch} {row['attention']} pdl={row['pdl']} lora_a_beside={row['lora_a_beside']} stream_k={row['stream_k']}: {step_ms:.2f} ms per decode step (wall), {row['kernel_ms']:.2f} ms in "
+            print(f"== {method} bs{batch} {row['attention']} pdl={row['pdl']} lora_a_beside={row['lora_a_beside']}: {step_ms:.2f} ms per decode step (wall), {row['kernel_ms']:.2f} ms in "
                   f"{row['kernels_per_step']:.0f} kernels")
             for cat, d in sorted(row["categories"].items(), key=lambda kv: -kv[1]["ms"]):
                 print(f"   {cat:14s} {d['ms']:8.3f} ms {d['kernels']:7.1f} kernels")

@@ -426,26 +426,6 @@ def set_pdl(on: bool) -> bool:
     return common.set_pdl(on)
 
 
-def set_stream_k(share: float) -> float:
-    """The warp-specialised kernel's cut of a launch among CTAs from now on: stream-K over this share of the
-    SMs (0 < share <= 1), or split-K (0); returns the previous setting (A/B runs; CUDA graphs keep the cut
-    they captured)."""
-    from qerl.kernels import warpspec
-
-    share = float(share)
-    if not 0 <= share <= 1:
-        raise ValueError(f"stream-K takes a share of the SMs in (0, 1], or 0 for split-K; got {share}")
-    before, warpspec.STREAM_K = warpspec.STREAM_K, share
-    return before
-
-
-def stream_k() -> float:
-    """The share of the SMs the warp-specialised kernel's stream-K cut uses (0: split-K; ``set_stream_k``)."""
-    from qerl.kernels import warpspec
-
-    return warpspec.STREAM_K
-
-
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:

@@ -22,12 +22,7 @@ producer warp:
         #9433, fixed in 3.7).
     The warpgroups of a CTA (NWG 1 or 2) share the activation tile, interleave (one decodes while
     another's MMA runs), and each writes its own epilogue.
-The tiles are cut among CTAs stream-K (``partition``): each CTA takes the same share of the launch's
-flat K steps, running on from one tile into the next while its ring keeps streaming, so no wave of CTAs
-runs half full (a 7B q/k/v group at 64 rows is 72 tiles of 28 steps for 132 SMs: 126 CTAs of 16 steps
-instead of 72 of 28). A tile several CTAs share is summed from their partials in a fixed order by the last
-of them to finish (bitwise repeatable on one GPU model; the cut depends on its SM count). A forced
-``split_k`` gives the split-K cut (each CTA one split of one tile).
+Split-K partials are summed in a fixed order by the last program of a tile (bitwise repeatable).
 One launch can serve 1-3 weights sharing x (``grouped_linear``: the fused decode step's q/k/v and gate/up):
 their tiles lie side by side in the grid, and a CTA takes its weight's descriptors, global scale, output and
 workspace slice; each output is bitwise that weight's own launch at the same split.
@@ -98,17 +93,16 @@ if HAVE_WS:
             return buf._reinterpret(dtype, shape, layout)
 
     @gluon.jit
-    def _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, j0,
+    def _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1,
                    KB: gl.constexpr, NWG: gl.constexpr):
-        """The producer warp over one segment (K steps i0..i1 of a tile; j0: the ring stages this CTA filled
-        before it): per ring stage, KB activation tiles, and each consumer warpgroup's KB weight and scale
-        blocks, on the stage's ready barrier."""
+        """The producer warp: per ring stage, KB activation tiles, and each consumer warpgroup's KB
+        weight and scale blocks, on the stage's ready barrier."""
         STAGES: gl.constexpr = ready.type.shape[0]
         nbytes: gl.constexpr = KB * (x_desc.block_type.nbytes
                                      + NWG * (w_desc.block_type.nbytes + s_desc.block_type.nbytes))
         RW: gl.constexpr = w_desc.block_type.shape[0]  # 16-row blocks of a warpgroup
         for it in range(i0, i1):
-            j = j0 + it - i0
+            j = it - i0
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
             bar = ready.index(s)
@@ -122,47 +116,18 @@ if HAVE_WS:
                     _tma_load(s_desc, [nb0 + w * RW, k * 64], bar, s_bufs.index(idx))
 
     @gluon.jit
-    def _ws_tile(u, MT, T0, T1, NG: gl.constexpr):
-        """Tile u of the launch -> (its weight g, its weight tile among g's, its first row of x). The MT row
-        tiles of x for one weight tile are next to each other (they share it in L2); then the T0 weight tiles
-        of weight 0, T1 of weight 1, then weight 2's."""
-        pid_n = u // MT
-        m0 = (u % MT)
-        g = pid_n * 0
-        if NG > 1:
-            g = (pid_n >= T0).to(gl.int32)
-            if NG > 2:
-                g += (pid_n >= T0 + T1).to(gl.int32)
-            pid_n -= gl.where(g == 0, 0, gl.where(g == 1, T0, T0 + T1))
-        return g, pid_n, m0
-
-    @gluon.jit
-    def _ws_group_loader(x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, x_bufs, w_bufs, s_bufs,
-                         ready, empty, p0, p1, IP, I, MT, T0, T1, BM: gl.constexpr, KB: gl.constexpr,
-                         NWG: gl.constexpr, RB: gl.constexpr, NG: gl.constexpr):
-        """The producer warp of a CTA: its segments (flat K steps p0..p1, IP a tile), each the loads of one
-        weight's tile (one branch a segment)."""
-        j = p0 * 0
-        for u in range(p0 // IP, (p1 - 1) // IP + 1):
-            i0 = gl.maximum(p0 - u * IP, 0)
-            i1 = gl.minimum(p1 - u * IP, I)
-            if i1 > i0:
-                g, pid_n, mt = _ws_tile(u, MT, T0, T1, NG)
-                m0 = mt * BM
-                nb0 = pid_n * RB * NWG
-                if NG == 1:
-                    _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, j, KB, NWG)
-                else:
-                    if g == 0:
-                        _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, j,
-                                   KB, NWG)
-                    elif g == 1:
-                        _ws_loader(x_desc, w_desc1, s_desc1, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, j,
-                                   KB, NWG)
-                    else:
-                        _ws_loader(x_desc, w_desc2, s_desc2, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, j,
-                                   KB, NWG)
-                j += i1 - i0
+    def _ws_group_loader(x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, g, x_bufs, w_bufs, s_bufs,
+                         ready, empty, m0, nb0, i0, i1, KB: gl.constexpr, NWG: gl.constexpr, NG: gl.constexpr):
+        """The producer warp of a launch over NG weights: the loads of weight g's tile (one branch a CTA)."""
+        if NG == 1:
+            _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, KB, NWG)
+        else:
+            if g == 0:
+                _ws_loader(x_desc, w_desc, s_desc, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, KB, NWG)
+            elif g == 1:
+                _ws_loader(x_desc, w_desc1, s_desc1, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, KB, NWG)
+            else:
+                _ws_loader(x_desc, w_desc2, s_desc2, x_bufs, w_bufs, s_bufs, ready, empty, m0, nb0, i0, i1, KB, NWG)
 
     @gluon.jit
     def _ws_decode(w_buf, s_buf, RB: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr):
@@ -216,72 +181,37 @@ if HAVE_WS:
         return acc, a_prev
 
     @gluon.jit
-    def _ws_consumer(x_bufs, w_bufs, s_bufs, ready, empty, wg: gl.constexpr, gs_ptr, out_ptr, gs1, out1, gs2, out2,
-                     ws_ptr, cnt_ptr, M, N, N1, N2, c, p0, p1, IP, I, L, S, MT, T0, T1,
+    def _ws_consumer(x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, wg: gl.constexpr,
+                     gs_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, m0, row0, tile, pid_k, n_split,
                      KB: gl.constexpr, NWG: gl.constexpr, RB: gl.constexpr, BM: gl.constexpr, IS_NV: gl.constexpr,
-                     ASM: gl.constexpr, IN_FLIGHT: gl.constexpr, NG: gl.constexpr):
-        """One consumer warpgroup over its CTA's segments (flat K steps p0..p1, IP a tile): per segment, RB x 16
-        weight rows x BM rows of x (RB 8: each MMA is two 64-row instructions on one activation tile). Per
-        stage it decodes its blocks into registers and multiplies them with the shared activation tiles
-        (register-A warpgroup MMA, left in flight with IN_FLIGHT, else waited at once); two warpgroups share a
-        CTA so that one decodes while the other's MMA runs. Then the segment's epilogue: a tile one CTA
-        covers is stored; else each of its CTAs stores its partial sum, and the last to arrive sums them in
-        the order of the CTAs (bitwise repeatable)."""
+                     ASM: gl.constexpr, IN_FLIGHT: gl.constexpr):
+        """One consumer warpgroup: RB x 16 weight rows (from row0) x BM rows of x (RB 8: each MMA is two
+        64-row instructions on one activation tile). Per stage it decodes its
+        blocks into registers and multiplies them with the shared activation tiles (register-A
+        warpgroup MMA, left in flight with IN_FLIGHT, else waited at once); two warpgroups share a CTA
+        so that one decodes while the other's MMA runs. Then its own epilogue (split-K partials summed
+        in a fixed order by the last program of the tile)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
-        j = p0 * 0  # ring stages consumed before this segment
-        for u in range(p0 // IP, (p1 - 1) // IP + 1):
-            i0 = gl.maximum(p0 - u * IP, 0)
-            i1 = gl.minimum(p1 - u * IP, I)
-            if i1 > i0:
-                acc = gl.zeros([RB * 16, BM], gl.float32, layout=mma)
-                a_prev = gl.zeros([RB * 16, 64], gl.bfloat16, layout=a_l)
-                if IN_FLIGHT:
-                    # Each MMA stays in flight while the next block is decoded: wait(1) after issuing block b
-                    # completes block b - 1, so a stage goes back to the producer one block late (at the first
-                    # wait of the next stage, perhaps the next segment's). The in-flight MMA's A operand is
-                    # named in that wait, which keeps its registers live (unwritten) until the MMA has read
-                    # them. The first stage is peeled (a segment has at least one): no path then reaches the
-                    # final wait without an MMA, which ptxas would otherwise answer by serialising every MMA
-                    # (its C7515).
-                    acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, j, acc, a_prev, wg, KB, NWG, RB,
-                                            ASM, a_l, IN_FLIGHT)
-                    for it in range(i0 + 1, i1):
-                        acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, j + it - i0, acc, a_prev, wg,
-                                                KB, NWG, RB, ASM, a_l, IN_FLIGHT)
-                    acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
-                else:
-                    for it in range(i0, i1):
-                        acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, j + it - i0, acc, a_prev, wg,
-                                                KB, NWG, RB, ASM, a_l, IN_FLIGHT)
-                j += i1 - i0
-                g, pid_n, mt = _ws_tile(u, MT, T0, T1, NG)
-                row0 = pid_n * (RB * 16 * NWG) + wg * (RB * 16)
-                first = (u * IP) // L  # the CTAs over this tile: first .. first + n_parts - 1
-                n_parts = (u * IP + I - 1) // L - first + 1
-                tile = u * NWG + wg
-                # weight g's global scale, output, width and workspace slice [S, M, N_g] (one branch a segment)
-                if NG == 1:
-                    _ws_epilogue(acc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, tile, M, N, row0, mt * BM, c - first, n_parts,
-                                 RB, BM, IS_NV)
-                else:
-                    if g == 0:
-                        _ws_epilogue(acc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, tile, M, N, row0, mt * BM, c - first,
-                                     n_parts, RB, BM, IS_NV)
-                    elif g == 1:
-                        _ws_epilogue(acc, gs1, out1, ws_ptr + (S * M).to(gl.int64) * N, cnt_ptr, tile, M, N1, row0,
-                                     mt * BM, c - first, n_parts, RB, BM, IS_NV)
-                    else:
-                        _ws_epilogue(acc, gs2, out2, ws_ptr + (S * M).to(gl.int64) * (N + N1), cnt_ptr, tile, M, N2,
-                                     row0, mt * BM, c - first, n_parts, RB, BM, IS_NV)
-
-    @gluon.jit
-    def _ws_epilogue(acc, gs_ptr, out_ptr, ws_ptr, cnt_ptr, tile, M, N, row0, m0, part, n_parts, RB: gl.constexpr,
-                     BM: gl.constexpr, IS_NV: gl.constexpr):
-        """A segment's output: its tile stored where one CTA covers it; else its partial sum stored as part
-        ``part`` of the tile's ``n_parts`` in the workspace [n_parts.., M, N], and the last CTA of the tile to
-        arrive sums the parts in their order."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        acc = gl.zeros([RB * 16, BM], gl.float32, layout=mma)
+        a_prev = gl.zeros([RB * 16, 64], gl.bfloat16, layout=a_l)
+        if IN_FLIGHT:
+            # Each MMA stays in flight while the next block is decoded: wait(1) after issuing block b
+            # completes block b - 1, so a stage goes back to the producer one block late (at the first
+            # wait of the next stage). The in-flight MMA's A operand is named in that wait, which keeps
+            # its registers live (unwritten) until the MMA has read them. The first stage is peeled (a
+            # split has at least one): no path then reaches the final wait without an MMA, which ptxas
+            # would otherwise answer by serialising every MMA (its C7515).
+            acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, 0, acc, a_prev, wg, KB, NWG, RB, ASM, a_l,
+                                    IN_FLIGHT)
+            for it in range(i0 + 1, i1):
+                acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, it - i0, acc, a_prev, wg, KB, NWG,
+                                        RB, ASM, a_l, IN_FLIGHT)
+            acc, a_prev = warpgroup_mma_wait(0, deps=[acc, a_prev])
+        else:
+            for it in range(i0, i1):
+                acc, a_prev = _ws_stage(x_bufs, w_bufs, s_bufs, ready, empty, it - i0, acc, a_prev, wg, KB, NWG,
+                                        RB, ASM, a_l, IN_FLIGHT)
         if IS_NV:
             alpha = 128.0 / gl.load(gs_ptr)
         else:
@@ -290,36 +220,54 @@ if HAVE_WS:
         offs_n = row0 + gl.arange(0, RB * 16, layout=gl.SliceLayout(1, mma))
         offs_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-        o_off = offs_m[None, :] * N + offs_n[:, None]  # < 2^31 (grouped_linear checks)
-        if n_parts == 1:
+        o_off = offs_m[None, :].to(gl.int64) * N + offs_n[:, None]
+        if n_split == 1:
             gl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            mn = (part.to(gl.int64) * 0 + M) * N
-            gl.store(ws_ptr + part.to(gl.int64) * mn + o_off, acc, mask=mask)
+        else:  # workspace [split, M, N]; the last program of the tile sums the partials in split order
+            mn = (pid_k.to(gl.int64) * 0 + M) * N
+            gl.store(ws_ptr + pid_k.to(gl.int64) * mn + o_off, acc, mask=mask)
             _cta_barrier()
             count = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if count == n_parts - 1:
+            if count == n_split - 1:
                 total = gl.zeros([RB * 16, BM], gl.float32, layout=mma)
-                for q in range(0, n_parts):
-                    total += gl.load(ws_ptr + q * mn + o_off, mask=mask, other=0.0, cache_modifier=".cg")
+                for p in range(0, n_split):
+                    total += gl.load(ws_ptr + p * mn + o_off, mask=mask, other=0.0, cache_modifier=".cg")
                 gl.store(out_ptr + o_off, total.to(out_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(cnt_ptr + tile, 0)
 
     @gluon.jit
     def _ws_kernel(x_desc, w_desc, s_desc, gs_ptr, out_ptr, w_desc1, s_desc1, gs1, out1, w_desc2, s_desc2, gs2, out2,
-                   ws_ptr, cnt_ptr, M, N, N1, N2, T0, T1, U, I, IP, L, S, MT,
+                   ws_ptr, cnt_ptr, M, N, N1, N2, T0, T1, NB_K, iters_per_split, MT,
                    IS_NV: gl.constexpr, NWG: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
                    KB: gl.constexpr, ASM: gl.constexpr, REGS: gl.constexpr, IN_FLIGHT: gl.constexpr,
                    num_warps: gl.constexpr, RPW: gl.constexpr = 1, NG: gl.constexpr = 1, PDL: gl.constexpr = False):
-        """out_g[M, N_g] = x W_g^T for NG weights (1-3) sharing x, over U tiles (``_ws_tile``) of I K steps each.
-        CTA c takes the flat K steps [c L, c L + L) of tile u's steps at u IP .. u IP + I (IP = I: a CTA's
-        steps may cross into the next tile, the stream-K partition; IP = split L: each CTA one split of one
-        tile, split-K). A CTA: NWG consumer warpgroups of RPW x 64 weight rows each (all of them on one
-        activation tile) and one producer warp; the ring runs on across the CTA's segments."""
+        """out_g[M, N_g] = x W_g^T for NG weights (1-3) sharing x. Grid (weight tiles * MT, split): the T0
+        tiles of weight 0, then T1 of weight 1, then weight 2's; the MT row tiles of x for one weight tile
+        next to each other (they share it in L2). A CTA: NWG consumer warpgroups of RPW x 64 weight rows each
+        (all of them on one activation tile) and one producer warp."""
         _pdl_enter(PDL)
-        c = gl.program_id(0)
-        p0 = c * L
-        p1 = gl.minimum(p0 + L, U * IP)
+        pid0 = gl.program_id(0)
+        pid_n = pid0 // MT
+        m0 = (pid0 % MT) * BM
+        pid_k = gl.program_id(1)
+        n_split = gl.num_programs(1)
+        g = 0
+        if NG > 1:  # this tile's weight g: its global scale, output, width and workspace slice
+            g = (pid_n >= T0).to(gl.int32)
+            if NG > 2:
+                g += (pid_n >= T0 + T1).to(gl.int32)
+            before = gl.where(g == 0, 0, gl.where(g == 1, N, N + N1))  # output columns of the weights before g
+            pid_n -= gl.where(g == 0, 0, gl.where(g == 1, T0, T0 + T1))
+            N = gl.where(g == 0, N, gl.where(g == 1, N1, N2))
+            ws_ptr += (n_split * M).to(gl.int64) * before
+            if g == 1:
+                gs_ptr = gs1
+                out_ptr = out1
+            elif g == 2:
+                gs_ptr = gs2
+                out_ptr = out2
+        i0 = pid_k * iters_per_split
+        i1 = gl.minimum(i0 + iters_per_split, gl.cdiv(NB_K, KB))
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES * KB, BM, 64], x_desc.layout)
         RB: gl.constexpr = 4 * RPW  # 16-row weight blocks a consumer warpgroup
         w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, RB, 2, 256], w_desc.layout)
@@ -329,24 +277,24 @@ if HAVE_WS:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NWG)
+        row0 = pid_n * (RB * 16 * NWG)
+        tile = pid0 * NWG
         if NWG == 2:
             gl.warp_specialize([
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, 0, gs_ptr, out_ptr, gs1, out1, gs2, out2,
-                                ws_ptr, cnt_ptr, M, N, N1, N2, c, p0, p1, IP, I, L, S, MT, T0, T1,
-                                KB, NWG, RB, BM, IS_NV, ASM, IN_FLIGHT, NG)),
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, 1, gs_ptr, out_ptr, gs1, out1, gs2, out2,
-                                ws_ptr, cnt_ptr, M, N, N1, N2, c, p0, p1, IP, I, L, S, MT, T0, T1,
-                                KB, NWG, RB, BM, IS_NV, ASM, IN_FLIGHT, NG)),
-                (_ws_group_loader, (x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, x_bufs, w_bufs,
-                                    s_bufs, ready, empty, p0, p1, IP, I, MT, T0, T1, BM, KB, NWG, RB, NG)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, RB, BM, IS_NV, ASM, IN_FLIGHT)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 1, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0 + RB * 16, tile + 1, pid_k, n_split, KB, NWG, RB, BM, IS_NV, ASM,
+                                IN_FLIGHT)),
+                (_ws_group_loader, (x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, g, x_bufs, w_bufs,
+                                    s_bufs, ready, empty, m0, pid_n * RB * NWG, i0, i1, KB, NWG, NG)),
             ], [4, 1], [REGS, 24])
         else:
             gl.warp_specialize([
-                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, 0, gs_ptr, out_ptr, gs1, out1, gs2, out2,
-                                ws_ptr, cnt_ptr, M, N, N1, N2, c, p0, p1, IP, I, L, S, MT, T0, T1,
-                                KB, NWG, RB, BM, IS_NV, ASM, IN_FLIGHT, NG)),
-                (_ws_group_loader, (x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, x_bufs, w_bufs,
-                                    s_bufs, ready, empty, p0, p1, IP, I, MT, T0, T1, BM, KB, NWG, RB, NG)),
+                (_ws_consumer, (x_bufs, w_bufs, s_bufs, ready, empty, i0, i1, 0, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
+                                M, N, m0, row0, tile, pid_k, n_split, KB, NWG, RB, BM, IS_NV, ASM, IN_FLIGHT)),
+                (_ws_group_loader, (x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, g, x_bufs, w_bufs,
+                                    s_bufs, ready, empty, m0, pid_n * RB * NWG, i0, i1, KB, NWG, NG)),
             ], [1], [24])
 
 
@@ -365,8 +313,7 @@ def pick_config(M: int, N: int, K: int) -> dict:
       - 65-256: 128-row tiles, so a weight block is decoded once per 128 rows, the rows padded to whole
         tiles (a partly filled 128-row tile measured up to 1.5x slower than a full one).
     Waited (Triton 3.6): two consumer warpgroups, BM a power of two from 16 holding M up to 64, else 128."""
-    base = dict(RPW=1, KB=2, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT,
-                stream=STREAM_K if M <= STREAM_K_MAX_M else 0)
+    base = dict(RPW=1, KB=2, REGS=232, maxnreg=None, waves=1, in_flight=MMA_IN_FLIGHT)
     if MMA_IN_FLIGHT and M > 16:
         if M <= 32:
             return dict(base, BM=32, NWG=1, RPW=2, STAGES=6)
@@ -400,40 +347,6 @@ def _w_descs(packed_c: torch.Tensor, scales_c: torch.Tensor, cache: dict | None,
         if cache is not None:
             cache[key] = wd
     return wd
-
-
-# How a launch's tiles are cut among CTAs by default (``partition``): stream-K over this share of the SMs
-# (a float in (0, 1]), or split-K by the power-of-two rule (0); stream-K only up to STREAM_K_MAX_M rows (at
-# 128-row tiles it measured slower). Read at each launch (benchmarks.profile_decode --stream-k for A/B runs).
-STREAM_K = 1.0
-STREAM_K_MAX_M = 64
-# A CTA takes at least this many K steps in the stream-K partition (its ring's fill amortised).
-MIN_STEPS = 4
-
-
-def partition(U: int, iters: int, ctas: int, split: int | None = None, stream: bool = True):
-    """How a launch's U tiles of ``iters`` K steps each are cut among CTAs -> (G CTAs, L steps a CTA, IP,
-    S: the most CTAs over one tile). CTA c takes the flat steps [c L, c L + L) where tile u's are
-    u IP .. u IP + iters.
-
-    - stream-K (``stream`` and no ``split``): IP = iters, so a CTA's steps run on into the next tile and
-      every CTA gets the same share (``ctas`` of them, at least MIN_STEPS steps each) whatever U: no wave of
-      CTAs half full (a 7B q/k/v group at 64 rows is 72 tiles for 132 SMs);
-    - split-K (``split`` given, or ``stream`` off with the power-of-two rule: up to 8 splits, ``ctas`` /
-      U of them, a split at least 4 steps): each CTA one split of one tile (IP = split L)."""
-    if stream and not split:
-        G = max(1, min(ctas, U * iters // MIN_STEPS))
-        L = triton.cdiv(U * iters, G)
-        G = triton.cdiv(U * iters, L)
-        return G, L, iters, min(G, (L + iters - 2) // L + 1)
-    if not split:
-        want = ctas / max(U, 1)
-        split = 1
-        while split * 2 <= min(want, 8, iters // 4):
-            split *= 2
-    L = triton.cdiv(iters, split)
-    split = triton.cdiv(iters, L)
-    return U * split, L, split * L, split
 
 
 def linear(x2: torch.Tensor, packed_c: torch.Tensor, scales_c: torch.Tensor, gs: torch.Tensor | None, N: int,
@@ -472,15 +385,18 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     mt = triton.cdiv(M, BM)
     rpw = cfg["RPW"]
     tiles = [triton.cdiv(w[0].shape[0] * 16, 64 * NWG * rpw) for w in weights]
-    U = sum(tiles) * mt
+    n_tiles = sum(tiles)
     iters = triton.cdiv(nbk, KB)
-    ctas = cfg.get("ctas") or common.num_sms(x2.device) * cfg["waves"]
-    if cfg["stream"] and not cfg.get("ctas"):
-        ctas = max(1, round(ctas * float(cfg["stream"])))
-    G, L, IP, S = partition(U, iters, ctas, split_k or cfg.get("split"), bool(cfg["stream"]))
-    if mt * BM * max(Ns) >= 2 ** 31:
-        raise ValueError(f"the warp-specialised kernel indexes its outputs in 32 bits: {M} rows x {max(Ns)} columns is too many")
-    ws, cnt = common.workspace(x2.device, 0 if S == 1 else S * M * sum(Ns), U * NWG if S > 1 else 0)
+    split_k = split_k or cfg.get("split")
+    if split_k is None:
+        want = cfg["waves"] * common.num_sms(x2.device) / max(n_tiles * mt, 1)
+        split_k = 1
+        while split_k * 2 <= min(want, 8, iters // 4):
+            split_k *= 2
+    ips = triton.cdiv(iters, split_k)
+    split = triton.cdiv(iters, ips)
+    ws, cnt = common.workspace(x2.device, 0 if split == 1 else split * M * sum(Ns),
+                               n_tiles * mt * NWG if split > 1 else 0)
     if cfg.get("PAD") and M % BM:  # whole tiles for the bulk copies; rows past M give outputs never stored
         xp = x2.new_empty((mt * BM, K))
         xp[:M].copy_(x2)
@@ -490,8 +406,8 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     per += [per[-1]] * (3 - len(per))  # absent weights repeat the last one (their branch is never taken)
     args = [_x_desc(x2, BM), *(a for p in per for a in p)]
     Np = Ns + [0] * (3 - len(Ns))
-    _ws_kernel[(G,)](
-        *args, ws, cnt, M, Np[0], Np[1], Np[2], tiles[0], tiles[1] if len(tiles) > 1 else 0, U, iters, IP, L, S, mt,
+    _ws_kernel[(n_tiles * mt, split)](
+        *args, ws, cnt, M, Np[0], Np[1], Np[2], tiles[0], tiles[1] if len(tiles) > 1 else 0, nbk, ips, mt,
         IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=mma._ASM_NV if is_nv else mma._ASM_MX,
         REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, RPW=rpw, NG=len(weights), **launch,
         **common.pdl_args(x2.device))

@@ -46,53 +46,6 @@ def test_a_group_launch_refuses_what_it_cannot_take():
         warpspec.grouped_linear(x, [w, narrow], 128, True)
 
 
-def _cover(U, iters, G, L, IP):
-    """Which CTA takes each (tile, K step), as the kernel walks its segments."""
-    taken = {}
-    for c in range(G):
-        p0, p1 = c * L, min(c * L + L, U * IP)
-        for u in range(p0 // IP, (p1 - 1) // IP + 1):
-            for i in range(max(p0 - u * IP, 0), min(p1 - u * IP, iters)):
-                assert (u, i) not in taken
-                taken[(u, i)] = c
-    return taken
-
-
-@pytest.mark.parametrize("U,iters,ctas", [(72, 28, 132), (8, 28, 132), (592, 28, 132), (1, 5, 132), (3, 148, 7),
-                                          (56, 148, 132), (130, 1, 132), (1000, 3, 16)])
-def test_stream_k_covers_every_step_once_in_equal_shares(U, iters, ctas):
-    """The stream-K cut: every K step of every tile taken by exactly one CTA, at most ``ctas`` CTAs, all but
-    the last with the same share (at least MIN_STEPS where there are enough steps), a tile's CTAs consecutive
-    and no more of them than S (the workspace's depth)."""
-    G, L, IP, S = warpspec.partition(U, iters, ctas)
-    assert IP == iters and G <= ctas
-    taken = _cover(U, iters, G, L, IP)
-    assert len(taken) == U * iters
-    shares = [sum(1 for c in taken.values() if c == k) for k in range(G)]
-    assert all(s == L for s in shares[:-1]) and 0 < shares[-1] <= L
-    if U * iters >= warpspec.MIN_STEPS * ctas:
-        assert G == ctas or L * (G - 1) < U * iters <= L * G
-    for u in range(U):
-        cs = sorted({taken[(u, i)] for i in range(iters)})
-        assert cs == list(range(cs[0], cs[-1] + 1)) and len(cs) <= S
-        assert cs[0] == (u * IP) // L  # the kernel's first CTA of the tile
-
-
-@pytest.mark.parametrize("U,iters,split", [(72, 28, None), (72, 28, 3), (4, 56, None), (10, 7, 2), (300, 28, None)])
-def test_split_k_cut_is_the_power_of_two_rule(U, iters, split):
-    """stream off or a forced split: each CTA one split of one tile, as the split-K launch had it."""
-    G, L, IP, S = warpspec.partition(U, iters, 132, split, stream=False)
-    if split is None:
-        split = 1
-        while split * 2 <= min(132 / U, 8, iters // 4):
-            split *= 2
-    assert S == -(-iters // L) and G == U * S and IP == S * L
-    taken = _cover(U, iters, G, L, IP)
-    assert len(taken) == U * iters
-    assert all(c == u * S + i // L for (u, i), c in taken.items())
-    assert warpspec.partition(U, iters, 132, 3) == warpspec.partition(U, iters, 132, 3, stream=False)
-
-
 def test_not_available_on_the_cpu():
     assert not warpspec.available(torch.device("cpu"))
     assert not warpspec.serves(torch.zeros(20, 64, dtype=torch.bfloat16))
@@ -160,37 +113,6 @@ def test_two_row_blocks_a_warpgroup_gpu(fmt, nwg, stages):
             assert err < 5e-3, (fmt, nwg, M, split, err)
             again = warpspec.linear(x, pc, sc, t.get("weight_global_scale"), n, k, is_nv, split_k=split, config=cfg)
             assert torch.equal(y, again), (fmt, nwg, M, split)
-
-
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_stream_k_at_any_cta_count_gpu(fmt):
-    """The stream-K cut at CTA counts that put 1 to 9 CTAs over a tile (their segments crossing tiles, a
-    group's weights, ragged N, several row tiles): against the fp32 reference, bitwise repeatable, and the
-    split-K cut agrees within rounding."""
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(5)
-    k = 1088
-    shapes = (1000, 136, 200)
-    is_nv = common.scale_mode(fmt)
-    ts = [formats.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02, fmt) for n in shapes]
-    refs = [formats.dequantize(t, fmt, dtype=torch.float32) for t in ts]
-    args = [(*layout.to_compute_layout(t["weight_packed"], t["weight_scale"], is_nv), t.get("weight_global_scale"), n)
-            for t, n in zip(ts, shapes)]
-    for M in (20, 48, 70, 256):
-        x = torch.randn(M, k, device=dev, dtype=torch.bfloat16, generator=g)
-        for ng in (1, 3):
-            for ctas in (1, 5, 23, 132, 400):
-                cfg = {"ctas": ctas, "stream": True}
-                ys = warpspec.grouped_linear(x, args[:ng], k, is_nv, config=cfg)
-                again = warpspec.grouped_linear(x, args[:ng], k, is_nv, config=cfg)
-                split = warpspec.grouped_linear(x, args[:ng], k, is_nv, config={"stream": False})
-                for y, a, w, s in zip(ys, again, refs, split):
-                    ref = x.float() @ w.T
-                    assert float((y.float() - ref).norm() / ref.norm()) < 5e-3, (fmt, M, ng, ctas)
-                    assert torch.equal(y, a), (fmt, M, ng, ctas)
-                    assert float((y.float() - s.float()).abs().max()) <= 2e-2 * float(s.float().abs().max()), (M, ctas)
 
 
 @pytest.mark.gpu
