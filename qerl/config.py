@@ -95,7 +95,7 @@ RANGES: dict[str, tuple] = {
     "prompts_per_step": (1, True, None, False), "max_completion_length": (1, True, None, False),
     "temperature": (0, False, None, False), "top_p": (0, False, 1, True), "top_k": (0, True, None, False),
     "max_steps": (1, True, None, False), "num_train_epochs": (0, True, None, False), "num_iterations": (1, True, None, False), "mini_batch_size": (0, True, None, False),
-    "micro_batch_size": (1, True, None, False), "rollout_rows": (0, True, None, False), "learning_rate": (0, False, None, False),
+    "micro_batch_size": (1, True, None, False), "forward_token_budget": (0, True, None, False), "rollout_rows": (0, True, None, False), "learning_rate": (0, False, None, False),
     "weight_decay": (0, True, None, False), "warmup_ratio": (0, True, 1, True), "max_grad_norm": (0, False, None, False),
     "beta": (0, True, None, False), "epsilon": (0, True, 1, True), "epsilon_high": (0, True, None, False),
     "sigma_start": (0, False, None, False), "sigma_end": (0, False, None, False), "num_stages": (2, True, None, False),
@@ -159,7 +159,9 @@ class TrainConfig:
     num_train_epochs: float = 0.0  # TRL's num_train_epochs: > 0 replaces max_steps by floor(epochs x training prompts / prompts_per_step); 0 = max_steps
     num_iterations: int = 1  # policy updates per rollout (paper: 4 on GSM8K, 1 on BigMath)
     mini_batch_size: int = 0  # completions per optimizer step; 0 = the whole rollout
-    micro_batch_size: int = 16  # completions per forward/backward (gradient accumulation inside a mini-batch)
+    micro_batch_size: int = 16  # completions per loss micro-batch (TRL's per_device_train_batch_size: its loss normaliser); the padded path's forward
+    padding_free: bool = True  # training forwards over the rows' real tokens only, packed into token-budget forwards (qerl.packing); false: padded forwards of micro_batch_size rows
+    forward_token_budget: int = 0  # tokens (prompt + completion) per padding-free training forward; 0 = micro_batch_size x (max_prompt_length + max_completion_length), the padded micro-batch's worst case
     learning_rate: float = 1e-5  # AdamW learning rate; paper Table 4: 1e-5 (4-bit), 5e-6 (bf16 LoRA)
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_ratio: float = 0.05  # fraction of the optimizer steps with a linear learning-rate warm-up
@@ -295,6 +297,12 @@ class TrainConfig:
 
         return QuantizeConfig(fmt=self.fmt, lora_rank=self.lora_rank if lora else 0, lora_alpha=self.lora_alpha,
                               lora_dropout=self.lora_dropout, backend=self.backend)
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens per padding-free training forward (``forward_token_budget``, 0 = the padded micro-batch's
+        worst case, which fits wherever the padded path did)."""
+        return self.forward_token_budget or self.micro_batch_size * (self.max_prompt_length + self.max_completion_length)
 
     def aqn_config(self):
         """The AQNConfig of this run (disabled unless aqn; the noise generator seeded by seed)."""

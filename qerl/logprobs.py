@@ -21,6 +21,7 @@ import torch
 import torch.utils.checkpoint
 
 from qerl.forward import decoder_and_head, lm_logits, positions_from_mask
+from qerl.packing import pack_rows, packed_forward
 
 # token rows of [rows, vocabulary] fp32 logits computed at a time: 1024 rows of a 152k vocabulary
 # are 0.6 GB a buffer, whatever the micro-batch and completion length
@@ -70,18 +71,35 @@ def token_logprobs(hidden: torch.Tensor, head_w: torch.Tensor, ids: torch.Tensor
 
 
 def sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                      with_entropy: bool = False, chunk_rows: int = LOGPROB_CHUNK_ROWS):
+                      with_entropy: bool = False, chunk_rows: int = LOGPROB_CHUNK_ROWS, packed: bool = True):
     """Per-token log-probs [B, C] (and entropies, detached) of the completions under the model.
 
     ``prompt_ids`` / ``prompt_mask`` [B, P] left-padded, ``completion_ids`` / ``completion_mask``
-    [B, C] as a ``RolloutOutput`` holds them. Positions ignore the left padding, as in the rollout
-    engines. The decoder runs once over prompt + completion; only the completion positions' hidden
-    states go through the lm_head (``token_logprobs``).
+    [B, C] as a ``RolloutOutput`` holds them. Only the completion positions' hidden states go through
+    the lm_head (``token_logprobs``).
+
+    ``packed`` (the default): the decoder runs once over the rows' real tokens only, concatenated, with
+    attention within each row and positions restarting at each row (``qerl.packing``); positions after a
+    row's last real completion token are 0. ``packed=False``: the padded forward over [B, P + C] with the
+    attention mask and positions that ignore the left padding, as the rollout engines see them (the
+    reference the packed forward is tested against; values at padded positions are meaningless).
     """
+    dec, head_w = decoder_and_head(model)
+    if packed:
+        pk = pack_rows(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        shape = tuple(completion_ids.shape)
+        if pk.n_tokens == 0:
+            z = head_w.new_zeros(shape, dtype=torch.float32)
+            return z, (z.clone() if with_entropy else None)
+        with packed_forward(model):
+            h = dec(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False,
+                    **pk.attn_kwargs()).last_hidden_state[0]
+        lp, ent = token_logprobs(h.index_select(0, pk.logit_pos), head_w, pk.target_ids, temperature, with_entropy,
+                                 chunk_rows)
+        return pk.unpack(lp, shape), (pk.unpack(ent, shape) if with_entropy else None)
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     C = completion_ids.size(1)
-    dec, head_w = decoder_and_head(model)
     h = dec(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
             use_cache=False).last_hidden_state[:, -(C + 1):-1]
     return token_logprobs(h, head_w, completion_ids, temperature, with_entropy, chunk_rows)

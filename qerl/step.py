@@ -27,9 +27,11 @@ import torch
 
 from qerl import distributed as qdist
 from qerl import loss as qloss
+from qerl import perf as qperf
 from qerl import rewards as qrewards
 from qerl.logprobs import sequence_logprobs
 from qerl.noise import find_norms, rollout_noise
+from qerl.packing import completion_lengths, plan_forwards, row_tokens
 from qerl.qlinear import QuantLinear
 from qerl.rollout import RolloutOutput
 
@@ -189,37 +191,52 @@ def reuse_training_logprobs(cfg, n: int) -> bool:
 
 
 def logprobs(cfg, model, ro: RolloutOutput, reuse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(old log-probs, reference log-probs or None), no grad, in micro-batches.
+    """(old log-probs, reference log-probs or None), no grad, in the forwards of ``forwards``.
 
     ``reuse``: the old log-probs are left at zero for ``update`` to fill from the training forward
     (no forward here unless beta > 0 needs the reference).
     """
-    mb = cfg.micro_batch_size
     old_lp = torch.zeros_like(ro.logprobs)
     ref_lp = torch.zeros_like(ro.logprobs) if cfg.beta > 0 else None
     if reuse and ref_lp is None:
         return old_lp, None
     model.eval()
+    every = torch.arange(ro.completion_ids.size(0))
     with torch.no_grad():
-        for s in range(0, ro.completion_ids.size(0), mb):
-            sl = slice(s, s + mb)
-            w = _width(ro.completion_mask[sl])  # the micro-batch's longest completion: no forward over padding
-            args = (ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl, :w], ro.completion_mask[sl, :w],
-                    cfg.temperature)
+        for rows in forwards(cfg, ro.prompt_mask, ro.completion_mask, every):
+            rows_d = rows.to(ro.completion_ids.device)
+            w = _width(cfg, ro.completion_mask[rows_d])
+            args = (ro.prompt_ids[rows_d], ro.prompt_mask[rows_d], ro.completion_ids[rows_d, :w],
+                    ro.completion_mask[rows_d, :w], cfg.temperature)
             if not reuse:
-                old_lp[sl, :w], _ = sequence_logprobs(model, *args)
+                old_lp[rows_d, :w], _ = sequence_logprobs(model, *args, packed=cfg.padding_free)
             if ref_lp is not None:
                 with adapters_disabled(model):
-                    ref_lp[sl, :w], _ = sequence_logprobs(model, *args)
+                    ref_lp[rows_d, :w], _ = sequence_logprobs(model, *args, packed=cfg.padding_free)
     return old_lp, ref_lp
+
+
+def forwards(cfg, prompt_mask: torch.Tensor, completion_mask: torch.Tensor, rows: torch.Tensor) -> list[torch.Tensor]:
+    """The training forwards over ``rows`` (local row indices, CPU), each a tensor of rows.
+
+    Padding-free (``cfg.padding_free``): rows sorted by length and cut by ``cfg.token_budget`` tokens
+    (``qerl.packing.plan_forwards``; rows with no completion token are left out). Padded: ``rows`` in
+    order, ``cfg.micro_batch_size`` at a time."""
+    if not cfg.padding_free:
+        mb = cfg.micro_batch_size
+        return [rows[i:i + mb] for i in range(0, rows.numel(), mb)]
+    tokens = row_tokens(prompt_mask[rows.to(prompt_mask.device)], completion_mask[rows.to(completion_mask.device)])
+    plan = plan_forwards(tokens.tolist(), cfg.token_budget)
+    return [rows[torch.tensor(f, dtype=torch.long)] for f in plan]
 
 
 WIDTH_ROUND = 64  # micro-batch widths are multiples of this (or the rollout's width): few distinct GEMM shapes
 
 
-def _width(cmask: torch.Tensor) -> int:
-    """Completion positions a forward over these rows needs: their longest completion, rounded up to a
-    multiple of WIDTH_ROUND (at most the rollout's width). The rollout is as wide as its longest sequence;
+def _width(cfg, cmask: torch.Tensor) -> int:
+    """Completion positions a forward over these rows needs: their longest completion. Padding-free, that
+    is only the width of the per-token [rows, width] tensors of the loss (the forward runs over the real
+    tokens). Padded: rounded up to a multiple of WIDTH_ROUND (at most the rollout's width). The rollout is as wide as its longest sequence;
     cutting each micro-batch to its own longest skips the padding after the rows' last tokens (causal
     attention: the positions kept compute the same). The rounding keeps the training GEMMs to a few
     shapes, each row count a multiple of 16: the 4-bit path's first forward and backward at a new width
@@ -228,8 +245,8 @@ def _width(cmask: torch.Tensor) -> int:
     C = cmask.size(1)
     if cmask.numel() == 0:
         return max(C, 1)
-    w = max(1, int(cmask.sum(1).max()))
-    return min(C, -(-w // WIDTH_ROUND) * WIDTH_ROUND)
+    w = max(1, int(completion_lengths(cmask).max()))
+    return w if cfg.padding_free else min(C, -(-w // WIDTH_ROUND) * WIDTH_ROUND)
 
 
 def _mini_batches(cfg, idx: torch.Tensor, step: int):
@@ -250,10 +267,10 @@ def _accumulate(cfg, model, ro: RolloutOutput, batch: Batch, old_lp, ref_lp, pac
     (loss, token sums of ``keys``). Returns the loss value if it is not finite (nothing is backpropagated)."""
     device = ro.completion_ids.device
     rows_d = torch.cat([own for _, own in pack]).to(device)
-    w = _width(ro.completion_mask[rows_d])  # the pack's longest completion (see _width)
+    w = _width(cfg, ro.completion_mask[rows_d])  # the pack's longest completion (see _width)
     lp_all, ent_all = sequence_logprobs(model, ro.prompt_ids[rows_d], ro.prompt_mask[rows_d],
                                         ro.completion_ids[rows_d, :w], ro.completion_mask[rows_d, :w], cfg.temperature,
-                                        with_entropy=True)
+                                        with_entropy=True, packed=cfg.padding_free)
     total, at = 0.0, 0
     for j, own in pack:
         sl = slice(at, at + own.numel())
@@ -275,10 +292,35 @@ def _accumulate(cfg, model, ro: RolloutOutput, batch: Batch, old_lp, ref_lp, pac
         fm = mask.float()
         n_own = float(fm.sum())
         lm["entropy"] = float((ent.detach() * fm).sum() / fm.sum().clamp(min=1))
-        rows[j][0] = loss.item() * len(micro)
-        rows[j][1:] = [lm[k] * n_own for k in keys]  # token means -> token sums
+        # a micro-batch's rows may span several forwards (and ranks): its row of the table sums their parts
+        rows[j][0] += loss.item() * len(micro)
+        for c, k in enumerate(keys, 1):
+            rows[j][c] += lm[k] * n_own  # token means -> token sums
     total.backward()
     return None
+
+
+def _packs(cfg, ro: RolloutOutput, batch: Batch, micro: list):
+    """This rank's training forwards over a mini-batch's micro-batches ``micro`` (global indices): each a
+    list of (j, local rows of micro[j] in that forward). Padding-free: the rows that have loss tokens,
+    cut by tokens (``forwards``), so a micro-batch may span forwards; each part keeps its micro-batch's
+    normaliser (``qerl.loss.loss_share``), and the gradient is the same however the rows are cut.
+    Padded: ``qerl.distributed.pack_micro_batches`` (whole micro-batches of this rank's rows)."""
+    if not cfg.padding_free:
+        yield from qdist.pack_micro_batches(micro, batch.first, batch.n_local, cfg.micro_batch_size)
+        return
+    owner = {}
+    for j, mi in enumerate(micro):
+        for r in (mi[(mi >= batch.first) & (mi < batch.first + batch.n_local)] - batch.first).tolist():
+            owner[r] = j
+    rows = torch.tensor(sorted(owner), dtype=torch.long)
+    if rows.numel():  # rows whose loss mask is empty add nothing to the loss or its gradient
+        rows = rows[(batch.cmask[rows.to(batch.cmask.device)].sum(1) > 0).cpu()]
+    for f in forwards(cfg, ro.prompt_mask, ro.completion_mask, rows):
+        pack = {}
+        for r in f.tolist():
+            pack.setdefault(owner[r], []).append(r)
+        yield [(j, torch.tensor(rs, dtype=torch.long)) for j, rs in sorted(pack.items())]
 
 
 def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor | None,
@@ -301,7 +343,9 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
     grad_norms = []
     from qerl.logging import progress
 
-    bar = progress(cfg.num_iterations * -(-max(batch.idx.numel(), 1) // mb), "update", unit="micro-batch")
+    idx = batch.idx
+    n_mine = int(((idx >= batch.first) & (idx < batch.first + batch.n_local)).sum())
+    bar = progress(cfg.num_iterations * n_mine, "update", unit="row")
     for it, mini_idx in _mini_batches(cfg, batch.idx, step):
         micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
         tokens = [float(batch.n_loss_tokens[mi].sum()) for mi in micro]
@@ -311,9 +355,9 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
         n_tokens = max(int(batch.n_loss_tokens[mini_idx].sum()), 1)
         opt.zero_grad(set_to_none=True)
         bad = None
-        for pack in qdist.pack_micro_batches(micro, batch.first, batch.n_local, mb):
+        for pack in _packs(cfg, ro, batch, micro):
             bad = _accumulate(cfg, model, ro, batch, old_lp, ref_lp, pack, micro, tokens, rows, n_tokens, keys, reuse)
-            bar.update(len(pack))
+            bar.update(sum(own.numel() for _, own in pack))
             if bad is not None:
                 break
         if qdist.any_true(bad is not None):
@@ -347,14 +391,28 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
     return metrics
 
 
+def perf_metrics(cfg, model, ro: RolloutOutput, reuse: bool, train_s: float) -> dict:
+    """``perf/train_tokens_per_s`` (real tokens of the rollout's rows over the training phases' seconds),
+    ``perf/train_tflops`` and ``perf/mfu`` (model FLOPs of those phases, qerl.perf; None off a known GPU),
+    summed over ranks."""
+    n_fwd = (0 if reuse else 1) + (1 if cfg.beta > 0 else 0)
+    fl = qperf.training_flops(model, ro.prompt_mask, ro.completion_mask, n_fwd, cfg.num_iterations)
+    flops, tokens = qdist.all_reduce([fl["flops"], float(fl["real_tokens"])], "sum")
+    _, world = qdist.world()
+    peak = qperf.peak_tflops() if ro.completion_ids.is_cuda else None
+    return {"perf/train_tokens_per_s": tokens / max(train_s, 1e-9), "perf/train_tflops": flops / max(train_s, 1e-9) / 1e12,
+            "perf/mfu": qperf.mfu(flops, train_s, peak * world if peak else None)}
+
+
 def logprob_gap(ro: RolloutOutput, old_lp: torch.Tensor, batch: Batch, reuse: bool) -> dict:
     """``sampling/logprob_gap`` (mean |old - rollout| log-prob over completion tokens, all ranks) and
-    its max. With ``reuse`` only the rows this rank trained have old log-probs."""
+    its max. With ``reuse`` only the rows this rank trained (with loss tokens) have old log-probs."""
     scored = torch.ones(batch.n_local, dtype=torch.bool)
     if reuse:
         scored = torch.zeros(batch.n_local, dtype=torch.bool)
         idx = batch.idx
         scored[idx[(idx >= batch.first) & (idx < batch.first + batch.n_local)] - batch.first] = True
+        scored &= (batch.cmask.sum(1) > 0).cpu()  # rows with no loss token run no training forward
     m = ro.completion_mask.float() * scored.to(ro.completion_mask.device)[:, None]
     gap = (old_lp - ro.logprobs).abs() * m
     gap_sum, gap_n = qdist.all_reduce([float(gap.sum()), float(m.sum())], "sum")
@@ -407,6 +465,7 @@ def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict], s
     updated = update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, trainable, step, reuse)
     metrics.update(logprob_gap(ro, old_lp, batch, reuse))
     metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
+    metrics.update(perf_metrics(cfg, model, ro, reuse, metrics["time/train_s"]))
     metrics.update(updated)
     metrics["num_tokens_step"] = int(n_prompt + n_compl)
     metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")

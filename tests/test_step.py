@@ -210,7 +210,7 @@ def test_micro_batches_are_cut_to_their_longest_completion(monkeypatch):
     ro = RolloutOutput(torch.randint(3, 60, (B, P)), torch.ones(B, P, dtype=torch.long),
                        torch.randint(3, 60, (B, C)) * cmask, cmask, torch.zeros(B, C), torch.zeros(B, C),
                        torch.ones(B, dtype=torch.bool))
-    cfg = SimpleNamespace(micro_batch_size=2, beta=0.1, temperature=1.0)
+    cfg = SimpleNamespace(micro_batch_size=2, beta=0.1, temperature=1.0, padding_free=False)
     seen = []
     real = qstep.sequence_logprobs
     monkeypatch.setattr(qstep, "sequence_logprobs", lambda m, *a, **k: seen.append(a[2].shape[1]) or real(m, *a, **k))
