@@ -51,6 +51,8 @@ the keys above, and ``mix_ratios`` gains ``<model>/bs<B>_<spec>_rows<R>/refill_o
 Writes <out>/<gpu>.json: gpu, git_sha, date, env, copy_bandwidth_tbps, targets, paper_reference
 (the paper's vLLM numbers, H100, as a labelled reference only), rows, and `summary` with exactly
 the keys of issue #5; prints a table; the last stdout line is the summary as one JSON object.
+Each row carries the ``git_sha`` of the run that measured it; ``--merge`` keeps it, so a merged file's
+top-level ``git_sha`` is only its last input's.
 
 Run (GPU; expected minutes on an H200 in brackets):
   python -m experiments.rollout_throughput --models qwen2.5-7b qwen2.5-14b             [~5]
@@ -391,6 +393,8 @@ def merge(paths: list[str], out: str) -> dict:
     for f in files:
         for r in f["rows"]:
             r.setdefault("copy_tbps", f.get("copy_bandwidth_tbps"))
+            # a row without its own commit takes its file's, unless that file is a merge itself (then unknown)
+            r.setdefault("git_sha", None if f.get("runs") else f.get("git_sha"))
             k = (r.get("model"), r.get("method"), r.get("engine"), r.get("batch"), r.get("lora_rank"),
                  r.get("prompt_len"), r.get("completion_len"), bool(r.get("fused")), r.get("lengths", "fixed"),
                  r.get("compact", True), r.get("max_batch"), r.get("refill"))
@@ -439,6 +443,8 @@ def run(args) -> dict:
     settings = {k: v for k, v in vars(args).items() if k not in ("merge",)}
 
     def save(complete=False):  # after every row: a run cut off by a time limit keeps what it measured
+        for r in rows:
+            r.setdefault("git_sha", prov["git_sha"])
         result = assemble(rows, prov, copy_tbps, settings)
         result["complete"] = complete
         return result, sc.write_json(result, args.out, prov["gpu"])

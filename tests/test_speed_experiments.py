@@ -156,6 +156,7 @@ def test_rollout_json_and_merge(tmp_path):
     assert "gpu_note" in on_disk and "reference only" in on_disk["paper_reference"]["source"]
     ref = [r for r in on_disk["rows"] if r["model"] == "qwen2.5-32b" and r["method"] == "nvfp4" and r["batch"] == 8]
     assert ref[0]["paper_vllm_tokens_per_s"] == 688.2
+    assert all(r["git_sha"] == "a" * 40 for r in on_disk["rows"])  # each row keeps the commit that measured it
 
 
 def test_guarded_turns_failures_into_rows():
