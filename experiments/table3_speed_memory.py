@@ -76,8 +76,10 @@ import torch
 from benchmarks import speed_common as sc
 from experiments import _common as C
 from qerl import kernels as qkernels
+from qerl import perf as qperf
 from qerl import step as qstep
 from qerl.config import QERL_FORMAT, QLORA_FORMAT, TrainConfig, method_name, parse_method, table_bases
+from qerl.packing import plan_forwards
 from qerl.policy import make_optimizer, optimizer_params
 from qerl.quantize import lora_parameters
 from qerl.rollout import RolloutOutput
@@ -104,6 +106,14 @@ SUMMARY_KEYS = (
     "qwen2.5-14b/bs8/train_nvfp4_over_bf16",
     "qwen2.5-7b/bs64/e2e_nvfp4_over_bf16",
     "qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16",
+    "qwen2.5-7b/bs64_mix/step_s/nvfp4",
+    "qwen2.5-7b/bs64_mix/step_s/bf16",
+    "qwen2.5-7b/bs64_mix/train_mfu/nvfp4",
+    "qwen2.5-7b/bs64_mix/train_mfu/bf16",
+    "qwen2.5-7b/bs64_mix/peak_gib/nvfp4",
+    "qwen2.5-7b/bs64_mix/peak_gib/bf16",
+    "qwen2.5-7b/bs8/step_s/nvfp4",
+    "qwen2.5-7b/bs8/step_s/bf16",
 )
 TARGETS = {
     "qwen2.5-14b/bs8/e2e_nvfp4_over_bf16": ">= 1.7",
@@ -118,7 +128,15 @@ TARGETS = {
     "qwen2.5-7b/bs8/train_nvfp4_over_bf16": ">= 0.9 (issue #18: old log-probs + update)",
     "qwen2.5-14b/bs8/train_nvfp4_over_bf16": ">= 0.9 (issue #18: old log-probs + update)",
     "qwen2.5-7b/bs64/e2e_nvfp4_over_bf16": "measured (an RL batch: 64 x 512 tokens, micro-batch 8)",
-    "qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16": ">= 1.3 (issue 36: 64 sequences, the mix lengths at cap 2048)",
+    "qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16": ">= 1.3 (issues 36, 49: 64 sequences, the mix lengths at cap 2048)",
+    "qwen2.5-7b/bs64_mix/step_s/nvfp4": "<= 20 (issue 49; 34.0 at e723ba9, H200)",
+    "qwen2.5-7b/bs64_mix/step_s/bf16": "measured (37.5 at e723ba9, H200)",
+    "qwen2.5-7b/bs64_mix/train_mfu/nvfp4": ">= 0.40 (issue 49: old log-probs + update, model FLOPs on real tokens)",
+    "qwen2.5-7b/bs64_mix/train_mfu/bf16": ">= 0.40 (issue 49)",
+    "qwen2.5-7b/bs64_mix/peak_gib/nvfp4": "<= 30.5 (issue 49: e723ba9, H200)",
+    "qwen2.5-7b/bs64_mix/peak_gib/bf16": "<= 36.0 (issue 49: e723ba9, H200)",
+    "qwen2.5-7b/bs8/step_s/nvfp4": "<= 12.07 (issue 49: e723ba9, H200)",
+    "qwen2.5-7b/bs8/step_s/bf16": "measured (16.81 at e723ba9, H200)",
 }
 # The paper's values (one H100 80GB, vLLM rollouts, its own training stack), as listed in
 # docs/design.md: a labelled reference only.
@@ -137,14 +155,16 @@ PAPER = {
 
 def bench_config(method: str, args, batch: int, micro_batch: int, completion: int, device) -> TrainConfig:
     """The TrainConfig of a row: one rollout of ``batch`` completions, one pass, one optimizer step
-    (AdamW-8bit on CUDA as the paper's Table 4, torch AdamW on the CPU), GRPO, no KL."""
+    (AdamW-8bit on CUDA as the paper's Table 4, torch AdamW on the CPU), GRPO, no KL; training forwards
+    padding-free by ``--token-budget`` (``--padding-free off``: padded micro-batches)."""
     return TrainConfig(**parse_method(method_name(method)), lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank,
                        num_generations=batch, prompts_per_step=1, max_completion_length=completion,
                        max_prompt_length=args.prompt, micro_batch_size=micro_batch, num_iterations=1,
                        mini_batch_size=0, learning_rate=args.learning_rate, warmup_ratio=0.0, lr_scheduler="constant",
                        optim="adamw_8bit" if torch.device(device).type == "cuda" else "adamw", loss_type="grpo",
                        epsilon=0.2, epsilon_high=0.28, beta=0.0, temperature=1.0, top_p=1.0, top_k=0,
-                       seed=args.seed, wandb_mode="disabled")
+                       seed=args.seed, wandb_mode="disabled", padding_free=args.padding_free == "on",
+                       forward_token_budget=args.token_budget)
 
 
 def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: int, device, seed: int = 0,
@@ -183,6 +203,35 @@ def grpo_step(cfg, model, engine, opt, sched, prompt_ids: list | None, advantage
         m = qstep.update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, optimizer_params(opt), 0, reuse)
     m["num_tokens_step"] = int(ro.prompt_mask.sum()) + ro.num_completion_tokens
     return m
+
+
+def computed_tokens(cfg, prompt_len: int, lengths: list[int]) -> int:
+    """Token positions the training forwards compute for rows of ``lengths`` completion tokens (prompts
+    all real): padding-free, the real tokens (packed up to a multiple of qerl.packing.PACK_ALIGN per
+    forward); padded, each micro-batch of ``micro_batch_size`` rows at prompt + its width (qerl.step)."""
+    from qerl.packing import PACK_ALIGN
+
+    tok = [prompt_len + n for n in lengths]
+    if cfg.padding_free:
+        plan = plan_forwards(tok, cfg.token_budget)
+        return sum(-(-sum(tok[i] for i in f) // PACK_ALIGN) * PACK_ALIGN for f in plan)
+    mb, C = cfg.micro_batch_size, max(lengths)
+    return sum(len(ch) * (prompt_len + min(C, -(-max(ch) // qstep.WIDTH_ROUND) * qstep.WIDTH_ROUND))
+               for ch in (lengths[i:i + mb] for i in range(0, len(lengths), mb)))
+
+
+def train_perf(model, cfg, prompt_len: int, lengths: list[int], reuse: bool, grad_ckpt: bool, train_s: float) -> dict:
+    """Tokens, model FLOPs, TFLOP/s and MFU of the training phases (old log-probs + update; qerl.perf):
+    ``train_mfu`` counts the model's FLOPs on real tokens, ``train_hfu`` adds the recomputation."""
+    counter = qperf.FlopCounter(model)
+    rows = [prompt_len + n for n in lengths]
+    fwd, bwd = counter.forward(rows, sum(lengths)), counter.backward(rows, sum(lengths))
+    flops = (0 if reuse else fwd) + fwd + bwd
+    hw = flops + (fwd if grad_ckpt else 0.0)
+    peak = qperf.peak_tflops()
+    return dict(real_tokens=sum(rows), computed_tokens=computed_tokens(cfg, prompt_len, lengths),
+                train_flops=flops, train_tflops=flops / train_s / 1e12, peak_tflops=peak,
+                train_mfu=qperf.mfu(flops, train_s, peak), train_hfu=qperf.mfu(hw, train_s, peak))
 
 
 def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: bool,
@@ -255,9 +304,12 @@ def row_specs(args) -> list[RowSpec]:
 
 def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, extra: dict) -> dict:
     """One row: warm-up and a timed step; an OOM (or other failure) is recorded with its phase."""
-    reuse = args.old_logprobs == "reuse"
+    cfg0 = bench_config(method, args, spec.batch, spec.micro_batch, spec.completion, args.device)
+    reuse = (args.old_logprobs == "reuse" or
+             (args.old_logprobs == "trainer" and qstep.reuse_training_logprobs(cfg0, spec.batch)))
     row = dict(model=spec.model, method=method, batch=spec.batch, grad_ckpt=spec.grad_ckpt, micro_batch=spec.micro_batch,
-               prompt_len=args.prompt, completion_len=spec.completion, old_logprobs=args.old_logprobs,
+               prompt_len=args.prompt, completion_len=spec.completion, old_logprobs="reuse" if reuse else "forward",
+               padding_free=cfg0.padding_free, token_budget=cfg0.token_budget if cfg0.padding_free else None,
                optimizer=type(opt).__name__, oom=False, lengths=args.lengths, **extra)
     # the completion lengths: every sequence at the cap, or a mix drawn once (the same for every method)
     lengths = sc.draw_lengths(args.lengths, spec.batch, spec.completion, seed=args.seed)
@@ -293,8 +345,10 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
             info = {"loss": m["loss"], "completion_tokens": tokens, "decode_steps": st.get("decode_steps"),
                     "bucket_steps": {str(k): v for k, v in (st.get("bucket_steps") or {}).items()}}
         med = {k: statistics.median(st[k] for st in steps) for k in steps[0]}
+        train_s = statistics.median(st["logprob"] + st["update"] for st in steps)
+        row.update(train_perf(model, cfg, args.prompt, lengths, reuse, spec.grad_ckpt, train_s))
         row.update(rollout_s=med["rollout"], logprob_s=med["logprob"], update_s=med["update"],
-                   train_s=statistics.median(st["logprob"] + st["update"] for st in steps), step_s=med["step"],
+                   train_s=train_s, step_s=med["step"],
                    rollout_share=med["rollout"] / med["step"], peak_gib=sc.peak_gib(),
                    rollout_tokens_per_s=sum(lengths) / med["rollout"],
                    scratch_gib=qkernels.scratch_bytes() / 2**30, timed_steps=len(steps),  # decode scratch (in peak)
@@ -332,7 +386,8 @@ def _train_s(r: dict) -> float:
 
 def _same_setup(a: dict, b: dict) -> bool:
     """Comparable rows: same lengths and micro-batch, same old-log-prob mode, measured at the same commit."""
-    return all(a.get(k) == b.get(k) for k in ("completion_len", "micro_batch", "prompt_len", "git_sha", "length_stats")) and \
+    return all(a.get(k) == b.get(k) for k in ("completion_len", "micro_batch", "prompt_len", "git_sha", "length_stats",
+                                              "padding_free", "token_budget")) and \
         a.get("old_logprobs", "forward") == b.get("old_logprobs", "forward")
 
 
@@ -357,6 +412,18 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     ratio("qwen2.5-14b/bs8/train_nvfp4_over_bf16", "qwen2.5-14b", "nvfp4", "bf16", what="train_s")
     ratio("qwen2.5-7b/bs64/e2e_nvfp4_over_bf16", "qwen2.5-7b", "nvfp4", "bf16", batch=64)
     ratio("qwen2.5-7b/bs64_mix/e2e_nvfp4_over_bf16", "qwen2.5-7b", "nvfp4", "bf16", batch=64, lengths="mix")
+    for meth in ("nvfp4", "bf16"):
+        r = _row(rows, "qwen2.5-7b", meth, 64, lengths="mix")
+        for key, field in (("step_s", "step_s"), ("train_mfu", "train_mfu"), ("peak_gib", "peak_gib")):
+            s[f"qwen2.5-7b/bs64_mix/{key}/{meth}"] = r.get(field) if r else None
+            notes[f"qwen2.5-7b/bs64_mix/{key}/{meth}"] = (
+                f"{meth}, micro-batch {r['micro_batch']}, padding-free {r.get('padding_free', False)} "
+                f"(budget {r.get('token_budget')}), old log-probs {r.get('old_logprobs', 'forward')}, "
+                f"{r.get('real_tokens')} real / {r.get('computed_tokens')} computed tokens") if r else None
+        r = _row(rows, "qwen2.5-7b", meth, 8)
+        s[f"qwen2.5-7b/bs8/step_s/{meth}"] = r["step_s"] if r else None
+        notes[f"qwen2.5-7b/bs8/step_s/{meth}"] = (f"{meth}, C={r['completion_len']} fixed, micro-batch {r['micro_batch']}, "
+                                                 f"old log-probs {r.get('old_logprobs', 'forward')}") if r else None
     for b in (2, 8):
         r = _row(rows, "qwen2.5-32b", "nvfp4", b)
         s[f"qwen2.5-32b/bs{b}/peak_gib"] = r["peak_gib"] if r else None
@@ -398,7 +465,7 @@ def merge(paths, out):
             r.setdefault("date", f.get("date"))
             keyed[(r.get("model"), r.get("method"), r.get("batch"), r.get("grad_ckpt"), r.get("completion_len"),
                    r.get("memory_cap_gib"), r.get("micro_batch"), r.get("old_logprobs", "forward"),
-                   r.get("lengths", "fixed"))] = r
+                   r.get("lengths", "fixed"), r.get("padding_free", False), r.get("token_budget"))] = r
     prov = {k: files[-1][k] for k in ("gpu", "git_sha", "date", "env")}
     prov["runs"] = sc.merged_runs(paths, files)
     result = assemble(list(keyed.values()), prov, {"merged": list(map(str, paths))})
@@ -412,7 +479,7 @@ def merge(paths, out):
 
 def print_table(rows):
     print(f"\n{'model':12s} {'method':6s} {'B':>2s} {'GC':>3s} {'C':>5s} {'step s':>8s} {'rollout':>8s} {'logprob':>8s} "
-          f"{'update':>8s} {'roll %':>6s} {'peak GiB':>8s} {'size GB':>7s}  status")
+          f"{'update':>8s} {'roll %':>6s} {'peak GiB':>8s} {'size GB':>7s} {'MFU':>5s} {'tokens real/computed':>21s}  status")
     for r in rows:
         def f(k, fmt, r=r):
             v = r.get(k)
@@ -422,7 +489,8 @@ def print_table(rows):
         print(f"{r['model']:12s} {r['method']:6s} {r['batch']:2d} {'on' if r.get('grad_ckpt') else 'off':>3s} "
               f"{r['completion_len']:5d} {f('step_s', '8.2f')} {f('rollout_s', '8.2f')} {f('logprob_s', '8.2f')} "
               f"{f('update_s', '8.2f')} {format(100 * share, '6.1f') if share else '-':>6s} {f('peak_gib', '8.1f')} "
-              f"{f('model_size_gb', '7.2f')}  {status}")
+              f"{f('model_size_gb', '7.2f')} {f('train_mfu', '5.3f')} "
+              f"{str(r.get('real_tokens', '-')) + '/' + str(r.get('computed_tokens', '-')):>21s}  {status}")
 
 
 def run(args) -> dict:
@@ -504,9 +572,16 @@ def parse_args(argv=None):
     ap.add_argument("--row", action="append", default=None, metavar="MODEL/bsB[/cC][/mbM][/gcon|gcoff]",
                     help="a row to measure instead of --models x --batch x --grad-ckpt (repeatable); unset parts "
                          "take --completion / --micro-batch / gc on: qwen2.5-7b/bs64/c512/mb8")
-    ap.add_argument("--old-logprobs", default="forward", choices=["forward", "reuse"],
-                    help="forward: a separate no-grad forward (the trainer with num_iterations > 1 or several "
+    ap.add_argument("--old-logprobs", default="trainer", choices=["trainer", "forward", "reuse"],
+                    help="trainer: as the trainer does for the row's config (one pass, one optimizer step: reuse); "
+                         "forward: a separate no-grad forward (the trainer with num_iterations > 1 or several "
                          "optimizer steps per rollout); reuse: the training forward's (one update per rollout)")
+    ap.add_argument("--padding-free", default="on", choices=["on", "off"],
+                    help="on: training forwards over the real tokens, packed by --token-budget (qerl.packing); "
+                         "off: padded micro-batches of --micro-batch rows cut to their longest completion")
+    ap.add_argument("--token-budget", type=int, default=0,
+                    help="tokens per padding-free training forward (TrainConfig.forward_token_budget); 0: micro-batch "
+                         "x (prompt + completion), the padded micro-batch's worst case")
     ap.add_argument("--steps", type=int, default=1,
                     help="timed steps per row after the warm-up; the row reports each phase's median and, with "
                          "more than one, every step's seconds (a single step's ratio moves by a few hundredths "

@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 
 from qerl.forward import decoder_and_head, lm_logits, positions_from_mask
-from qerl.packing import pack_rows, packed_forward
+from qerl.packing import pack_rows, packed_hidden
 
 # token rows of [rows, vocabulary] fp32 logits computed at a time: 1024 rows of a 152k vocabulary
 # are 0.6 GB a buffer, whatever the micro-batch and completion length
@@ -91,9 +91,7 @@ def sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion
         if pk.n_tokens == 0:
             z = head_w.new_zeros(shape, dtype=torch.float32)
             return z, (z.clone() if with_entropy else None)
-        with packed_forward(model):
-            h = dec(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False,
-                    **pk.attn_kwargs()).last_hidden_state[0]
+        h = packed_hidden(model, pk)
         lp, ent = token_logprobs(h.index_select(0, pk.logit_pos), head_w, pk.target_ids, temperature, with_entropy,
                                  chunk_rows)
         return pk.unpack(lp, shape), (pk.unpack(ent, shape) if with_entropy else None)

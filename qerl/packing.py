@@ -12,8 +12,9 @@ mix (results/table3/NOTES.md). Here the forward runs over the real tokens only:
   torch wheel: no extra package, no [T, T] mask, no FLOP spent across rows). Elsewhere (the CPU
   tests and CI) the same packed layout and the same call run SDPA row by row: one code path, only
   the kernel differs. docs/design.md says why this and not FlexAttention or a padded mask.
-  It is an HF attention function (``ATTN_IMPLEMENTATION``), switched on for one forward by
-  ``packed_forward``: the decoder's own layers (and gradient checkpointing) run unchanged.
+  ``packed_hidden`` runs the decoder's own layers (and HF's gradient checkpointing) over the packed
+  sequence; their attention calls reach it through HF's attention functions, which qerl wraps once to
+  take a packed sequence (``_dispatching``: a call without one runs HF's own function unchanged).
 - ``plan_forwards``: the rows of a training pass sorted by length and cut into forwards of at most
   ``token_budget`` tokens (a longer row alone). The loss normalisation never depends on this cut
   (qerl.step: each row keeps its micro-batch's normaliser, as across data-parallel ranks).
@@ -21,15 +22,12 @@ mix (results/table3/NOTES.md). Here the forward runs over the real tokens only:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-ATTN_IMPLEMENTATION = "qerl_varlen"
 
 
 @dataclass
@@ -55,11 +53,6 @@ class PackedRows:
     def n_tokens(self) -> int:
         return self.input_ids.size(1)
 
-    def attn_kwargs(self) -> dict:
-        """What the decoder's forward passes on to ``varlen_attention`` (FlashAttention's kwarg names)."""
-        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_len, "max_length_k": self.max_len}
-
     def unpack(self, flat: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """Per-token values [N] back into a [B, C] tensor (zeros where there is no completion token)."""
         out = flat.new_zeros(shape)
@@ -79,10 +72,16 @@ def row_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torc
     return torch.where(c > 0, prompt_mask.sum(1) + c, torch.zeros_like(c))
 
 
+PACK_ALIGN = 16  # packed lengths are rounded up to a multiple of this: GEMM row counts keep one divisibility
+
+
 def pack_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-              completion_mask: torch.Tensor) -> PackedRows:
+              completion_mask: torch.Tensor, align: int = PACK_ALIGN) -> PackedRows:
     """Pack rows as the module docstring says. Prompts may be padded on either side (their mask
-    says which tokens are real); a row with completion tokens needs at least one prompt token."""
+    says which tokens are real); a row with completion tokens needs at least one prompt token.
+    ``align``: the packed sequence is filled up to a multiple of it by one last segment of filler
+    tokens (attending only among themselves, no log-prob read there): fewer than ``align`` tokens,
+    and the kernels see row counts of one divisibility (the Triton kernels specialise on M % 16)."""
     if prompt_ids.shape != prompt_mask.shape or completion_ids.shape != completion_mask.shape:
         raise ValueError(f"ids and masks must have the same shapes: prompt {tuple(prompt_ids.shape)} / "
                          f"{tuple(prompt_mask.shape)}, completion {tuple(completion_ids.shape)} / "
@@ -110,8 +109,15 @@ def pack_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_id
     rows = torch.arange(B, device=dev)[:, None].expand(B, C)[cm]
     cols = ccol[cm]
     logit_pos = (starts + p_len)[rows] + cols - 1
-    return PackedRows(ids[keep][None], pos[keep][None], cu, int(seq.max()) if B else 0, logit_pos,
-                      completion_ids[rows, cols], rows, cols)
+    flat_ids, flat_pos = ids[keep], pos[keep]
+    T = flat_ids.numel()
+    fill = (-T) % align if T else 0
+    if fill:
+        flat_ids = torch.cat([flat_ids, flat_ids.new_zeros(fill)])
+        flat_pos = torch.cat([flat_pos, torch.arange(fill, device=dev, dtype=flat_pos.dtype)])
+        cu = torch.cat([cu, cu.new_tensor([T + fill])])
+    max_len = max(int(seq.max()) if B else 0, fill)
+    return PackedRows(flat_ids[None], flat_pos[None], cu, max_len, logit_pos, completion_ids[rows, cols], rows, cols)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,62 +179,74 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return _rows_sdpa(q, k, v, cu_seqlens.tolist(), scale)
 
 
-def hf_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                        sliding_window=None, **kwargs):
-    """The HF attention-interface entry: query [1, Hq, T, D], key / value [1, Hkv, T, D] of a packed
-    sequence, the rows given by ``cu_seq_lens_q``; returns ([1, T, Hq, D], None) as HF's sdpa does."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        raise ValueError(f"attention {ATTN_IMPLEMENTATION!r} needs a packed sequence (qerl.packing.packed_forward)")
+def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      sliding_window=None, **kwargs):
+    """query [1, Hq, T, D], key / value [1, Hkv, T, D] of a packed sequence (``qerl_cu_seqlens``) ->
+    ([1, T, Hq, D], None), as HF's own attention functions return."""
     if query.size(0) != 1:
         raise ValueError(f"a packed sequence is one row, got a batch of {query.size(0)}")
     if dropout:
         raise ValueError("packed attention has no dropout (the training forward runs without it)")
-    max_len = int(kwargs["max_length_q"])
+    max_len = int(kwargs["qerl_max_len"])
     if sliding_window is not None and sliding_window < max_len:
         raise ValueError(f"sliding-window attention ({sliding_window} < a row of {max_len} tokens) is not supported "
                          "by the packed forward")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    out = varlen_attention(q, k, v, cu, max_len, scaling)
-    return out[None], None
+    return varlen_attention(q, k, v, kwargs["qerl_cu_seqlens"], max_len, scaling)[None], None
 
 
-_registered = False
+def _dispatching(inner):
+    """An HF attention function that runs ``_packed_attention`` when the layer was called with a packed
+    sequence's ``qerl_cu_seqlens`` (also when gradient checkpointing recomputes the layer in the
+    backward: the kwargs are bound to the recomputation), else ``inner`` unchanged."""
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if kwargs.get("qerl_cu_seqlens") is not None:
+            return _packed_attention(module, query, key, value, attention_mask, *args, **kwargs)
+        kwargs.pop("qerl_cu_seqlens", None)
+        kwargs.pop("qerl_max_len", None)
+        return inner(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention.qerl_inner = inner
+    return attention
+
+
+PACKED_IMPLEMENTATIONS = ("sdpa", "eager")  # the model's own attention that the packed forward runs beside
 
 
 def _register() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
+    """Once: HF's "sdpa" and "eager" attention functions, wrapped by ``_dispatching``."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
 
-        AttentionInterface.register(ATTN_IMPLEMENTATION, hf_varlen_attention)
-        _registered = True
-
-
-def _configs(model):
-    """Every config object of the model whose ``_attn_implementation`` the layers read."""
-    seen, out = set(), []
-    for m in model.modules():
-        c = getattr(m, "config", None)
-        if c is not None and id(c) not in seen and hasattr(c, "_attn_implementation"):
-            seen.add(id(c))
-            out.append(c)
-    return out
+    for name in PACKED_IMPLEMENTATIONS:
+        cur = ALL_ATTENTION_FUNCTIONS.get(name, eager_attention_forward if name == "eager" else None)
+        if cur is not None and not hasattr(cur, "qerl_inner"):
+            AttentionInterface.register(name, _dispatching(cur))
 
 
-@contextlib.contextmanager
-def packed_forward(model):
-    """Context: the model's attention layers run ``hf_varlen_attention`` (restored after)."""
+def packed_hidden(model, pk: PackedRows) -> torch.Tensor:
+    """The decoder's last hidden states [T, H] over a packed sequence: embeddings, rotary at the packed
+    positions, every decoder layer (attention within each row; HF's gradient checkpointing as
+    configured), the final norm. No attention mask is built (none is needed)."""
+    from qerl.forward import decoder_and_head
+
+    dec, _ = decoder_and_head(model)
+    impl = getattr(dec.config, "_attn_implementation", None)
+    if impl not in PACKED_IMPLEMENTATIONS:
+        raise ValueError(f"the packed forward runs beside the model's own attention, which must be one of "
+                         f"{PACKED_IMPLEMENTATIONS}; this model uses {impl!r} (load it with attn_implementation='sdpa')")
+    for name in ("embed_tokens", "rotary_emb", "layers", "norm"):
+        if not hasattr(dec, name):
+            raise ValueError(f"{type(dec).__name__} has no {name}: the packed forward needs a Llama/Qwen-style decoder")
     _register()
-    cfgs = _configs(model)
-    prev = [c._attn_implementation for c in cfgs]
-    try:
-        for c in cfgs:
-            c._attn_implementation = ATTN_IMPLEMENTATION
-        yield
-    finally:
-        for c, p in zip(cfgs, prev):
-            c._attn_implementation = p
+    h = dec.embed_tokens(pk.input_ids)
+    pos_emb = dec.rotary_emb(h, pk.position_ids)
+    kw = {"qerl_cu_seqlens": pk.cu_seqlens, "qerl_max_len": pk.max_len}
+    for layer in dec.layers[: dec.config.num_hidden_layers]:
+        out = layer(h, attention_mask=None, position_ids=pk.position_ids, position_embeddings=pos_emb, **kw)
+        h = out[0] if isinstance(out, tuple) else out
+    return dec.norm(h)[0]
 
 
 # ----------------------------------------------------------------------------------------------

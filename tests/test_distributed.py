@@ -28,6 +28,10 @@ VARIANTS = {  # name -> config overrides; every run: 3 prompts x 4 samples, mini
     "bnpo": dict(loss_type="bnpo"),
     "dr_grpo": dict(loss_type="dr_grpo", scale_rewards="batch"),
     "dapo": dict(loss_type="dapo", dynamic_sampling=True, beta=0.04),
+    # the default runs above are padding-free with the default budget (each forward a micro-batch or more);
+    # a budget of ~2 rows cuts micro-batches across forwards; the padded path stays covered
+    "packed_bnpo_small_budget": dict(loss_type="bnpo", forward_token_budget=40),
+    "padding_free_off_grpo": dict(loss_type="grpo", padding_free=False),
 }
 COMPARED = ["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "entropy", "sampling/entropy",
             "sampling/logprob_gap", "clip_ratio/region_mean", "completions/mean_length", "num_tokens",
