@@ -174,3 +174,29 @@ def test_padding_free_update_with_old_logprobs_and_clipping(policy):
     assert m_ref["clip_ratio/region_mean"] > 0.05  # the clipping is exercised
     assert float((got - ref).norm() / ref.norm()) < 1e-5
     assert m["clip_ratio/region_mean"] == pytest.approx(m_ref["clip_ratio/region_mean"], rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_packed_varlen_on_gpu_equals_padded_sdpa(model_type):
+    """CUDA, bf16: the packed forward (torch's FlashAttention varlen, GQA) against the padded SDPA forward,
+    log-probs and the gradient of their sum w.r.t. the embeddings (bf16 tolerances)."""
+    model = make_tiny_model(model_type, dtype=torch.bfloat16).cuda()
+    torch.manual_seed(2)
+    p_ids, p_mask = left_pad([[5, 6, 7, 8, 9] * 9, [10, 11], [12, 13, 14] * 30], 0, "cuda")
+    lengths = torch.tensor([140, 3, 77], device="cuda")
+    c_mask = (torch.arange(140, device="cuda")[None] < lengths[:, None]).long()
+    c_ids = torch.randint(3, 200, (3, 140), device="cuda") * c_mask
+    emb = model.get_input_embeddings().weight
+    emb.requires_grad_(True)
+    out = []
+    for packed in (True, False):
+        emb.grad = None
+        lp, _ = sequence_logprobs(model, p_ids, p_mask, c_ids, c_mask, 1.0, packed=packed)
+        (lp * c_mask).sum().backward()
+        out.append((lp.detach(), emb.grad.float().clone()))
+    m = c_mask.bool()
+    torch.testing.assert_close(out[0][0][m], out[1][0][m], atol=0.05, rtol=0.02)
+    rel = float((out[0][1] - out[1][1]).norm() / out[1][1].norm())
+    assert rel < 0.03, rel
