@@ -43,7 +43,7 @@ Run (GPU; expected minutes on an H100 in brackets; must-have rows first):
   python -m experiments.table3_speed_memory --models qwen2.5-7b --batch 2 4 8 --grad-ckpt on off \\
       --completion 512                                                                         (optional)
   python -m experiments.table3_speed_memory --merge a/h100.json b/h100.json --out results/table3   (CPU)
-A row can also be given as ``--row MODEL/bsB[/cC][/mbM][/gcon|gcoff]`` (repeatable), e.g. the RL
+A row can also be given as ``--row MODEL/bsB[/cC][/mbM][/gcon|gcsel|gcoff]`` (repeatable), e.g. the RL
 batch row above: 64 completions of 512 tokens, micro-batch 8 (the paper's Table 4).
 
 ``--lengths mix`` (benchmarks/speed_common.py: a clipped log-normal, median cap / 4, 95th percentile at
@@ -77,6 +77,7 @@ from benchmarks import speed_common as sc
 from experiments import _common as C
 from qerl import kernels as qkernels
 from qerl import perf as qperf
+from qerl import recompute
 from qerl import step as qstep
 from qerl.config import QERL_FORMAT, QLORA_FORMAT, TrainConfig, method_name, parse_method, table_bases
 from qerl.packing import plan_forwards
@@ -153,7 +154,8 @@ PAPER = {
 # one GRPO step: the trainer's own phases (qerl.step) and optimizer (qerl.policy.make_optimizer)
 
 
-def bench_config(method: str, args, batch: int, micro_batch: int, completion: int, device) -> TrainConfig:
+def bench_config(method: str, args, batch: int, micro_batch: int, completion: int, device,
+                 recompute_mode: str = "full") -> TrainConfig:
     """The TrainConfig of a row: one rollout of ``batch`` completions, one pass, one optimizer step
     (AdamW-8bit on CUDA as the paper's Table 4, torch AdamW on the CPU), GRPO, no KL; training forwards
     padding-free by ``--token-budget`` (``--padding-free off``: padded micro-batches)."""
@@ -164,7 +166,7 @@ def bench_config(method: str, args, batch: int, micro_batch: int, completion: in
                        optim="adamw_8bit" if torch.device(device).type == "cuda" else "adamw", loss_type="grpo",
                        epsilon=0.2, epsilon_high=0.28, beta=0.0, temperature=1.0, top_p=1.0, top_k=0,
                        seed=args.seed, wandb_mode="disabled", padding_free=args.padding_free == "on",
-                       forward_token_budget=args.token_budget)
+                       forward_token_budget=args.token_budget, gradient_checkpointing=recompute_mode)
 
 
 def synthetic_rollout(batch: int, prompt_len: int, completion_len: int, vocab: int, device, seed: int = 0,
@@ -257,38 +259,38 @@ def warm_up(cfg, model, engine, opt, sched, prompt_len: int, vocab: int, reuse: 
     return time.perf_counter() - t0
 
 
-def set_grad_ckpt(model, on: bool) -> None:
-    if on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif getattr(model, "is_gradient_checkpointing", False):
-        model.gradient_checkpointing_disable()
+def set_grad_ckpt(model, mode) -> None:
+    """Activation recomputation off / selective / full (a bool: full or off), as the trainer sets it."""
+    recompute.enable(model, mode)
 
 
 @dataclass(frozen=True)
 class RowSpec:
-    """One measured configuration of a model (each method runs it): ``--row MODEL/bsB[/cC][/mbM][/gc(on|off)]``."""
+    """One measured configuration of a model (each method runs it): ``--row MODEL/bsB[/cC][/mbM][/gc(on|sel|off)]``."""
 
     model: str
     batch: int
     completion: int
     micro_batch: int
     grad_ckpt: bool = True
+    recompute: str = "full"  # off | selective | full (gcoff / gcsel / gcon)
 
     @classmethod
     def parse(cls, text: str, args) -> RowSpec:
         model, *parts = text.split("/")
         if model not in sc.MODELS:
             raise ValueError(f"--row {text!r}: unknown model {model!r}; expected one of {list(sc.MODELS)}")
-        kw = dict(batch=None, completion=args.completion, micro_batch=args.micro_batch, grad_ckpt=True)
+        kw = dict(batch=None, completion=args.completion, micro_batch=args.micro_batch, grad_ckpt=True, recompute="full")
         for part in parts:
             key = next((k for k in ("bs", "mb", "c", "gc") if part.startswith(k)), None)
             val = part[len(key):] if key else ""
-            if key == "gc" and val in ("on", "off"):
-                kw["grad_ckpt"] = val == "on"
+            if key == "gc" and val in ("on", "off", "sel"):
+                kw["grad_ckpt"] = val != "off"
+                kw["recompute"] = {"on": "full", "off": "off", "sel": "selective"}[val]
             elif key in ("bs", "mb", "c") and val.isdigit() and int(val) > 0:
                 kw[{"bs": "batch", "mb": "micro_batch", "c": "completion"}[key]] = int(val)
             else:
-                raise ValueError(f"--row {text!r}: bad part {part!r} (expected bsN, cN, mbN, gcon or gcoff)")
+                raise ValueError(f"--row {text!r}: bad part {part!r} (expected bsN, cN, mbN, gcon, gcsel or gcoff)")
         if kw["batch"] is None:
             raise ValueError(f"--row {text!r}: the batch (bsN) is required")
         return cls(model, **kw)
@@ -298,18 +300,19 @@ def row_specs(args) -> list[RowSpec]:
     """--row specs, else every model x --batch x --grad-ckpt at --completion / --micro-batch."""
     if args.row:
         return [RowSpec.parse(r, args) for r in args.row]
-    return [RowSpec(m, b, args.completion, args.micro_batch, g == "on") for m in args.models for b in args.batch
-            for g in args.grad_ckpt]
+    modes = {"on": "full", "off": "off", "selective": "selective"}
+    return [RowSpec(m, b, args.completion, args.micro_batch, g != "off", modes[g]) for m in args.models
+            for b in args.batch for g in args.grad_ckpt]
 
 
 def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, extra: dict) -> dict:
     """One row: warm-up and a timed step; an OOM (or other failure) is recorded with its phase."""
-    cfg0 = bench_config(method, args, spec.batch, spec.micro_batch, spec.completion, args.device)
+    cfg0 = bench_config(method, args, spec.batch, spec.micro_batch, spec.completion, args.device, spec.recompute)
     reuse = (args.old_logprobs == "reuse" or
              (args.old_logprobs == "trainer" and qstep.reuse_training_logprobs(cfg0, spec.batch)))
     row = dict(model=spec.model, method=method, batch=spec.batch, grad_ckpt=spec.grad_ckpt, micro_batch=spec.micro_batch,
                prompt_len=args.prompt, completion_len=spec.completion, old_logprobs="reuse" if reuse else "forward",
-               padding_free=cfg0.padding_free, token_budget=cfg0.token_budget if cfg0.padding_free else None,
+               recompute=spec.recompute, padding_free=cfg0.padding_free, token_budget=cfg0.token_budget if cfg0.padding_free else None,
                optimizer=type(opt).__name__, oom=False, lengths=args.lengths, **extra)
     # the completion lengths: every sequence at the cap, or a mix drawn once (the same for every method)
     lengths = sc.draw_lengths(args.lengths, spec.batch, spec.completion, seed=args.seed)
@@ -319,8 +322,8 @@ def measure(model, spec: RowSpec, method: str, args, vocab: int, opt, sched, ext
     ph = sc.PhaseTimer()
     engine = None
     try:
-        cfg = bench_config(method, args, spec.batch, spec.micro_batch, spec.completion, args.device)
-        set_grad_ckpt(model, spec.grad_ckpt)
+        cfg = cfg0
+        set_grad_ckpt(model, spec.recompute)
         with ph("engine"):
             engine = sc.make_fast_engine(model, spec.batch, args.prompt + spec.completion)
         with ph("warmup"):
@@ -560,7 +563,8 @@ def parse_args(argv=None):
     ap.add_argument("--methods", nargs="+", default=[QERL_FORMAT, "bf16", QLORA_FORMAT], choices=METHODS,
                     help="base formats (LoRA on top of each), run in this order; nf4 runs bitsandbytes' kernels")
     ap.add_argument("--batch", nargs="+", type=int, default=[8], help="completions per step (paper: 2, 4, 8)")
-    ap.add_argument("--grad-ckpt", nargs="+", default=["on"], choices=["on", "off"], help="gradient checkpointing")
+    ap.add_argument("--grad-ckpt", nargs="+", default=["on"], choices=["on", "off", "selective"],
+                    help="activation recomputation: on (full), selective or off (qerl.recompute)")
     ap.add_argument("--prompt", type=int, default=256, help="prompt length (paper: 256)")
     ap.add_argument("--completion", type=int, default=2048, help="completion length, fixed (paper: 2048)")
     ap.add_argument("--lengths", default="fixed", type=sc.lengths_arg,
@@ -569,7 +573,7 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per training forward/backward")
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r (alpha = 2 r); paper Table 4: 32")
     ap.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-5)")
-    ap.add_argument("--row", action="append", default=None, metavar="MODEL/bsB[/cC][/mbM][/gcon|gcoff]",
+    ap.add_argument("--row", action="append", default=None, metavar="MODEL/bsB[/cC][/mbM][/gcon|gcsel|gcoff]",
                     help="a row to measure instead of --models x --batch x --grad-ckpt (repeatable); unset parts "
                          "take --completion / --micro-batch / gc on: qwen2.5-7b/bs64/c512/mb8")
     ap.add_argument("--old-logprobs", default="trainer", choices=["trainer", "forward", "reuse"],

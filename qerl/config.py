@@ -136,7 +136,7 @@ class TrainConfig:
     backend: str = "auto"  # 4-bit matmul dispatch: auto | triton | reference | bitsandbytes (nf4)
     engine: str = "auto"  # rollout engine: auto (fast where supported) | fast (static cache + CUDA graphs) | hf (reference)
     rollout_rows: int = 0  # fast engine rows (its KV cache's batch): 0 = one per sequence; N = at most N, freed rows taking waiting sequences (less cache memory, the same tokens)
-    gradient_checkpointing: bool = False  # recompute activations in the backward (less memory, slower)
+    gradient_checkpointing: str = "off"  # activation recomputation: off | selective (keep matmul and attention outputs, redo the elementwise parts) | full (keep each layer's input, redo its forward); true = full (qerl.recompute)
     # ---- data
     dataset: str = "arith"  # training set: a built-in name (qerl.data.DATASETS), a .jsonl/.parquet/.csv file, a folder of them, or a hub dataset id
     prompt_column: str | None = None  # your data's prompt column (None: prompt, question or problem); a list of chat messages is used as is
@@ -239,6 +239,9 @@ class TrainConfig:
             raise ValueError(f"lr_scheduler must be cosine|constant, got {self.lr_scheduler!r}")
         if self.wandb_mode is not None and self.wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb_mode must be offline|online|disabled, got {self.wandb_mode!r}")
+        from qerl.recompute import parse_mode
+
+        self.gradient_checkpointing = parse_mode(self.gradient_checkpointing)
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16|float16|float32, got {self.dtype!r}")
         if self.bigmath_config not in BIGMATH_CONFIGS:
@@ -300,9 +303,14 @@ class TrainConfig:
 
     @property
     def token_budget(self) -> int:
-        """Tokens per padding-free training forward (``forward_token_budget``, 0 = the padded micro-batch's
-        worst case, which fits wherever the padded path did)."""
-        return self.forward_token_budget or self.micro_batch_size * (self.max_prompt_length + self.max_completion_length)
+        """Tokens per padding-free training forward (``forward_token_budget``; 0 = the padded micro-batch's
+        worst case, which fits wherever the padded path did; a third of it under selective recomputation,
+        which keeps ~3x the activations a token of full recomputation does)."""
+        if self.forward_token_budget:
+            return self.forward_token_budget
+        worst = self.micro_batch_size * (self.max_prompt_length + self.max_completion_length)
+        return max(worst // 3, self.max_prompt_length + self.max_completion_length) if \
+            self.gradient_checkpointing == "selective" else worst
 
     def aqn_config(self):
         """The AQNConfig of this run (disabled unless aqn; the noise generator seeded by seed)."""

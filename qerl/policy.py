@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from qerl import distributed as qdist
-from qerl import formats
+from qerl import formats, recompute
 from qerl.config import TrainConfig
 from qerl.noise import find_norms, keep_norms_fp32
 from qerl.quantize import lora_parameters, model_size_bytes, quantize_
@@ -61,8 +61,7 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
         info["trainable_norms"] = len(norms)
     info["model_size_bytes"] = model_size_bytes(model)
     info["trainable_params"] = sum(p.numel() for p in trainable)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    recompute.enable(model, cfg.gradient_checkpointing)
     model.config.use_cache = True
     return model, tokenizer, trainable, info
 
