@@ -4,7 +4,7 @@ openai/gsm8k main, HuggingFaceH4/MATH-500, HuggingFaceH4/aime_2024, math-ai/aime
 With them, runs need no hub access, and the 10 tests on the real datasets (tests/test_data.py) run
 instead of skipping.
 
-    python scripts/fetch_data.py data          # or: make data   (needs network; ~10 MB, under a minute)
+    python scripts/fetch_data.py data          # or: make data   (needs network; a few MB)
     export QERL_DATA_DIR=$PWD/data
 """
 
