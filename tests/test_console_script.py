@@ -115,6 +115,8 @@ def test_train_from_the_folder_of_the_reward_module(trained):
     summary = json.loads((trained / "summary.json").read_text())
     assert summary["status"] == "ok"
     assert summary["eval_before/tasks.jsonl/num_problems"] == 4 and summary["eval/tasks.jsonl/num_problems"] == 4
+    # the evaluation file is scored by the run's reward functions, as the training steps are
+    assert {"eval/tasks.jsonl/rewards/exact_count/mean", "eval/tasks.jsonl/rewards/short/mean"} <= set(summary)
     assert (trained / "checkpoints" / "step-2" / "trainable.safetensors").is_file()
 
 
