@@ -12,7 +12,7 @@ define EXP
 $(PY) -m experiments.$(1) --profile $(PROFILE) --parallel $(PARALLEL) $(ARGS)
 endef
 
-.PHONY: help setup quickstart test test-gpu test-all lint compile-check reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
+.PHONY: help setup quickstart data test test-gpu test-all lint compile-check reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
 	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
 	train-ddp dist-check aqn-paired aqn-equivalence
 
@@ -66,6 +66,9 @@ test-gpu-%: ## one group of the GPU tests (formats | kernels | engine), for mach
 
 test-all: ## every test, GPU tests included
 	$(PY) -m pytest -q
+
+data: ## local copies of the benchmark datasets from the hub into DATA_DIR (default: data), for QERL_DATA_DIR
+	$(PY) scripts/fetch_data.py $(or $(DATA_DIR),data)
 
 lint: ## ruff
 	$(PY) -m ruff check qerl tests experiments benchmarks

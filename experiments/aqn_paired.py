@@ -40,6 +40,7 @@ from experiments._common import GRPO, Artefact, Outputs, declare, flags
 from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_tasks
 from qerl.config import QERL_FORMAT, method_name
 from qerl.logging import git_info
+from qerl.noise import stage_for_step
 
 # arm -> TrainConfig overrides (on the profile), in the plan's order; the last is exploratory
 ARMS = {"noaqn": dict(method=method_name(QERL_FORMAT)),
@@ -180,8 +181,12 @@ def read_run(d: Path) -> dict | None:
     for key, name in (("sampling/entropy", "entropy"), ("sampling/logprob_gap", "gap")):
         by_stage: dict[int, list[float]] = {}
         for r in steps:
-            if r.get(key) is not None and r.get("aqn/stage") is not None:
-                by_stage.setdefault(int(r["aqn/stage"]), []).append(r[key])
+            # the noise-free arm logs no stage: its steps fall into the stages of the AQN arm's schedule
+            stage = r.get("aqn/stage")
+            if stage is None and cfg.get("max_steps") and cfg.get("num_stages"):
+                stage = stage_for_step(r["step"] - 1, cfg["max_steps"], cfg["num_stages"])
+            if r.get(key) is not None and stage is not None:
+                by_stage.setdefault(int(stage), []).append(r[key])
         for st, vals in by_stage.items():
             out[f"{name}_stage{st}"] = sum(vals) / len(vals)
     return out

@@ -479,6 +479,26 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run folder (one with its manifest)."""
     return latest_complete(Path(output_dir) / "checkpoints")[0]
 
+def check_resume_from(resume_from: str) -> Path:
+    """The checkpoint folder an explicit ``--resume-from PATH`` names, or one error saying what PATH is
+    instead: missing, a file, a run folder (its checkpoints are named), or a folder with no checkpoint files.
+    Checked before the model loads."""
+    resume = Path(resume_from).expanduser()
+    if not resume.exists():
+        raise FileNotFoundError(f"--resume-from {resume_from}: no such checkpoint folder")
+    if not resume.is_dir():
+        raise ValueError(f"--resume-from {resume_from}: a file, not a checkpoint folder (checkpoints/step-N)")
+    if (resume / "trainable.safetensors").is_file() or is_complete(resume):
+        return resume
+    if (resume / "checkpoints").is_dir() or (resume / "config.json").is_file():
+        newest = latest_checkpoint(resume) if (resume / "checkpoints").is_dir() else None
+        which = (f"its newest is {newest}" if newest is not None else "it has no complete checkpoint yet")
+        raise ValueError(f"--resume-from {resume_from}: a run folder, not a checkpoint ({which}); pass "
+                         f"checkpoints/step-N, or --resume-from auto with --output-dir {resume_from}")
+    raise ValueError(f"--resume-from {resume_from}: not a checkpoint (no trainable.safetensors or {MANIFEST}); "
+                     f"pass a run's checkpoints/step-N, or auto")
+
+
 def resume_point(output_dir: Path, resume_from: str | None, say=print) -> Path | None:
     """The checkpoint a run resumes from: ``resume_from`` "auto" (the run folder's newest complete
     checkpoint, None if it has none), a checkpoint folder, or None (a fresh run). Skipped incomplete
@@ -493,9 +513,7 @@ def resume_point(output_dir: Path, resume_from: str | None, say=print) -> Path |
         if resume is None:  # the documented choice: start fresh, and say so (experiments pass auto to new runs)
             say(f"[qerl] --resume-from auto: no checkpoint in {Path(output_dir) / 'checkpoints'}; starting at step 1")
         return resume
-    resume = Path(resume_from)
-    if not resume.is_dir():
-        raise FileNotFoundError(f"resume_from={resume_from}: no such checkpoint")
+    resume = check_resume_from(resume_from)
     if not is_complete(resume):
         say(f"[qerl] warning: {resume} has no {MANIFEST} (saved by an older qerl, or cut off mid-save); its files "
             "are read unchecked")

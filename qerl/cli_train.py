@@ -32,6 +32,7 @@ from qerl.config import (
     resolve_config,
     table_bases,
 )
+from qerl.paths import check_writable  # noqa: F401 - also imported from here
 
 
 def _field_type(f: dataclasses.Field):
@@ -121,27 +122,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"profile"}
     flags = {k: getattr(args, k) for k in fields if getattr(args, k, None) is not None}
-    if getattr(args, "report_to", None) is not None and "wandb_mode" not in flags:
-        flags["wandb_mode"] = report_to_mode(args.report_to)
+    if getattr(args, "report_to", None) is not None:
+        mode = report_to_mode(args.report_to)
+        if mode is not None and flags.get("wandb_mode", mode) != mode:
+            raise ValueError(f"--report-to {' '.join(args.report_to)} and --wandb-mode {flags['wandb_mode']} contradict "
+                             f"each other; keep one")
+        if mode is not None:
+            flags["wandb_mode"] = mode
     return resolve_config(getattr(args, "config", None), getattr(args, "profile", None),
                           method=getattr(args, "method", None), **flags)
-
-
-def check_writable(path, option: str, file: bool = False) -> None:
-    """A ValueError naming ``option`` when ``path`` (a folder to create or fill; ``file``: a file to write)
-    cannot be written: under a file, or on a read-only file system or without permission. Checked before
-    any model loads."""
-    import os
-    from pathlib import Path
-
-    p = Path(path).expanduser().absolute()
-    q = p.parent if file else p
-    while not q.exists() and q != q.parent:  # a path under a file does not "exist" either
-        q = q.parent
-    if not q.is_dir():
-        raise ValueError(f"{option} {path}: {q} is a file, not a folder")
-    if not os.access(q, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: cannot write in {q} (a read-only file system, or no permission)")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -152,14 +141,14 @@ def run_train(args: argparse.Namespace) -> int:
         check_writable(cfg.output_dir, "--output-dir")
         from qerl.rewards import RewardSet
 
-        RewardSet.from_config(cfg)  # a module:function that does not import fails here, before the model loads
+        rewards = RewardSet.from_config(cfg)  # a module:function that does not import fails here, before the model loads
         from qerl.data import DATASETS
-        from qerl.evaluate import eval_records
+        from qerl.evaluate import eval_records, own_needs_answer
 
         settings = eval_settings(cfg)
         for d in (d for d in cfg.eval_datasets if d not in DATASETS):  # so does your own evaluation file
             eval_records(d, settings["limit"], cfg.data_dir, cfg.seed, cfg.arith_levels, cfg.prompt_column,
-                         cfg.answer_column)
+                         cfg.answer_column, require_answer=own_needs_answer(rewards))
         if getattr(args, "dry_run", False):
             from qerl.config import describe
 
@@ -218,6 +207,13 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="a qerl checkpoint folder (checkpoints/step-N) or a PEFT adapter folder it exported; "
                         "LoRA rank/alpha/targets and trained norms are read from it")
     add_data_args(p)
+    p.add_argument(*_spellings("reward", "reward_funcs"), dest="reward", nargs="+", default=None, metavar="FUNC",
+                   help="the reward functions that score your own datasets, as in training: module:function "
+                        "references or built-in names (default: the config file's, else the checkpoint's; built-in "
+                        "rewards alone score with math_verify)")
+    p.add_argument(*_spellings("reward_weights"), dest="reward_weights", type=float, nargs="+", default=None,
+                   metavar="W", help="one weight per reward function (default: the config file's, else the "
+                                     "checkpoint's, else 1.0 each)")
     p.add_argument("--limit", type=int, default=None, help="problems per dataset (0 = all)")
     p.add_argument("--samples", type=int, default=None, help="samples per problem; pass@1 is their mean accuracy")
     p.add_argument("--temperature", type=float, default=None)
@@ -230,7 +226,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="rollout engine: fast (static cache + CUDA graphs; Llama/Qwen) or hf (reference)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arith-levels", type=int, nargs="+", default=None, help="levels of the built-in arith set")
-    p.add_argument("--out", default=None, help="write results JSON here")
+    p.add_argument("--out", default=None, help="write results JSON here, with every completion and its row")
 
 
 # eval_settings values the eval CLI takes by default (from the profile or --config): left out of eval_flags,
@@ -289,6 +285,34 @@ def check_eval_ranges(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {v}")
 
 
+def eval_rewards(args: argparse.Namespace, base: TrainConfig):
+    """The RewardSet that scores your own evaluation data, as training scored it: --reward / --reward-weights,
+    else the config file's reward functions, else the checkpoint's (its config.json); None when these are
+    built-in rewards only (math_verify scores)."""
+    from pathlib import Path
+
+    from qerl.rewards import REWARDS, RewardSet
+
+    funcs, weights = args.reward, args.reward_weights
+    if funcs is None and getattr(args, "config", None):
+        funcs, weights = list(base.reward), (weights if weights is not None else list(base.reward_weights))
+    if funcs is None and args.adapter and (Path(args.adapter) / "config.json").is_file():
+        recorded = json.loads((Path(args.adapter) / "config.json").read_text())
+        funcs = recorded.get("reward")
+        weights = weights if weights is not None else recorded.get("reward_weights")
+    if funcs is None:
+        if weights is not None:
+            raise ValueError("--reward-weights without reward functions: pass --reward (or --config)")
+        return None
+    funcs = [funcs] if isinstance(funcs, str) else list(funcs)
+    if all(f in REWARDS for f in funcs):
+        return None
+    weights = tuple(weights or ())
+    if weights and len(weights) != len(funcs):
+        raise ValueError(f"--reward-weights: {len(weights)} weights for {len(funcs)} reward functions")
+    return RewardSet(funcs, weights, base.format_reward_weight)
+
+
 def _policy_of(method: str) -> tuple:
     """What an evaluation loads for a method: its base format and whether it has adapters (AQN only
     shapes training, so nvfp4_lora_aqn and nvfp4_lora evaluate alike)."""
@@ -300,7 +324,8 @@ def _policy_of(method: str) -> tuple:
 
 def run_eval(args: argparse.Namespace) -> int:
     from qerl.checkpoint import load_trainable, read_checkpoint_config
-    from qerl.evaluate import eval_records, evaluate_datasets, write_results
+    from qerl.data import DATASETS
+    from qerl.evaluate import eval_records, evaluate_datasets, own_needs_answer, write_results
     from qerl.logging import environment
     from qerl.policy import build_policy
 
@@ -308,8 +333,11 @@ def run_eval(args: argparse.Namespace) -> int:
     base, settings = eval_settings_of(args)  # bad settings and config files fail before any model loads
     if args.out:
         check_writable(args.out, "--out", file=True)
+    rewards = eval_rewards(args, base)  # your reward functions import here, before the model loads
     keys = ("limit", "data_dir", "arith_levels", "prompt_column", "answer_column")
-    records = {d: eval_records(d, seed=args.seed, **{k: settings[k] for k in keys}) for d in settings["datasets"]}
+    records = {d: eval_records(d, seed=args.seed, **{k: settings[k] for k in keys},
+                               require_answer=own_needs_answer(rewards if d not in DATASETS else None))
+               for d in settings["datasets"]}
     ck = read_checkpoint_config(args.adapter) if args.adapter else {}
     if args.adapter and not (args.method or ck.get("method")):
         raise ValueError(f"{args.adapter} does not record its method (a PEFT adapter folder): pass --method, "
@@ -330,12 +358,16 @@ def run_eval(args: argparse.Namespace) -> int:
     model, tok, _, info = build_policy(cfg, lora=not bare)
     if args.adapter:
         load_trainable(args.adapter, model)
-    res = evaluate_datasets(model, tok, seed=args.seed, records=records, **settings)
+    res = evaluate_datasets(model, tok, seed=args.seed, records=records, rewards=rewards,
+                            keep_completions=bool(args.out), **settings)
     for d, r in res.items():
         se = f" +- {r['accuracy_stderr']:.4f} (s.e. over problems)" if r["accuracy_stderr"] is not None else ""
-        print(f"{d}: pass@1 {r['accuracy']:.4f}{se}, {r['num_problems']} problems x {r['samples']} samples")
+        means = [(k.split("/")[1], v) for k, v in r.items() if k.startswith("rewards/")]
+        each = ("; " + ", ".join(f"{n} {v:.4f}" if v is not None else f"{n} -" for n, v in means)) if means else ""
+        what = " (mean weighted reward)" if means else ""
+        print(f"{d}: pass@1{what} {r['accuracy']:.4f}{se}{each}, {r['num_problems']} problems x {r['samples']} samples")
     if args.out:
         write_results(res, args.out, {"args": vars(args), "settings": settings, "policy": info,
                                       "provenance": environment()})
-    print(json.dumps(res))
+    print(json.dumps({d: {k: v for k, v in r.items() if k != "completions"} for d, r in res.items()}))
     return 0

@@ -254,6 +254,10 @@ class TrainConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2 (group-relative advantages need a group)")
+        if self.overwrite and self.resume_from:
+            raise ValueError(f"overwrite and resume_from={self.resume_from} contradict each other: --overwrite replaces "
+                             f"the run in output_dir, --resume-from continues it; give one (--overwrite false turns "
+                             f"a config file's off)")
         for name in ("prompts_per_step", "max_completion_length", "max_steps", "num_iterations", "micro_batch_size",
                      "eval_samples"):
             if getattr(self, name) < 1:
@@ -593,7 +597,9 @@ def read_config_file(path) -> dict:
         if k in RECORD_KEYS:
             continue
         if k == "report_to":
-            out["wandb_mode"] = report_to_mode(value)
+            mode = report_to_mode(value)
+            if mode is not None:
+                out["report_to_mode"] = mode  # checked against wandb_mode below
             continue
         k = TRL_ALIASES.get(k, k)
         if k in ("profile", "method"):
@@ -613,6 +619,11 @@ def read_config_file(path) -> dict:
         if k in out:
             raise ValueError(f"{p}: {key!r} sets {k} twice")
         out[k] = _coerce(k, value, f"{p}")
+    mode = out.pop("report_to_mode", None)
+    if mode is not None:
+        if out.get("wandb_mode", mode) != mode:
+            raise ValueError(f"{p}: report_to none and wandb_mode {out['wandb_mode']} contradict each other; keep one")
+        out["wandb_mode"] = mode
     return out
 
 

@@ -38,6 +38,7 @@ import os
 import random
 from pathlib import Path
 
+from qerl import hub
 from qerl.config import BIGMATH_CONFIGS, env
 from qerl.rewards import gold_to_str, last_boxed
 
@@ -179,6 +180,7 @@ def _hub_rows(name: str, split: str, config: str | None) -> list[dict]:
     path, hub_config, split_map = _HUB[name]
     if hub_config == "<config>":
         hub_config = config
+    hub.online()  # no network: offline mode, so a dataset not in the cache fails at once
     try:
         ds = datasets.load_dataset(path, hub_config, split=split_map[split])
     except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
@@ -319,6 +321,7 @@ def _folder_file(folder: Path, split: str) -> Path:
 
 
 def _hub_user_rows(name: str, split: str) -> list[tuple[str, dict]]:
+    hub.online()  # no network: offline mode, so a dataset not in the cache fails at once
     try:
         import datasets
 

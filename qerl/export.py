@@ -41,9 +41,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from qerl import formats
+from qerl import formats, hub
 from qerl.arch import FUSED_GROUPS, LINEAR_NAMES, PROJECTIONS, check_supported
 from qerl.models import TOKENIZER_FILES, read_config_file, resolve_model_path
+from qerl.paths import check_new_or_empty
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3  # small shards keep the streaming writer's memory low
 
@@ -345,6 +346,7 @@ def _source_folder(name_or_path, cache_dir=None) -> Path:
     path = resolve_model_path(name_or_path, cache_dir)
     if Path(path).is_dir():
         return Path(path)
+    hub.online()  # no network: offline mode, so a model not in the cache fails at once
     try:
         from huggingface_hub import snapshot_download
 
@@ -398,6 +400,8 @@ def quantize_checkpoint(src, out_dir, fmt: str, progress: bool = True, cache_dir
     """
     spec = formats.get(fmt)
     t0 = time.perf_counter()
+    if Path(out_dir).resolve() != Path(src).expanduser().resolve():  # the same folder: the clearer error below
+        check_new_or_empty(out_dir)
     src = _source_folder(src, cache_dir)
     cfg = read_config_file(src / "config.json")
     check_supported(cfg.get("model_type"), "qerl quantizes", f" (architectures={cfg.get('architectures')})")

@@ -253,7 +253,9 @@ def plot_run_reward(run_dir: str | os.PathLike) -> Path:
                     label=f"reward ({k}-step mean)")
     for key in sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")}):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", label=f"evaluation: {key.removeprefix('eval/')}")
+        # markers only: evaluations are points in time, a line between them would read as data in between
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "s", ms=7, ls="none",
+                label=f"evaluation: {key.removeprefix('eval/')}")
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax.set_title(run_dir.name)
@@ -281,9 +283,10 @@ def run_report(run_dir: str | os.PathLike) -> str:
     rewards = [r["reward"] for r in read_metrics(run_dir) if r.get("reward") is not None] \
         if (run_dir / "metrics.jsonl").is_file() else []
     if rewards:
-        k = min(3, len(rewards))
-        parts.append(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f} (step 1 -> {len(rewards)}; mean of the first "
-                     f"{k} steps {sum(rewards[:k]) / k:.3f} -> last {k} {sum(rewards[-k:]) / k:.3f})")
+        k = min(3, len(rewards) // 2)  # two windows that do not overlap; one step each adds nothing
+        window = (f"; mean of the first {k} steps {sum(rewards[:k]) / k:.3f} -> last {k} {sum(rewards[-k:]) / k:.3f}"
+                  if k >= 2 else "")
+        parts.append(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f} (step 1 -> {len(rewards)}{window})")
     if (run_dir / "reward.png").is_file():
         parts.append(f"plot {run_dir / 'reward.png'}")
     return "; ".join(parts) if parts else f"{run_dir}: no evaluation or reward recorded"

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from qerl import hub
 from qerl.arch import QWEN25_CONFIGS, SUPPORTED_MODEL_TYPES, check_supported
 from qerl.config import env
 
@@ -325,6 +326,8 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dty
     path = resolve_model_path(name_or_path, cache_dir)
     is_hub = not Path(path).is_dir()
     hub_kw = {"cache_dir": str(cache_root(cache_dir) / "hub")} if is_hub else {}
+    if is_hub:
+        hub.online()  # no network: offline mode, so a model not in the cache fails at once
     try:
         config = AutoConfig.from_pretrained(path, **hub_kw)
     except OSError as exc:

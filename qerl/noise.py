@@ -157,16 +157,17 @@ class AQNConfig:
             raise ValueError(f"mode must be one of {AQN_MODES}, got {self.mode!r}")
         _check_schedule(self.num_stages, self.sigma_start, self.sigma_end, self.schedule)
 
-    def sigma_at(self, step: int, total_steps: int) -> tuple[int, float]:
-        """(stage, sigma) for training step ``step`` (0-based); sigma is 0.0 when AQN is disabled.
+    def sigma_at(self, step: int, total_steps: int) -> tuple[int | None, float]:
+        """(stage, sigma) for training step ``step`` (0-based); (None, 0.0) when AQN is disabled: a run
+        without noise has no stage (logged as null, not a count that reads as a schedule).
 
         Mode "upstream" counts steps from 1, as upstream's ``update_step`` does when the noise is drawn
         (replacement/trainer.py line 2626 increments it before the step runs), so its stages start one
         step earlier."""
+        if not self.enabled:
+            return None, 0.0
         step = step + 1 if self.mode == "upstream" else step
         stage = stage_for_step(step, total_steps, self.num_stages)
-        if not self.enabled:
-            return stage, 0.0
         return stage, sigma_schedule(stage, self.num_stages, self.sigma_start, self.sigma_end, self.schedule)
 
 

@@ -142,8 +142,12 @@ def table1(results=RESULTS, out_dir=None, experiment=TABLE1, name="table1"):
     half = tab["before_std"].fillna(0)
     ax.bar([i - 0.2 for i in x], tab["before_mean"].fillna(0), 0.4, yerr=half, label="before RL",
            color="0.7", capsize=3)
-    ax.bar([i + 0.2 for i in x], tab["after_mean"], 0.4, yerr=tab["after_std"].fillna(0),
-           label="after RL (untrained: eval only)", color="C0", capsize=3)
+    trained = tab["before_mean"].notna().tolist()
+    for is_trained, label, color in ((True, "after RL", "C0"), (False, "untrained base (evaluated only)", "C7")):
+        idx = [i for i in x if trained[i] == is_trained]
+        if idx:  # an untrained row is not "after RL": its own bar, its own label
+            ax.bar([i + 0.2 for i in idx], tab["after_mean"].iloc[idx], 0.4,
+                   yerr=tab["after_std"].fillna(0).iloc[idx], label=label, color=color, capsize=3)
     ax.set_xticks(list(x), tab.index, rotation=30, ha="right")
     ax.set_ylabel("accuracy")
     ax.set_title(f"Table 1 at small scale ({experiment}); bars = mean, whiskers = +- std over seeds")

@@ -36,6 +36,7 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
     from qerl import models
 
     device = device or pick_device()
+    check_backend(cfg, device, lora)  # --backend triton on a CPU: before the model loads
     if model is None:
         model, tokenizer = models.load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
     info = {"method": cfg.method, "fmt": cfg.fmt}
@@ -64,6 +65,19 @@ def build_policy(cfg: TrainConfig, device=None, model=None, tokenizer=None, lora
     recompute.enable(model, cfg.gradient_checkpointing)
     model.config.use_cache = True
     return model, tokenizer, trainable, info
+
+
+def check_backend(cfg: TrainConfig, device, lora: bool = True) -> None:
+    """A ValueError naming --backend when the 4-bit base's kernels cannot run on ``device`` (triton on a
+    CPU, bitsandbytes for a format it does not serve or without the package)."""
+    if formats.is_dense(cfg.fmt) or not cfg.lora:  # no 4-bit base: no kernel to check
+        return
+    from qerl import kernels
+
+    try:
+        kernels.resolve_backend(cfg.backend, cfg.fmt, torch.device(device))
+    except RuntimeError as exc:
+        raise ValueError(f"--backend {cfg.backend} with fmt {cfg.fmt} on {torch.device(device)}: {exc}") from None
 
 
 class MasterWeights:

@@ -97,9 +97,13 @@ class QuantLinear(nn.Module):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, global_scale: torch.Tensor | None = None, **kw) -> "QuantLinear":
-        """Quantize a dense nn.Linear into a QuantLinear on the same device (the dense weight is not kept)."""
+        """Quantize a dense nn.Linear into a QuantLinear on the same device (the dense weight is not kept).
+
+        The dense (bf16) base keeps the linear's dtype, the model's compute dtype (``--dtype float32``: an
+        fp32 base, so that x @ W runs in one dtype); a 4-bit base records bf16 for an fp32 linear (its
+        kernels return x's dtype whatever this is)."""
         w = linear.weight.detach()
-        kw.setdefault("dtype", w.dtype if w.dtype != torch.float32 else torch.bfloat16)
+        kw.setdefault("dtype", w.dtype if formats.is_dense(fmt) or w.dtype != torch.float32 else torch.bfloat16)
         q = cls(linear.in_features, linear.out_features, fmt=fmt, bias=linear.bias is not None,
                 device="meta", **kw)
         q.to_empty(device=w.device)

@@ -54,7 +54,8 @@ MAX_ANSWER_CHARS = 512
 # Seconds math-verify may spend on one parse and one comparison (its timer counts whole seconds).
 DEFAULT_TIMEOUT_S = 2
 PARTIAL_FORMAT_REWARD = 0.5
-# Training rewards (TrainConfig.reward); evaluation always scores with math_verify.
+# Built-in rewards (TrainConfig.reward); evaluation scores a run whose rewards are all built-in with math_verify
+# (your own functions score your own evaluation data: qerl.evaluate).
 REWARDS = ("math_verify", "official_exact", "upstream")
 # The official GSM8K reward (2025-11-27 version): 2.0 for the exact answer inside the answer tags, and
 # 0.2 for the think and answer tags (the trainer's default format_reward_weight for official_exact).

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from qerl import data as qdata
 from qerl.config import TrainConfig
+from qerl.paths import check_writable
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "wandb", "wandb_run_id", "reward.png")
 
@@ -22,6 +23,7 @@ def check_output_dir(cfg: TrainConfig, clear: bool = True) -> None:
     """Refuse an output_dir that already holds a run, unless cfg.overwrite (its run files are deleted
     when ``clear``) or cfg.resume_from (the run is continued). Other files in the folder are left alone."""
     out = Path(cfg.output_dir)
+    check_writable(out, "--output-dir")  # /proc/x, a read-only mount: before anything loads
     found = [n for n in RUN_FILES if (out / n).exists()]
     if not found or cfg.resume_from:
         return
@@ -38,6 +40,30 @@ def check_output_dir(cfg: TrainConfig, clear: bool = True) -> None:
         for n in found:
             p = out / n
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def remove_unstarted(out: Path, remove_folder: bool) -> None:
+    """Remove the run files of a run that failed before its first step (no metrics row, no checkpoint), so the
+    corrected command runs without --overwrite; ``remove_folder``: the folder too, when it is then empty (it
+    was new). A run that logged a step is kept (--resume-from auto continues it)."""
+    out = Path(out)
+    metrics = out / "metrics.jsonl"
+    if (metrics.is_file() and metrics.read_text().strip()) or any((out / "checkpoints").glob("step-*")):
+        return
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:  # its files are about to go: close it first
+        try:
+            wandb.finish(exit_code=1, quiet=True)
+        except Exception:  # noqa: BLE001 - cleaning up after an error must not raise another
+            pass
+    for n in RUN_FILES:
+        p = out / n
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.exists():
+            p.unlink()
+    if remove_folder and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
 
 
 def finished_summary(out: Path) -> dict | None:

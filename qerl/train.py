@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import sys
 from pathlib import Path
@@ -82,10 +83,24 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     evaluations on rank 0 only.
     """
     out = Path(cfg.output_dir)
+    existed, had_run = out.exists(), any((out / n).exists() for n in run_folder.RUN_FILES)
+    try:
+        return _train(cfg, model, tokenizer, stop_after, reward_funcs, train_dataset)
+    except BaseException:
+        if not had_run and int(os.environ.get("RANK", "0")) == 0:  # a run that failed before its first step leaves nothing behind
+            run_folder.remove_unstarted(out, remove_folder=not existed)
+        raise
+
+
+def _train(cfg: TrainConfig, model, tokenizer, stop_after, reward_funcs, train_dataset) -> dict:
+    """train()'s body (train() removes what it wrote when it fails before its first step)."""
+    out = Path(cfg.output_dir)
     owns_group = qdist.init()  # torchrun's env -> process group; nothing in a single process
     rank, world = qdist.world()
     main = rank == 0
     run_folder.check_output_dir(cfg, clear=main)
+    if cfg.resume_from and cfg.resume_from != "auto":  # a missing path, a file, a run folder: before the model loads
+        qckpt.check_resume_from(cfg.resume_from)
     if cfg.prompts_per_step < world:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} < world size {world}: every rank needs a prompt")
     rewards = qrewards.RewardSet.from_config(cfg, reward_funcs)  # bad rewards or data fail before the model loads
@@ -97,6 +112,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
                                               **({"levels": cfg.arith_levels} if cfg.dataset == "arith" else
                                                  {"config": cfg.bigmath_config} if cfg.dataset == "bigmath" else
                                                  {} if cfg.dataset in qdata.DATASETS else own))
+    if cfg.prompts_per_step > len(train_recs):
+        qdist.print0(f"[qerl] warning: prompts_per_step={cfg.prompts_per_step} but {cfg.dataset if train_dataset is None else 'train_dataset'} "
+                     f"has {len(train_recs)} prompts: every step repeats each prompt up to "
+                     f"{math.ceil(cfg.prompts_per_step / len(train_recs))} times; lower --prompts-per-step")
     device = pick_device()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -138,7 +157,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, stop_after: int | None =
     run_config = {**cfg.to_dict(), "reward": rewards.refs(), "policy": info, "prompts_skipped": skipped, "world_size": world,
                   "command": run_folder.command_line(), "data_sources": run_folder.data_sources(cfg)}
     logger = RunLogger(out, run_config, resume=resume is not None, **wandb_settings(cfg)) if main else _NullLogger()
-    eval_kw = {**eval_settings(cfg), "seed": cfg.seed}
+    eval_kw = {**eval_settings(cfg), "seed": cfg.seed, "rewards": rewards}  # your eval files: your reward functions
     summary: dict = {"status": "partial", **{f"policy/{k}": v for k, v in info.items()}}
     summary.update({k: v for k, v in record.get("summary", {}).items() if k != "status"})  # eval_before/*, ...
     if main and start == 0 and cfg.eval_datasets and cfg.eval_before:  # evaluation: rank 0 only, the others wait

@@ -9,7 +9,14 @@ from pathlib import Path
 import torch
 
 from qerl import formats
-from qerl.export import _is_lora_key, adapter_info, dense_model, export_compressed_tensors, export_peft_adapter
+from qerl.export import (
+    _is_lora_key,
+    adapter_info,
+    dense_model,
+    export_compressed_tensors,
+    export_peft_adapter,
+)
+from qerl.paths import check_new_or_empty
 
 
 def load_trained(path, device=None, dtype: str | None = None):
@@ -53,8 +60,7 @@ def export_trained(path, out_dir, merge: bool = False, device=None) -> dict:
     ``vllm serve out_dir --enable-lora --lora-modules mine=out_dir/adapter``.
     """
     out_dir = Path(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} is not empty: choose a new or empty folder")
+    check_new_or_empty(out_dir)
     model, tok = load_trained(path, device=device)
     method = model.qerl_method
     fmt = method.split("_", 1)[0]

@@ -380,3 +380,95 @@ def test_a_bad_evaluation_file_fails_before_the_model_loads(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--model", tmp_path / "no-such-model",
                          "--eval-datasets", bad, "--prompt-column", "question_text", "--output-dir", tmp_path / "r")
     assert_one_line_error(rc, err, f"{bad}:1", "no 'answer' field", "--answer-column")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mistakes caught before the model loads: one `error:` line, exit 2, within seconds, no run folder left behind
+
+
+def _run_folder_stub(path: Path) -> Path:
+    (path / "checkpoints").mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+# (name, train flags; "{tmp}" is the test's folder, "{run}" its --output-dir), the error's words
+EARLY = [
+    ("output-dir-proc", ["--output-dir", "/proc/qerl-x"], ["--output-dir /proc/qerl-x", "cannot write"]),
+    ("resume-missing", ["--resume-from", "{tmp}/no-such"], ["--resume-from", "no such checkpoint"]),
+    ("resume-a-file", ["--resume-from", "{tmp}/rows.jsonl"], ["--resume-from", "a file, not a checkpoint"]),
+    ("resume-a-run-folder", ["--resume-from", "{tmp}/old-run"], ["a run folder, not a checkpoint", "--resume-from auto"]),
+    ("backend-triton-on-cpu", ["--method", "nvfp4_lora", "--backend", "triton"], ["--backend triton", "cannot run"]),
+    ("overwrite-and-resume", ["--overwrite", "--resume-from", "auto"], ["overwrite", "resume_from=auto", "contradict"]),
+    ("report-to-none-wandb-online", ["--report-to", "none", "--wandb-mode", "online"],
+     ["--report-to none", "--wandb-mode online", "contradict"]),
+]
+
+
+@pytest.mark.parametrize("flags,words", [pytest.param(f, w, id=n) for n, f, w in EARLY])
+def test_mistakes_are_caught_before_the_model_loads(capsys, tmp_path, monkeypatch, flags, words):
+    import qerl.models
+
+    if "triton" in flags:
+        if torch_cuda():
+            pytest.skip("triton runs on this machine")
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernel tests' interpreter: a user's CPU has none
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the mistake was found")
+
+    monkeypatch.setattr(qerl.models, "load_model", no_model)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "w1", "answer": "w2"}\n')
+    _run_folder_stub(tmp_path / "old-run")
+    run = tmp_path / "run"
+    argv = [a.format(tmp=tmp_path) for a in flags]
+    argv += [] if "--output-dir" in argv else ["--output-dir", str(run)]
+    t0 = time.perf_counter()
+    rc, _, err = run_cli(capsys, "train", "--profile", "smoke", "--wandb-mode", "disabled", *argv)
+    assert time.perf_counter() - t0 < 20
+    assert rc == 2
+    assert_one_line_error(rc, err, *words)
+    assert not run.exists() and not Path("/proc/qerl-x").exists()  # no run folder left behind
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("what", ["--model", "--dataset"])
+def test_an_unreachable_hub_fails_fast(tmp_path, what):
+    """A hub id without network: one error line in seconds, not a minute of retries (the hub's host is a
+    closed local port here, and HF_HUB_OFFLINE is not set)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                                            "HF_DATASETS_OFFLINE") and "PROXY" not in k.upper()}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), WANDB_MODE="disabled",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "qerl", "train", "--profile", "smoke", what, "nobody/no-such-id",
+                        "--output-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert time.perf_counter() - t0 < 30
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert_one_line_error(r.returncode, r.stderr, "nobody/no-such-id")
+    assert "Retry" not in r.stderr and "offline mode" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_prompts_a_step_than_the_data_holds_is_a_warning(capsys, tmp_path, monkeypatch):
+    import qerl.models
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(qerl.models, "load_model", stop)
+    rows = tmp_path / "six.jsonl"
+    rows.write_text("".join(f'{{"prompt": "w{i}", "answer": "w{i}"}}\n' for i in range(6)))
+    rc, out, err = run_cli(capsys, "train", "--profile", "smoke", "--dataset", rows, "--prompts-per-step", "100",
+                           "--wandb-mode", "disabled", "--output-dir", tmp_path / "run")
+    assert "warning: prompts_per_step=100" in out + err and "has 6 prompts" in out + err
+    assert not (tmp_path / "run").exists()

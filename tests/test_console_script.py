@@ -115,6 +115,8 @@ def test_train_from_the_folder_of_the_reward_module(trained):
     summary = json.loads((trained / "summary.json").read_text())
     assert summary["status"] == "ok"
     assert summary["eval_before/tasks.jsonl/num_problems"] == 4 and summary["eval/tasks.jsonl/num_problems"] == 4
+    # the evaluation file is scored by the run's reward functions, as the training steps are
+    assert {"eval/tasks.jsonl/rewards/exact_count/mean", "eval/tasks.jsonl/rewards/short/mean"} <= set(summary)
     assert (trained / "checkpoints" / "step-2" / "trainable.safetensors").is_file()
 
 
@@ -135,6 +137,38 @@ def test_eval_on_your_own_columns(qerl_cmd, task, trained):
     # without the columns the one line names the flag eval takes
     r = run(qerl_cmd, task, "eval", "--adapter", ck, "--dataset", "tasks.jsonl", "--limit", "2")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--prompt-column" in r.stderr, r.stderr
+
+
+def test_eval_scores_your_task_with_your_reward_functions(qerl_cmd, task, trained):
+    """`qerl eval` scores your own data with the reward functions (and weights) of training, from the config
+    or the flags: each function's mean, and pass@1 as the mean weighted reward, equal to scoring the same
+    completions by hand."""
+    spec = importlib.util.spec_from_file_location("_task_rewards", task / "my_rewards.py")
+    mine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mine)
+    ck = trained / "checkpoints" / "step-2"
+    for name, flags, funcs, weights in [
+        ("config", ["--config", "cfg.yaml"], [mine.exact_count, mine.short], [1.0, 0.2]),
+        ("flags", ["--dataset", "tasks.jsonl", "--prompt-column", "question_text", "--prompt-suffix", "",
+                   "--reward", "my_rewards:short", "--reward-weights", "0.5"], [mine.short], [0.5]),
+    ]:
+        r = run(qerl_cmd, task, "eval", "--adapter", ck, *flags, "--limit", "4", "--greedy", "--engine", "hf",
+                "--max-new-tokens", "4", "--out", f"own-{name}.json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        res = json.loads((task / f"own-{name}.json").read_text())["results"]["tasks.jsonl"]
+        rows = [c["row"] for c in res["completions"]]
+        texts = [c["completion"] for c in res["completions"]]
+        assert len(texts) == 4 and res["unparsed"] == 0
+        columns = {k: [row["columns"][k] for row in rows] for k in rows[0]["columns"]}
+        total = [0.0] * len(texts)
+        for f, w in zip(funcs, weights):
+            vals = f([row["prompt"] for row in rows], texts, **columns)
+            assert res[f"rewards/{f.__name__}/mean"] == pytest.approx(sum(vals) / len(vals)), name
+            assert f"{f.__name__} {sum(vals) / len(vals):.4f}" in r.stdout, r.stdout
+            total = [t + w * v for t, v in zip(total, vals)]
+        assert res["accuracy"] == pytest.approx(sum(total) / len(total)) and res["reward"] == res["accuracy"]
+        assert "tasks.jsonl: pass@1 (mean weighted reward) " in r.stdout, r.stdout
+    assert "rewards/exact_count/mean" not in res  # the flags' functions replace the checkpoint's
 
 
 def test_generate_from_your_own_dataset(qerl_cmd, task, trained):

@@ -400,3 +400,21 @@ def test_own_data_from_a_hub_id(monkeypatch):
     assert calls == [("me/task", "train")] and recs[0]["answer"] == "4" and recs[0]["dataset"] == "me/task"
     with pytest.raises(FileNotFoundError, match="'me/offline': no such local file or folder.*ConnectionError"):
         load_dataset_split("me/offline", "test")
+
+
+def test_fetch_data_writes_the_layout_the_loaders_read(tmp_path, monkeypatch):
+    """scripts/fetch_data.py (make data): the hub's rows into <dir>/<dataset>/<split>.jsonl (the hub faked)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fetch_data", REPO / "scripts" / "fetch_data.py")
+    fetch_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch_data)
+    rows = {"gsm8k": {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
+            "math500": {"problem": "1 + 1?", "solution": "\\boxed{2}", "answer": "2"}}
+    monkeypatch.setattr(fetch_data, "_hub_rows", lambda name, split, config: [rows[name]] * 3)
+    written = fetch_data.fetch(tmp_path, names=("gsm8k", "math500"))
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in written) == [
+        "gsm8k/test.jsonl", "gsm8k/train.jsonl", "math500/test.jsonl"]
+    recs = load_dataset_split("gsm8k", "test", data_dir=tmp_path)
+    assert len(recs) == 3 and recs[0]["answer"] == "5"
+    assert load_dataset_split("math500", "test", data_dir=tmp_path)[0]["answer"] == "2"

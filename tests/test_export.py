@@ -221,6 +221,39 @@ def test_refuses_to_overwrite_a_checkpoint(tiny_llama_dir, tmp_path):
         quantize_checkpoint(tiny_llama_dir, tiny_llama_dir, "nf4", progress=False)
 
 
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("command", ["quantize", "export"])
+def test_out_into_a_folder_that_holds_files_changes_nothing(capsys, tmp_path, monkeypatch, command):
+    """`quantize --out` / `export --out` into a folder holding a training run: exit 2, one error line, before
+    anything loads, and the folder is byte for byte as it was."""
+    import qerl.export
+    import qerl.trained
+
+    run = tmp_path / "runs" / "mine"
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    (run / "config.json").write_text('{"method": "nvfp4_lora"}')
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "checkpoints" / "step-2" / "trainable.safetensors").write_bytes(b"\0" * 64)
+    before = _snapshot(run)
+
+    def nothing_loads(*a, **k):
+        raise AssertionError("loaded before the --out check")
+
+    monkeypatch.setattr(qerl.export, "_source_folder", nothing_loads)
+    monkeypatch.setattr(qerl.trained, "load_trained", nothing_loads)
+    argv = (["quantize", "--model", "any", "--format", "nvfp4"] if command == "quantize"
+            else ["export", "--adapter", str(run / "checkpoints" / "step-2")])
+    rc = main([*argv, "--out", str(run)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"--out {run} is not empty" in err and "config.json" in err
+    assert _snapshot(run) == before
+
+
 # ---------------------------------------------------------------------------------------------
 # In-memory models (qerl.quantize.quantize_)
 

@@ -143,7 +143,7 @@ def test_aqn_config():
     assert cfg.sigma_at(0, 100) == (0, 0.0)
     assert cfg.sigma_at(10, 100) == (1, pytest.approx(1e-2))
     assert cfg.sigma_at(99, 100) == (9, pytest.approx(5e-4))
-    assert AQNConfig(enabled=False).sigma_at(99, 100) == (9, 0.0)
+    assert AQNConfig(enabled=False).sigma_at(99, 100) == (None, 0.0)  # no noise, no stage
     with pytest.raises(ValueError, match="exponential"):
         AQNConfig(schedule="exp")
     with pytest.raises(ValueError):

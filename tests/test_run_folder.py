@@ -60,3 +60,34 @@ def test_resuming_a_finished_run_does_nothing(tmp_path, text_rewards):
     again = train(tiny_cfg(out, resume_from="auto"), model=make_tiny_model("llama"), tokenizer=make_tiny_tokenizer())
     assert again["status"] == "ok" and again["steps"] == first["steps"] == 3
     assert (out / "metrics.jsonl").read_text() == metrics  # no duplicate rows, no second evaluation
+
+
+@pytest.mark.parametrize("wandb_mode", ["disabled", "offline"])
+def test_a_run_that_fails_before_its_first_step_leaves_nothing_behind(tmp_path, monkeypatch, wandb_mode):
+    """An error in the first step (after the run files were started): the run files go, so the corrected
+    command runs without --overwrite; a folder that existed keeps its other files."""
+    import qerl.step
+
+    def broken(*a, **k):
+        raise RuntimeError("broken first step")
+
+    monkeypatch.setattr(qerl.step, "step", broken)
+    new, old = tmp_path / "new" / "run", tmp_path / "old"
+    old.mkdir()
+    (old / "notes.txt").write_text("mine")
+    for out in (new, old):
+        with pytest.raises(RuntimeError, match="broken first step"):
+            train(tiny_cfg(out, wandb_mode=wandb_mode), model=make_tiny_model("llama"), tokenizer=make_tiny_tokenizer())
+    assert not new.exists() and (tmp_path / "new").is_dir()  # what it made, not the folder above
+    assert sorted(p.name for p in old.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("n,window", [(2, None), (3, None), (4, 2), (12, 3)])
+def test_the_report_compares_windows_that_do_not_overlap(tmp_path, n, window):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n"
+                                                    for s in range(1, n + 1)))
+    line = run_report(tmp_path)
+    assert f"(step 1 -> {n}" in line
+    assert ("mean of the first" in line) == (window is not None)
+    if window:
+        assert f"first {window} steps" in line and f"last {window} " in line
