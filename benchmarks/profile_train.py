@@ -108,7 +108,7 @@ def profile_one(model, params, args, mode: str, budget: int, lengths: list[int],
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b", choices=list(sc.MODELS))
     ap.add_argument("--methods", nargs="+", default=["nvfp4", "bf16"])
     ap.add_argument("--recompute", nargs="+", default=["full"], choices=recompute.MODES)

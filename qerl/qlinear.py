@@ -57,6 +57,76 @@ class _PackedMatmul(torch.autograd.Function):
         return dx, None
 
 
+def _fused_lora_applies(x: torch.Tensor, m) -> bool:
+    """The Triton LoRA path (``_FusedLoRA``): CUDA, bf16 activations, fp32 adapters, no dropout, eager."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() > 0
+            and m.lora_A.weight.dtype == torch.float32 and isinstance(m.lora_dropout, nn.Identity)
+            and not torch.compiler.is_compiling() and FUSED_LORA)
+
+
+FUSED_LORA = True  # the training forward's LoRA through _FusedLoRA on CUDA (False: the torch path, A/B runs)
+
+
+def _split3(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 [rows, c] tensor as three bf16 parts side by side [rows, 3c] whose sum is t exactly
+    (8 significant bits each; a bf16 x bf16 product is exact in fp32)."""
+    hi = t.to(torch.bfloat16)
+    r1 = t - hi.float()
+    mid = r1.to(torch.bfloat16)
+    lo = (r1 - mid.float()).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo], dim=1)
+
+
+def _mm_fp32(a16: torch.Tensor, b_split: torch.Tensor) -> torch.Tensor:
+    """a16 [M, K] (bf16) times an fp32 [K, c] given as ``_split3``'s [K, 3c]: fp32 [M, c],
+    three exact bf16 products on the tensor cores, summed in fp32 (fp32 math, another order of sums)."""
+    c = b_split.shape[1] // 3
+    if a16.is_cuda:
+        p = torch.mm(a16, b_split, out_dtype=torch.float32)
+    else:  # the same exact products and fp32 sums (CPU checks of this function under TRITON_INTERPRET)
+        p = torch.mm(a16.float(), b_split.float())
+    return p[:, :c] + p[:, c:2 * c] + p[:, 2 * c:]
+
+
+class _FusedLoRA(torch.autograd.Function):
+    """y + scaling * (x A^T) B^T for fp32 adapters on bf16 activations, the arithmetic of the torch
+    path (x upcast, fp32 products and sums, one rounding to y's dtype) without its fp32 copies of x and y
+    and its fp32 SIMT GEMMs: forward by the fused kernels of the decode step (``lora_a``: A split into
+    exact bf16 parts on the tensor cores; ``lora_out``: the rank-r product added to y in place, tf32x3);
+    backward by bf16 GEMMs over exact bf16 splits of the fp32 operands (``_mm_fp32``). dx of the
+    adapter is rounded to x's dtype and added to the base's dx by autograd, as in the torch path."""
+
+    @staticmethod
+    def forward(ctx, x, y, A, B, scaling):
+        K, N = x.shape[-1], y.shape[-1]
+        x2 = x.reshape(-1, K)
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        y2 = y.reshape(-1, N)
+        if not y2.is_contiguous() or y2.data_ptr() != y.data_ptr():
+            y2 = y2.contiguous()
+        h = kernels.lora_a(x2, [A])
+        h = h[0] if h.shape[0] == 1 else h.sum(0)
+        kernels.lora_out([y2], h[None], [B], [], float(scaling))
+        ctx.save_for_backward(x2, h, A, B)
+        ctx.scaling, ctx.x_shape = float(scaling), x.shape
+        if y2.data_ptr() == y.data_ptr():
+            ctx.mark_dirty(y)
+            return y
+        return y2.view(y.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x2, h, A, B = ctx.saved_tensors
+        s = ctx.scaling
+        d2 = dout.reshape(-1, dout.shape[-1])
+        d2 = d2 if d2.is_contiguous() else d2.contiguous()
+        dh = _mm_fp32(d2, _split3(B)) * s  # [M, r]
+        dB = _mm_fp32(d2.t(), _split3(h)) * s if ctx.needs_input_grad[3] else None  # [N, r]
+        dA = _mm_fp32(x2.t(), _split3(dh)).t().contiguous() if ctx.needs_input_grad[2] else None  # dh^T x: [r, K]
+        dx = torch.mm(dh, A).to(x2.dtype).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return dx, dout, dA, dB, None
+
+
 class QuantLinear(nn.Module):
     """A Linear with a frozen base weight in ``fmt`` and an optional trainable LoRA adapter.
 
@@ -198,7 +268,9 @@ class QuantLinear(nn.Module):
                 y = plan.linear(x)
             if self.bias is not None:
                 y = y + self.bias
-        if self.r and self._adapters_enabled:
+        if self.r and self._adapters_enabled and _fused_lora_applies(x, self):
+            y = _FusedLoRA.apply(x, y, self.lora_A.weight, self.lora_B.weight, self.scaling)
+        elif self.r and self._adapters_enabled:
             # y + scaling * B(A(x)) in the adapter dtype, the scaled add fused into the B GEMM's
             # epilogue (addmm): the same fp32 arithmetic as PEFT's separate multiply and add when
             # scaling is a power of two (alpha = 2r), two fewer kernels per Linear.
