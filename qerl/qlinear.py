@@ -92,7 +92,7 @@ class _FusedLoRA(torch.autograd.Function):
     """y + scaling * (x A^T) B^T for fp32 adapters on bf16 activations, the arithmetic of the torch
     path (x upcast, fp32 products and sums, one rounding to y's dtype) without its fp32 copies of x and y
     and its fp32 SIMT GEMMs: forward by the fused kernels of the decode step (``lora_a``: A split into
-    exact bf16 parts on the tensor cores; ``lora_out``: the rank-r product added to y in place, tf32x3);
+    exact bf16 parts on the tensor cores; ``lora_out_to``: y plus the rank-r product, tf32x3, a new tensor);
     backward by bf16 GEMMs over exact bf16 splits of the fp32 operands (``_mm_fp32``). dx of the
     adapter is rounded to x's dtype and added to the base's dx by autograd, as in the torch path."""
 
@@ -102,17 +102,13 @@ class _FusedLoRA(torch.autograd.Function):
         x2 = x.reshape(-1, K)
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         y2 = y.reshape(-1, N)
-        if not y2.is_contiguous() or y2.data_ptr() != y.data_ptr():
-            y2 = y2.contiguous()
+        y2 = y2 if y2.is_contiguous() else y2.contiguous()
         h = kernels.lora_a(x2, [A])
-        h = h[0] if h.shape[0] == 1 else h.sum(0)
-        kernels.lora_out([y2], h[None], [B], [], float(scaling))
-        ctx.save_for_backward(x2, h, A, B)
+        h = h if h.shape[0] == 1 else h.sum(0, keepdim=True)  # final sums [1, M, r]
+        out = kernels.lora_out_to(y2, h, B, float(scaling))
+        ctx.save_for_backward(x2, h[0], A, B)
         ctx.scaling, ctx.x_shape = float(scaling), x.shape
-        if y2.data_ptr() == y.data_ptr():
-            ctx.mark_dirty(y)
-            return y
-        return y2.view(y.shape)
+        return out.view(y.shape)
 
     @staticmethod
     def backward(ctx, dout):

@@ -407,7 +407,7 @@ _LAZY = {
     "decode_attention": "attention",
     "decode_attention_reference": "attention",
     **{name: "fused" for name in ("rmsnorm", "add_rmsnorm", "add_rmsnorm_lora_a", "rope_cache_write", "silu_mul",
-                                  "lora_a", "lora_out", "lora_silu_mul")},
+                                  "lora_a", "lora_out", "lora_out_to", "lora_silu_mul")},
 }
 
 

@@ -431,10 +431,11 @@ def _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, m
 @triton.jit
 def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, N1, N2, R, NR, S, scaling,
                      HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_R: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
-    """Output i = program_id(0) in place, columns of program_id(1), rows of program_id(2) (ROWS at
-    a time, so that a large batch spreads over programs); or (SILU_MUL, one program row)
-    out = SiLU(y0') * y1'."""
+                     BLOCK_R: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False,
+                     TO_OUT: tl.constexpr = False):
+    """Output i = program_id(0) in place (TO_OUT: into out_ptr, one output), columns of program_id(1),
+    rows of program_id(2) (ROWS at a time, so that a large batch spreads over programs); or (SILU_MUL,
+    one program row) out = SiLU(y0') * y1'."""
     pdl_enter(PDL)
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -467,6 +468,8 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
                             HAS_LORA, HAS_BIAS, USE_DOT, SB), TY).to(tl.float32)
         act = _rnd(g / (1.0 + tl.exp(-g)), TY).to(tl.float32)
         tl.store(out_ptr + offs, _rnd(act * u, TY), mask=mm[:, None] & mn[None, :])
+    elif TO_OUT:
+        tl.store(out_ptr + offs, _rnd(y, TY), mask=mm[:, None] & mn[None, :])
     else:
         tl.store(y_ptr + offs, _rnd(y, TY), mask=mm[:, None] & mn[None, :])
 
@@ -483,8 +486,9 @@ LORA_OUT_DOT_ROWS = 64
 LORA_OUT_H_FLOATS = 8192
 
 
-def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=None, num_warps=4):
-    """The lora_out / lora_silu_mul launch; BLOCK_N / ROWS / num_warps override the rule (benchmarks sweep them)."""
+def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=None, num_warps=4, dest=None):
+    """The lora_out / lora_silu_mul launch; BLOCK_N / ROWS / num_warps override the rule (benchmarks sweep them).
+    ``dest`` (one output): the result goes there, ``ys[0]`` is only read (the training forward's LoRA)."""
     n, M = len(ys), ys[0].shape[0]
     has_lora, has_bias = h is not None, len(biases) > 0
     R = Bs[0].shape[1] if has_lora else 1
@@ -504,12 +508,15 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=No
     # where a [2, 64, r] block cost registers: lora_out 0.82 -> 1.09 ms a bs64 7B step (H100,
     # results/decode_profile/NOTES.md)
     SB = 1 if ROWS >= 16 else max(1, min(triton.next_power_of_2(S), LORA_OUT_H_BLOCK // (ROWS * BLOCK_R)))
+    if dest is not None and (out is not None or n != 1):
+        raise ValueError("lora_out: dest takes one output, without the SiLU epilogue")
     grid = (1 if out is not None else n, triton.cdiv(max(Ns), BLOCK_N), max(1, triton.cdiv(M, ROWS)))
+    target = out if out is not None else (dest if dest is not None else y[0])
     _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0],
-                           out if out is not None else y[0], M, Ns[0], Ns[1], Ns[2], R, NR, S, scaling,
+                           target, M, Ns[0], Ns[1], Ns[2], R, NR, S, scaling,
                            HAS_LORA=has_lora, HAS_BIAS=has_bias, SILU_MUL=out is not None, BLOCK_N=BLOCK_N,
                            BLOCK_R=BLOCK_R, ROWS=ROWS, SB=SB, num_warps=num_warps,
-                           **pdl_args(ys[0].device))
+                           **pdl_args(ys[0].device), **({"TO_OUT": True} if dest is not None else {}))
 
 
 @torch.library.custom_op("qerl::lora_out", mutates_args=("ys",))
@@ -519,6 +526,15 @@ def lora_out(ys: list[torch.Tensor], h: torch.Tensor | None, Bs: list[torch.Tens
     with h_i the i-th r columns of ``lora_a``'s partial sums (h None: bias only; biases []: none);
     one rounding to y's dtype."""
     _lora_out_launch(ys, h, Bs, biases, scaling)
+
+
+@torch.library.custom_op("qerl::lora_out_to", mutates_args=())
+def lora_out_to(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A new tensor y + scaling * h B^T (h [1, M, r] final sums, y [M, N]; one rounding to y's dtype):
+    ``lora_out`` without touching y, for the training forward (autograd keeps y as it is)."""
+    dest = torch.empty_like(y)
+    _lora_out_launch([y], h, [B], [], scaling, dest=dest)
+    return dest
 
 
 @torch.library.custom_op("qerl::lora_silu_mul", mutates_args=())
@@ -574,6 +590,11 @@ def _(x, As):
 @lora_out.register_fake
 def _(ys, h, Bs, biases, scaling):
     return None
+
+
+@lora_out_to.register_fake
+def _(y, h, B, scaling):
+    return torch.empty_like(y)
 
 
 @lora_silu_mul.register_fake
