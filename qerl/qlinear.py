@@ -119,7 +119,13 @@ class _FusedLoRA(torch.autograd.Function):
         dh = _mm_fp32(d2, _split3(B)) * s  # [M, r]
         dB = _mm_fp32(d2.t(), _split3(h)) * s if ctx.needs_input_grad[3] else None  # [N, r]
         dA = _mm_fp32(x2.t(), _split3(dh)).t().contiguous() if ctx.needs_input_grad[2] else None  # dh^T x: [r, K]
-        dx = torch.mm(dh, A).to(x2.dtype).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:  # dh A rounded to x's dtype: lora_out_to on zeros (tf32x3, no fp32 [M, K] copy)
+            if dh.is_cuda:
+                zero = torch.zeros(x2.shape, dtype=x2.dtype, device=x2.device)
+                dx = kernels.lora_out_to(zero, dh[None], A.t().contiguous(), 1.0).view(ctx.x_shape)
+            else:
+                dx = torch.mm(dh, A).to(x2.dtype).view(ctx.x_shape)
         return dx, dout, dA, dB, None
 
 
