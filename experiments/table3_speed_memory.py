@@ -584,8 +584,8 @@ def parse_args(argv=None):
                     help="on: training forwards over the real tokens, packed by --token-budget (qerl.packing); "
                          "off: padded micro-batches of --micro-batch rows cut to their longest completion")
     ap.add_argument("--token-budget", type=int, default=0,
-                    help="tokens per padding-free training forward (TrainConfig.forward_token_budget); 0: micro-batch "
-                         "x (prompt + completion), the padded micro-batch's worst case")
+                    help="tokens per padding-free training forward (TrainConfig.forward_token_budget); 0: the trainer's "
+                         "default, micro-batch x (prompt + completion) and at least 16384")
     ap.add_argument("--steps", type=int, default=1,
                     help="timed steps per row after the warm-up; the row reports each phase's median and, with "
                          "more than one, every step's seconds (a single step's ratio moves by a few hundredths "

@@ -120,6 +120,12 @@ def check_ranges(cfg) -> None:
             raise ValueError(f"{name} (--{name.replace('_', '-')}) must be {want}, got {v}")
 
 
+# The smallest default token budget of a padding-free training forward: forwards of a few thousand tokens leave
+# the GPU waiting on the host (7B, 8 rows of 2,304 tokens, H200: an update of 5.0 s in 8 forwards, 2.1 s in one;
+# results/train_profile/NOTES.md). Full recomputation at 7B peaks at 15-24 GiB with 18,432 tokens a forward.
+MIN_TOKEN_BUDGET = 16384
+
+
 @dataclass
 class TrainConfig:
     # ---- model
@@ -161,7 +167,7 @@ class TrainConfig:
     mini_batch_size: int = 0  # completions per optimizer step; 0 = the whole rollout
     micro_batch_size: int = 16  # completions per loss micro-batch (TRL's per_device_train_batch_size: its loss normaliser); the padded path's forward
     padding_free: bool = True  # training forwards over the rows' real tokens only, packed into token-budget forwards (qerl.packing); false: padded forwards of micro_batch_size rows
-    forward_token_budget: int = 0  # tokens (prompt + completion) per padding-free training forward; 0 = micro_batch_size x (max_prompt_length + max_completion_length), the padded micro-batch's worst case
+    forward_token_budget: int = 0  # tokens (prompt + completion) per padding-free training forward; 0 = micro_batch_size x (max_prompt_length + max_completion_length), the padded micro-batch's worst case, at least 16384 (lower it if a forward runs out of memory)
     learning_rate: float = 1e-5  # AdamW learning rate; paper Table 4: 1e-5 (4-bit), 5e-6 (bf16 LoRA)
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_ratio: float = 0.05  # fraction of the optimizer steps with a linear learning-rate warm-up
@@ -307,12 +313,13 @@ class TrainConfig:
 
     @property
     def token_budget(self) -> int:
-        """Tokens per padding-free training forward (``forward_token_budget``; 0 = the padded micro-batch's
-        worst case, which fits wherever the padded path did; a third of it under selective recomputation,
-        which keeps ~3x the activations a token of full recomputation does)."""
+        """Tokens per padding-free training forward: ``forward_token_budget``, or by default the padded
+        micro-batch's worst case (micro_batch_size x (max_prompt_length + max_completion_length): it fits
+        wherever the padded path did) but at least MIN_TOKEN_BUDGET, a third of that under selective
+        recomputation (which keeps ~3x the activations a token of full recomputation does)."""
         if self.forward_token_budget:
             return self.forward_token_budget
-        worst = self.micro_batch_size * (self.max_prompt_length + self.max_completion_length)
+        worst = max(self.micro_batch_size * (self.max_prompt_length + self.max_completion_length), MIN_TOKEN_BUDGET)
         return max(worst // 3, self.max_prompt_length + self.max_completion_length) if \
             self.gradient_checkpointing == "selective" else worst
 

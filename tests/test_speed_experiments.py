@@ -173,7 +173,7 @@ def test_guarded_turns_failures_into_rows():
 
 class _Args:
     prompt, completion, micro_batch, seed, lora_rank, learning_rate, device = P, C, 1, 0, 4, 1e-5, "cpu"
-    old_logprobs, row, steps, lengths = "forward", None, 1, "fixed"
+    old_logprobs, row, steps, lengths, padding_free, token_budget = "forward", None, 1, "fixed", "on", 0
 
 
 def _t3_opt(m, args=_Args):
@@ -183,7 +183,7 @@ def _t3_opt(m, args=_Args):
 
 
 def _spec(batch=2, mb=1, gc=True):
-    return t3.RowSpec("tiny-qwen2", batch, C, mb, gc)
+    return t3.RowSpec("tiny-qwen2", batch, C, mb, gc, "full" if gc else "off")
 
 
 @pytest.mark.parametrize("reuse", [False, True])
@@ -213,8 +213,8 @@ def test_table3_times_the_trainers_step(cfg, monkeypatch, reuse):
     assert not row["oom"] and "error" not in row
     # the warm-up's phases on a given rollout, then the timed step's
     assert called == ["logprobs", "update", "rollout", "logprobs", "update"]
-    # warm-up: one micro-batch of 1; the timed step: 2 micro-batches of 1
-    assert forwards.count(False) == (0 if reuse else 3) and forwards.count(True) == 3
+    # warm-up: one micro-batch of 1; the timed step: 2 micro-batches of 1, packed into one padding-free forward
+    assert forwards.count(False) == (0 if reuse else 2) and forwards.count(True) == 2
     assert row["completion_tokens"] == 2 * C and torch.isfinite(torch.tensor(row["loss"]))
     changed = [not torch.equal(a, b) for a, b in zip(before, trainable)]
     assert any(changed)  # lora_B moves (A gets no gradient while B == 0, as in PEFT's first step)
@@ -260,9 +260,10 @@ def test_row_specs():
     class A(_Args):
         models, batch, grad_ckpt, completion, micro_batch = ["qwen2.5-7b"], [2, 8], ["on", "off"], 2048, 1
 
-    assert len(t3.row_specs(A)) == 4 and t3.row_specs(A)[1] == t3.RowSpec("qwen2.5-7b", 2, 2048, 1, False)
-    A.row = ["qwen2.5-7b/bs64/c512/mb8", "qwen2.5-14b/bs8/gcoff"]
-    assert t3.row_specs(A) == [t3.RowSpec("qwen2.5-7b", 64, 512, 8, True), t3.RowSpec("qwen2.5-14b", 8, 2048, 1, False)]
+    assert len(t3.row_specs(A)) == 4 and t3.row_specs(A)[1] == t3.RowSpec("qwen2.5-7b", 2, 2048, 1, False, "off")
+    A.row = ["qwen2.5-7b/bs64/c512/mb8", "qwen2.5-14b/bs8/gcoff", "qwen2.5-7b/bs8/gcsel"]
+    assert t3.row_specs(A) == [t3.RowSpec("qwen2.5-7b", 64, 512, 8, True), t3.RowSpec("qwen2.5-14b", 8, 2048, 1, False, "off"),
+                               t3.RowSpec("qwen2.5-7b", 8, 2048, 1, True, "selective")]
     for bad, msg in (("qwen9/bs8", "unknown model"), ("qwen2.5-7b/c512", "batch"), ("qwen2.5-7b/bs8/x3", "bad part"),
                      ("qwen2.5-7b/bs0", "bad part")):
         A.row = [bad]
@@ -451,12 +452,12 @@ def test_table3_warm_up_trains_every_width_of_the_timed_step(cfg, monkeypatch):
     monkeypatch.setattr(qstep, "WIDTH_ROUND", 2)  # several widths within the tiny cap
     widths, phase = {"warm": [], "timed": []}, ["warm"]
     real_width = qstep._width
-    monkeypatch.setattr(qstep, "_width", lambda cm: widths[phase[0]].append(real_width(cm)) or widths[phase[0]][-1])
+    monkeypatch.setattr(qstep, "_width", lambda c, cm: widths[phase[0]].append(real_width(c, cm)) or widths[phase[0]][-1])
     real_rollout = qstep.rollout
     monkeypatch.setattr(qstep, "rollout", lambda *a, **k: phase.__setitem__(0, "timed") or real_rollout(*a, **k))
 
-    class A(_Args):
-        completion, lengths = 8, "lognormal:median=2,p95=7"
+    class A(_Args):  # the padded path: micro-batch widths (padding-free forwards have no width)
+        completion, lengths, padding_free = 8, "lognormal:median=2,p95=7", "off"
 
     m = tiny(cfg)
     opt, sched = _t3_opt(m, A)
