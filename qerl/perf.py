@@ -67,12 +67,16 @@ class FlopCounter:
         _, head_w = decoder_and_head(model)
         self.head = int(head_w.numel())
         self.frozen = self.trained = 0  # linear weights of the decoder, per token
+        adapters = set()  # a QuantLinear's lora_A / lora_B, counted with it
         for m in model.modules():
             if isinstance(m, QuantLinear):
                 self.frozen += m.in_features * m.out_features
                 if m.r:
                     self.trained += m.r * (m.in_features + m.out_features)
-            elif isinstance(m, torch.nn.Linear) and m.weight is not head_w:
+                    adapters.update((id(m.lora_A), id(m.lora_B)))
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear) and id(m) not in adapters \
+                    and m.weight is not head_w:
                 if m.weight.requires_grad:
                     self.trained += m.weight.numel()
                 else:

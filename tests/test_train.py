@@ -29,7 +29,8 @@ REQUIRED = ["reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "cl
             "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
             "num_tokens", "step_time", "aqn/sigma", "aqn/stage", "aqn/num_modules", "sampling/entropy",
             "sampling/logprob_gap", "time/rollout_s", "time/train_s", "throughput/rollout_tokens_per_s",
-            "memory/peak_gib", "loss", "grad_norm", "learning_rate"]
+            "memory/peak_gib", "loss", "grad_norm", "learning_rate", "perf/train_tokens_per_s", "perf/train_tflops",
+            "perf/mfu"]
 
 
 @pytest.fixture
@@ -66,6 +67,8 @@ def test_end_to_end_metrics_lora_and_wandb(tmp_path, text_rewards):
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
         assert r["aqn/num_modules"] in (0, 4)  # 2 layers x (input, post_attention) norms
+        assert r["perf/train_tokens_per_s"] > 0 and r["perf/train_tflops"] > 0
+        assert r["perf/mfu"] is None  # a CPU has no bf16 peak in qerl.perf's table
     assert rows[0]["aqn/sigma"] == 0.0 and rows[-1]["aqn/sigma"] > 0  # stage 0 is noise-free
     assert any(abs(r["loss"]) > 0 for r in rows)
     b = [p for n, p in model.named_parameters() if ".lora_B." in n]
