@@ -52,12 +52,13 @@ CATEGORIES = (  # first match wins; names as the profiler reports the kernels
 TOP = 12  # kernels listed per row, by time
 
 
-def category(name: str) -> str:
+def category(name: str, table=CATEGORIES, default: str = "other") -> str:
+    """The first category of ``table`` ((name, substrings) pairs) whose substring the kernel name holds."""
     low = name.lower()
-    for cat, keys in CATEGORIES:
+    for cat, keys in table:
         if any(k.lower() in low for k in keys):
             return cat
-    return "other"
+    return default
 
 
 def kernel_times(prof, device_type: str) -> dict[str, tuple[float, int]]:

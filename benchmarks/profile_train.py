@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks import speed_common as sc
+from benchmarks.profile_decode import category
 from qerl import formats, perf, recompute
 from qerl import step as qstep
 
@@ -39,11 +40,7 @@ TOP = 15
 
 
 def group(name: str) -> str:
-    low = name.lower()
-    for g, keys in GROUPS:
-        if any(k.lower() in low for k in keys):
-            return g
-    return "elementwise"
+    return category(name, GROUPS, "elementwise")
 
 
 def _cfg(args, mode: str, budget: int):
