@@ -10,6 +10,7 @@ import json
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from qerl import data as qdata
@@ -58,10 +59,14 @@ def remove_unstarted(out: Path, remove_folder: bool) -> None:
             pass
     for n in RUN_FILES:
         p = out / n
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        elif p.exists():
-            p.unlink()
+        for _ in range(20):  # W&B's service may still be writing into its folder for a moment after finish()
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists():
+                p.unlink(missing_ok=True)
+            if not p.exists():
+                break
+            time.sleep(0.1)
     if remove_folder and out.is_dir() and not any(out.iterdir()):
         out.rmdir()
 

@@ -40,7 +40,7 @@ _conftest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_conftest)
 
 STEPS = 3
-VOLATILE = ("time/", "throughput/", "step_time", "memory/")  # wall-clock and RSS: differ between any two runs
+VOLATILE = ("time/", "throughput/", "step_time", "memory/", "perf/")  # wall-clock and RSS: differ between any two runs
 
 
 def _fake_rewards(completions, golds, **kw):

@@ -29,9 +29,9 @@ def test_flops_of_a_tiny_model_counted_by_hand():
     model = _conftest.make_tiny_model("llama", dtype=torch.float32)  # hidden 64, inter 128, 2 layers, 4 / 2 heads
     quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=4, lora_alpha=8))
     c = perf.FlopCounter(model)
-    H, I, L, kv = 64, 128, 2, 32  # k / v: 2 kv heads of 16
-    assert c.frozen == L * (H * H + 2 * H * kv + H * H + 3 * H * I)
-    assert c.trained == L * 4 * ((H + H) * 2 + (H + kv) * 2 + (H + I) * 2 + (I + H))  # r (in + out) each
+    H, F, L, kv = 64, 128, 2, 32  # hidden, intermediate, layers, k / v width (2 kv heads of 16)
+    assert c.frozen == L * (H * H + 2 * H * kv + H * H + 3 * H * F)
+    assert c.trained == L * 4 * ((H + H) * 2 + (H + kv) * 2 + (H + F) * 2 + (F + H))  # r (in + out) each
     assert c.head == 256 * H and c.d_attn == H and c.layers == L
     lengths, n_logits = [3, 5], 4
     attn = 4 * H * (6 + 15) * L  # pairs: 3 * 4 / 2 + 5 * 6 / 2

@@ -37,7 +37,9 @@ def _cases():
     M, N = 4, 64
     res, delta, w = torch.randn(M, N, dtype=BF), torch.randn(M, N, dtype=BF), 1 + 0.1 * torch.randn(N, dtype=BF)
     x2, As, Bs, bs = _lora(2)
-    x16, As16, _, _ = _lora(16)
+    x16, As16, Bs16, _ = _lora(16)
+    h16 = fused.lora_a(x16, As16)[:, :, :8].contiguous()  # the first adapter's final sums [1, 16, r]
+    y16 = torch.randn(16, 48, dtype=BF)
     B, NH, NKV, D, L = 2, 4, 2, 16, 8
     q, k, v = (torch.randn(B, n * D, dtype=BF) for n in (NH, NKV, NKV))
     ang = torch.rand(B, D // 2) * 6
@@ -67,6 +69,7 @@ def _cases():
         ("lora_a", lambda x: fused.lora_a(x, As), (x2,)),
         ("lora_a", lambda x: fused.lora_a(x, As16), (x16,)),  # from LORA_A_DOT_MIN_M rows: the tiled kernel
         ("lora_out", lora_out, (*ys, h)),
+        ("lora_out_to", lambda y, h16: fused.lora_out_to(y, h16, Bs16[0], 2.0), (y16, h16)),
         ("lora_silu_mul", lambda g, u, h: fused.lora_silu_mul(g, u, h, Bs_gu, [], 2.0), (*gu, h)),
     ]
 
@@ -113,6 +116,7 @@ def test_the_fakes_agree_with_the_kernels():
                                            2.0)),
         (torch.ops.qerl.lora_silu_mul.default, (torch.randn(2, 48, dtype=BF), torch.randn(2, 48, dtype=BF), h,
                                                 [Bs[0], Bs[0]], [], 2.0)),
+        (torch.ops.qerl.lora_out_to.default, (torch.randn(2, 48, dtype=BF), h[:, :, :8].contiguous(), Bs[0], 2.0)),
     ]
     for op, args in checks:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
