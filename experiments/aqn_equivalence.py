@@ -235,11 +235,28 @@ def notes(out: Path, runs: dict, seeds: list[int], left_out: dict, table: list[d
                      f"{f(r['ci90_high'])}] | [{f(r['ci95_low'])}, {f(r['ci95_high'])}] | [{f(r['boot95_low'])}, "
                      f"{f(r['boot95_high'])}] | {f(r['p_t'], '.3g')} | {f(r['p_tost'], '.3g')} | "
                      f"{r['n_pos']}/{r['n_neg']} |")
-    lines += ["", "Per-run values: `per_seed.csv`; the figure: `paired_differences.png`.", "",
-              "Scope: a 135M model on arithmetic, 30 steps, on a base quantized twice (Q4_1 GGUF, then NVFP4), "
-              "with the project's restored noise (aqn_mode restored); not the paper's 3B-14B models, not the "
-              "upstream code's accumulating noise."]
+    lines += ["", "Per-run values: `per_seed.csv`; the figure: `paired_differences.png`.", "", scope(out, seeds)]
     (out / "NOTES.md").write_text("\n".join(lines) + "\n")
+
+
+def scope(out: Path, seeds: list[int]) -> str:
+    """The Scope line: the setting read from a used AQN run's config.json (schedule, cap, steps, task)."""
+    cfg = {}
+    for s in seeds:
+        try:
+            cfg = json.loads((out / "runs" / f"{TREATED}-s{s}" / "config.json").read_text())
+            break
+        except (OSError, ValueError):
+            continue
+    setting = ""
+    if cfg:
+        levels = ", ".join(str(v) for v in cfg.get("arith_levels") or [])
+        setting = (f" (sigma {cfg.get('sigma_start'):g} -> {cfg.get('sigma_end'):g}, {cfg.get('noise_schedule')}, "
+                   f"K = {cfg.get('num_stages')} stages; completions capped at {cfg.get('max_completion_length')} "
+                   f"tokens; {cfg.get('max_steps')} steps; {cfg.get('dataset')} level {levels})")
+    return ("Scope: a 135M model on arithmetic" + setting + ", on a base quantized twice (Q4_1 GGUF, then NVFP4), "
+            "with the project's restored noise (aqn_mode restored); not the paper's 3B-14B models, not the "
+            "upstream code's accumulating noise.")
 
 
 def devices_of(out: Path, seeds: list[int]) -> dict[str, int]:
