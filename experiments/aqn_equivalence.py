@@ -248,12 +248,18 @@ def scope(out: Path, seeds: list[int]) -> str:
             break
         except (OSError, ValueError):
             continue
-    setting = ""
-    if cfg:
+    parts = []
+    if cfg.get("sigma_start") is not None and cfg.get("sigma_end") is not None:
+        parts.append(f"sigma {cfg['sigma_start']:g} -> {cfg['sigma_end']:g}, {cfg.get('noise_schedule') or '?'}, "
+                     f"K = {cfg.get('num_stages')} stages")
+    if cfg.get("max_completion_length") is not None:
+        parts.append(f"completions capped at {cfg['max_completion_length']} tokens")
+    if cfg.get("max_steps") is not None:
+        parts.append(f"{cfg['max_steps']} steps")
+    if cfg.get("dataset"):
         levels = ", ".join(str(v) for v in cfg.get("arith_levels") or [])
-        setting = (f" (sigma {cfg.get('sigma_start'):g} -> {cfg.get('sigma_end'):g}, {cfg.get('noise_schedule')}, "
-                   f"K = {cfg.get('num_stages')} stages; completions capped at {cfg.get('max_completion_length')} "
-                   f"tokens; {cfg.get('max_steps')} steps; {cfg.get('dataset')} level {levels})")
+        parts.append(f"{cfg['dataset']} level {levels}" if cfg["dataset"] == "arith" and levels else cfg["dataset"])
+    setting = f" ({'; '.join(parts)})" if parts else ""
     return ("Scope: a 135M model on arithmetic" + setting + ", on a base quantized twice (Q4_1 GGUF, then NVFP4), "
             "with the project's restored noise (aqn_mode restored); not the paper's 3B-14B models, not the "
             "upstream code's accumulating noise.")
