@@ -215,6 +215,32 @@ def gather_shards(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return full.to(local.device)
 
 
+def gather_rows(local: torch.Tensor, counts: list[int], left: bool = False) -> torch.Tensor:
+    """``gather_shards`` of [n_rank, W_rank] rows whose widths differ by rank: each padded with zeros to the
+    widest, on the left (``left``: left-padded prompts) or on the right."""
+    if world()[1] == 1:
+        return local
+    W = int(all_reduce(float(local.shape[1]), "max"))
+    pad = W - local.shape[1]
+    if pad:
+        local = torch.nn.functional.pad(local, (pad, 0) if left else (0, pad))
+    return gather_shards(local, counts)
+
+
+def balance(rows: torch.Tensor, tokens: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """``rows`` (global indices) split among ``world_size`` ranks with balanced token counts (``tokens`` [N]
+    of every row): longest first, each to the rank with the fewest tokens so far (ties: the lower rank).
+    The same split for the same rows in any order, on every rank; each rank's rows in ascending order."""
+    order = sorted(rows.tolist(), key=lambda i: (-int(tokens[i]), i))
+    load = [0] * world_size
+    mine: list[list[int]] = [[] for _ in range(world_size)]
+    for i in order:
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        mine[r].append(i)
+        load[r] += int(tokens[i])
+    return [torch.tensor(sorted(m), dtype=torch.long) for m in mine]
+
+
 def all_reduce_grads(params, bucket_numel: int = 1 << 25) -> None:
     """Sum the gradients of ``params`` over ranks, in place, in flat buckets of one dtype.
 

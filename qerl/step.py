@@ -190,21 +190,23 @@ def reuse_training_logprobs(cfg, n: int) -> bool:
     return cfg.num_iterations == 1 and (cfg.mini_batch_size == 0 or cfg.mini_batch_size >= n)
 
 
-def logprobs(cfg, model, ro: RolloutOutput, reuse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def logprobs(cfg, model, ro: RolloutOutput, reuse: bool, rows: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(old log-probs, reference log-probs or None), no grad, in the forwards of ``forwards``.
 
     ``reuse``: the old log-probs are left at zero for ``update`` to fill from the training forward
-    (no forward here unless beta > 0 needs the reference).
+    (no forward here unless beta > 0 needs the reference). ``rows``: the rows this rank computes of a
+    rollout every rank holds whole (``global_view``); the others' come by a sum over ranks.
     """
     old_lp = torch.zeros_like(ro.logprobs)
     ref_lp = torch.zeros_like(ro.logprobs) if cfg.beta > 0 else None
     if reuse and ref_lp is None:
         return old_lp, None
     model.eval()
-    every = torch.arange(ro.completion_ids.size(0))
+    mine = torch.arange(ro.completion_ids.size(0)) if rows is None else rows
     with torch.no_grad():
-        for rows in forwards(cfg, ro.prompt_mask, ro.completion_mask, every):
-            rows_d = rows.to(ro.completion_ids.device)
+        for fwd in forwards(cfg, ro.prompt_mask, ro.completion_mask, mine):
+            rows_d = fwd.to(ro.completion_ids.device)
             w = _width(cfg, ro.completion_mask[rows_d])
             args = (ro.prompt_ids[rows_d], ro.prompt_mask[rows_d], ro.completion_ids[rows_d, :w],
                     ro.completion_mask[rows_d, :w], cfg.temperature)
@@ -213,6 +215,9 @@ def logprobs(cfg, model, ro: RolloutOutput, reuse: bool) -> tuple[torch.Tensor, 
             if ref_lp is not None:
                 with adapters_disabled(model):
                     ref_lp[rows_d, :w], _ = sequence_logprobs(model, *args, packed=cfg.padding_free)
+    if rows is not None:  # each row was computed on one rank (zeros elsewhere): the sum is every rank's whole
+        old_lp = old_lp if reuse else qdist.all_reduce(old_lp, "sum")
+        ref_lp = None if ref_lp is None else qdist.all_reduce(ref_lp, "sum")
     return old_lp, ref_lp
 
 
@@ -300,19 +305,22 @@ def _accumulate(cfg, model, ro: RolloutOutput, batch: Batch, old_lp, ref_lp, pac
     return None
 
 
-def _packs(cfg, ro: RolloutOutput, batch: Batch, micro: list):
+def _packs(cfg, ro: RolloutOutput, batch: Batch, micro: list, mine: torch.Tensor | None = None):
     """This rank's training forwards over a mini-batch's micro-batches ``micro`` (global indices): each a
     list of (j, local rows of micro[j] in that forward). Padding-free: the rows that have loss tokens,
     cut by tokens (``forwards``), so a micro-batch may span forwards; each part keeps its micro-batch's
     normaliser (``qerl.loss.loss_share``), and the gradient is the same however the rows are cut.
-    Padded: ``qerl.distributed.pack_micro_batches`` (whole micro-batches of this rank's rows)."""
+    Padded: ``qerl.distributed.pack_micro_batches`` (whole micro-batches of this rank's rows). ``mine``: the
+    rows this rank trains, of a rollout every rank holds whole (``global_view``); default: its own rows."""
     if not cfg.padding_free:
         yield from qdist.pack_micro_batches(micro, batch.first, batch.n_local, cfg.micro_batch_size)
         return
     owner = {}
+    keep = None if mine is None else set(mine.tolist())
     for j, mi in enumerate(micro):
         for r in (mi[(mi >= batch.first) & (mi < batch.first + batch.n_local)] - batch.first).tolist():
-            owner[r] = j
+            if keep is None or r in keep:
+                owner[r] = j
     rows = torch.tensor(sorted(owner), dtype=torch.long)
     if rows.numel():  # rows whose loss mask is empty add nothing to the loss or its gradient
         rows = rows[(batch.cmask[rows.to(batch.cmask.device)].sum(1) > 0).cpu()]
@@ -324,7 +332,7 @@ def _packs(cfg, ro: RolloutOutput, batch: Batch, micro: list):
 
 
 def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, ref_lp: torch.Tensor | None,
-           opt, sched, trainable: list, step: int, reuse: bool) -> dict:
+           opt, sched, trainable: list, step: int, reuse: bool, balanced: bool = False) -> dict:
     """The policy updates of one rollout: ``cfg.num_iterations`` passes, one optimizer step per mini-batch.
 
     The global mini/micro-batch plan is the same on every rank; each rank runs its members of each
@@ -333,7 +341,9 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
     as the other reductions clamp theirs: a mini-batch whose tokens are all masked (truncated) has
     loss 0, not an error. ``reuse``: each micro-batch's old log-probs are its training forward's,
     detached (and written into ``old_lp``). Returns loss / token metrics (means over micro-batches,
-    over all ranks), grad_norm, learning_rate.
+    over all ranks), grad_norm, learning_rate. ``balanced`` (data parallel, padding-free; ``ro`` and ``batch``
+    every rank's whole, ``global_view``): each mini-batch's rows are split among the ranks by their tokens
+    (``balanced_rows``), so the ranks' forwards carry about the same tokens.
     """
     mb = cfg.micro_batch_size
     model.train()
@@ -344,7 +354,8 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
     from qerl.logging import progress
 
     idx = batch.idx
-    n_mine = int(((idx >= batch.first) & (idx < batch.first + batch.n_local)).sum())
+    n_mine = (balanced_rows(ro, batch, idx).numel() if balanced
+              else int(((idx >= batch.first) & (idx < batch.first + batch.n_local)).sum()))
     bar = progress(cfg.num_iterations * n_mine, "update", unit="row")
     for it, mini_idx in _mini_batches(cfg, batch.idx, step):
         micro = [mini_idx[i:i + mb] for i in range(0, mini_idx.numel(), mb)]
@@ -355,7 +366,8 @@ def update(cfg, model, ro: RolloutOutput, batch: Batch, old_lp: torch.Tensor, re
         n_tokens = max(int(batch.n_loss_tokens[mini_idx].sum()), 1)
         opt.zero_grad(set_to_none=True)
         bad = None
-        for pack in _packs(cfg, ro, batch, micro):
+        mine = balanced_rows(ro, batch, mini_idx) if balanced else None
+        for pack in _packs(cfg, ro, batch, micro, mine):
             bad = _accumulate(cfg, model, ro, batch, old_lp, ref_lp, pack, micro, tokens, rows, n_tokens, keys, reuse)
             bar.update(sum(own.numel() for _, own in pack))
             if bad is not None:
@@ -404,11 +416,38 @@ def perf_metrics(cfg, model, ro: RolloutOutput, reuse: bool, train_s: float) -> 
             "perf/mfu": qperf.mfu(flops, train_s, peak * world if peak else None)}
 
 
-def logprob_gap(ro: RolloutOutput, old_lp: torch.Tensor, batch: Batch, reuse: bool) -> dict:
+def balanced_rows(ro: RolloutOutput, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's share of ``rows`` (global indices of a rollout every rank holds whole), balanced by the
+    tokens a padding-free forward computes for each (rows without loss tokens count none: they are not run)."""
+    rank, world = qdist.world()
+    tokens = row_tokens(ro.prompt_mask, ro.completion_mask) * (batch.cmask.sum(1) > 0)
+    return qdist.balance(rows, tokens.cpu(), world)[rank]
+
+
+def global_view(ro: RolloutOutput, batch: Batch, counts: list[int]) -> tuple[RolloutOutput, Batch]:
+    """Every rank's rollout and batch rows gathered on every rank (token ids and masks: a few MB), so the
+    training forwards can be balanced over the ranks by tokens (``balanced_rows``) whoever sampled a row."""
+    def rows(t, left=False):
+        return qdist.gather_rows(t, counts, left=left)
+
+    whole = RolloutOutput(rows(ro.prompt_ids, left=True), rows(ro.prompt_mask, left=True), rows(ro.completion_ids),
+                          rows(ro.completion_mask), rows(ro.logprobs), rows(ro.entropy),
+                          qdist.gather_shards(ro.truncated.long(), counts).bool())
+    return whole, Batch(qdist.gather_shards(batch.adv, counts), rows(batch.cmask), batch.idx, batch.n_loss_tokens, 0)
+
+
+def logprob_gap(ro: RolloutOutput, old_lp: torch.Tensor, batch: Batch, reuse: bool,
+                rows: torch.Tensor | None = None) -> dict:
     """``sampling/logprob_gap`` (mean |old - rollout| log-prob over completion tokens, all ranks) and
-    its max. With ``reuse`` only the rows this rank trained (with loss tokens) have old log-probs."""
+    its max. With ``reuse`` only the rows this rank trained (with loss tokens) have old log-probs. ``rows``: a
+    rollout every rank holds whole; this rank counts these rows (those it computed or trained)."""
     scored = torch.ones(batch.n_local, dtype=torch.bool)
-    if reuse:
+    if rows is not None:
+        scored = torch.zeros(batch.n_local, dtype=torch.bool)
+        scored[rows] = True
+        if reuse:
+            scored &= (batch.cmask.sum(1) > 0).cpu()
+    elif reuse:
         scored = torch.zeros(batch.n_local, dtype=torch.bool)
         idx = batch.idx
         scored[idx[(idx >= batch.first) & (idx < batch.first + batch.n_local)] - batch.first] = True
@@ -461,11 +500,18 @@ def step(cfg, model, engine, opt, sched, trainable: list, prompts: list[dict], s
     metrics.update(scored)
     t1 = time.perf_counter()
     reuse = reuse_training_logprobs(cfg, batch.idx.numel())
-    old_lp, ref_lp = logprobs(cfg, model, ro, reuse)
-    updated = update(cfg, model, ro, batch, old_lp, ref_lp, opt, sched, trainable, step, reuse)
-    metrics.update(logprob_gap(ro, old_lp, batch, reuse))
+    balanced = world > 1 and cfg.padding_free  # the training rows split among the ranks by tokens
+    if balanced:
+        ro_t, batch_t = global_view(ro, batch, counts)
+        lp_rows = balanced_rows(ro_t, batch_t, torch.arange(ro_t.completion_ids.size(0)))
+    else:
+        ro_t, batch_t, lp_rows = ro, batch, None
+    old_lp, ref_lp = logprobs(cfg, model, ro_t, reuse, lp_rows)
+    updated = update(cfg, model, ro_t, batch_t, old_lp, ref_lp, opt, sched, trainable, step, reuse, balanced)
+    gap_rows = (balanced_rows(ro_t, batch_t, batch_t.idx) if reuse else lp_rows) if balanced else None
+    metrics.update(logprob_gap(ro_t, old_lp, batch_t, reuse, gap_rows))
     metrics["time/train_s"] = qdist.all_reduce(time.perf_counter() - t1, "max")
-    metrics.update(perf_metrics(cfg, model, ro, reuse, metrics["time/train_s"]))
+    metrics.update(perf_metrics(cfg, model, ro, reuse, metrics["time/train_s"]))  # each rank its sampled rows: summed
     metrics.update(updated)
     metrics["num_tokens_step"] = int(n_prompt + n_compl)
     metrics["step_time"] = qdist.all_reduce(time.perf_counter() - t0, "max")

@@ -242,3 +242,20 @@ def test_too_few_prompts_for_the_world(tmp_path, monkeypatch):
     make_tiny_model, make_tiny_tokenizer = _builders()
     with pytest.raises(ValueError, match="every rank needs a prompt"):
         train(_cfg(tmp_path, prompts_per_step=3), model=make_tiny_model("llama"), tokenizer=make_tiny_tokenizer())
+
+
+def test_balance_splits_packed_rows_by_tokens():
+    """qerl.distributed.balance: every row once, the same split for the same rows in any order, loads within
+    the longest row of each other (longest first, to the least-loaded rank)."""
+    from qerl.distributed import balance
+
+    tokens = torch.tensor([900, 40, 300, 300, 120, 0, 2048, 75, 600, 610])
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    for world in (1, 2, 3, 4):
+        parts = balance(rows, tokens, world)
+        assert sorted(torch.cat(parts).tolist()) == rows.tolist()
+        assert [p.tolist() for p in parts] == [p.tolist() for p in balance(rows.flip(0), tokens, world)]
+        loads = [int(tokens[p].sum()) for p in parts]
+        assert max(loads) - min(loads) <= int(tokens.max())
+    two = balance(rows, tokens, 2)
+    assert abs(int(tokens[two[0]].sum()) - int(tokens[two[1]].sum())) <= 300  # 2508 / 2485 here
