@@ -21,7 +21,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -29,6 +28,7 @@ from benchmarks import speed_common as sc
 from benchmarks.profile_decode import category
 from qerl import formats, perf, recompute
 from qerl import step as qstep
+from qerl.config import TrainConfig
 
 GROUPS = (  # first match wins
     ("4-bit linear", ("_mma_kernel", "_ws_kernel", "_fwd_gemv_kernel", "_fwd_dot_kernel", "_decode_kernel",
@@ -43,11 +43,12 @@ def group(name: str) -> str:
     return category(name, GROUPS, "elementwise")
 
 
-def _cfg(args, mode: str, budget: int):
-    return SimpleNamespace(micro_batch_size=args.micro_batch, padding_free=True, forward_token_budget=budget,
-                           token_budget=budget, num_iterations=1, mini_batch_size=0, seed=0, loss_type="grpo",
-                           epsilon=0.2, epsilon_high=0.28, beta=0.0, max_completion_length=args.completion,
-                           temperature=1.0, max_grad_norm=1.0, gradient_checkpointing=mode)
+def _cfg(args, mode: str, budget: int) -> TrainConfig:
+    """The update's settings: one pass, one optimizer step, GRPO, no KL, padding-free by ``budget`` tokens."""
+    return TrainConfig(micro_batch_size=args.micro_batch, padding_free=True, forward_token_budget=budget,
+                       num_iterations=1, mini_batch_size=0, seed=0, loss_type="grpo", epsilon=0.2, epsilon_high=0.28,
+                       beta=0.0, max_prompt_length=args.prompt, max_completion_length=args.completion, temperature=1.0,
+                       max_grad_norm=1.0, gradient_checkpointing=mode, wandb_mode="disabled")
 
 
 def profile_one(model, params, args, mode: str, budget: int, lengths: list[int], vocab: int) -> dict:

@@ -91,7 +91,7 @@ def sequence_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion
         if pk.n_tokens == 0:
             z = head_w.new_zeros(shape, dtype=torch.float32)
             return z, (z.clone() if with_entropy else None)
-        h = packed_hidden(model, pk)
+        h = packed_hidden(dec, pk)
         lp, ent = token_logprobs(h.index_select(0, pk.logit_pos), head_w, pk.target_ids, temperature, with_entropy,
                                  chunk_rows)
         return pk.unpack(lp, shape), (pk.unpack(ent, shape) if with_entropy else None)

@@ -225,13 +225,11 @@ def _register() -> None:
             AttentionInterface.register(name, _dispatching(cur))
 
 
-def packed_hidden(model, pk: PackedRows) -> torch.Tensor:
+def packed_hidden(dec, pk: PackedRows) -> torch.Tensor:
     """The decoder's last hidden states [T, H] over a packed sequence: embeddings, rotary at the packed
     positions, every decoder layer (attention within each row; HF's gradient checkpointing as
-    configured), the final norm. No attention mask is built (none is needed)."""
-    from qerl.forward import decoder_and_head
-
-    dec, _ = decoder_and_head(model)
+    configured), the final norm. ``dec``: the decoder stack (``qerl.forward.decoder_and_head``). No attention
+    mask is built (none is needed)."""
     impl = getattr(dec.config, "_attn_implementation", None)
     if impl not in PACKED_IMPLEMENTATIONS:
         raise ValueError(f"the packed forward runs beside the model's own attention, which must be one of "
