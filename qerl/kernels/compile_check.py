@@ -5,16 +5,24 @@ in its mma.sync and warpgroup-MMA forms, the warp-specialised kernel) is called 
 programmatic dependent launch on; the launch is compiled for sm_90 instead of run. Checks, per kernel:
 - it compiles (a Triton whose Gluon API moved fails here, before any GPU time);
 - it was launched with PDL, and in its PTX ``griddepcontrol.wait`` comes before the first global load,
-  store, atomic and asynchronous copy (qerl.kernels.common: a PDL launch must wait before it reads).
+  store, atomic and asynchronous copy (qerl.kernels.common: a PDL launch must wait before it reads);
+- for the 4-bit kernels, the SASS of the main loop (the innermost loop that holds the decode's bf16x2
+  multiplies), counted per 8 weights: all of it, and the decode's instructions (LOP3, SHF, IMAD.SHL,
+  PRMT, LEA and the multiplies). Each multiply scales 2 weights, so the counts need no shape.
 
     python -m qerl.kernels.compile_check      # exit 1 if a kernel fails; needs Triton with its bundled ptxas
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -27,10 +35,56 @@ from qerl.kernels import attention, common, fused, mma, sampling, warpspec
 OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg")
 # global memory touched: loads, stores, atomics, cp.async / TMA copies
 GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|atom\.global|red\.global|cp\.async)")
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+DECODE_OPS = ("LOP3", "SHF", "IMAD.SHL", "PRMT", "LEA", "HMUL2", "HFMA2")
 
 
-def _compile(fn, args, kw) -> tuple[str, bool]:
-    """Compile one captured launch for sm_90; (name, whether PDL is on and its wait comes first)."""
+def _cuobjdump() -> str | None:
+    here = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for tool in (here, shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
+        if tool and os.path.exists(tool):
+            return tool
+    return None
+
+
+def loop_counts(sass: str) -> dict | None:
+    """Instructions per 8 weights in the innermost SASS loop that holds bf16x2 multiplies (the decode's):
+    {"loop": all of them, "decode": LOP3 + SHF + IMAD.SHL + PRMT + LEA + the multiplies, "ops": by opcode};
+    None if no loop holds any."""
+    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in SASS_LINE.finditer(sass)]
+    best = None
+    for a, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target is None or int(target.group(1), 16) > a:
+            continue  # not a backward branch
+        body = [o for b, o, _ in ins if int(target.group(1), 16) <= b <= a]
+        muls = sum(1 for o in body if o.startswith(("HMUL2", "HFMA2")) and "BF16" in o)
+        if muls and (best is None or len(body) < len(best[0])):
+            best = (body, muls)
+    if best is None:
+        return None
+    body, muls = best
+    per = 8 / (2 * muls)
+    ops = collections.Counter("IMAD.SHL" if o.startswith("IMAD.SHL") else o.split(".")[0] for o in body)
+    return {"loop": len(body) * per, "decode": sum(ops[k] for k in DECODE_OPS) * per,
+            "ops": {k: v * per for k, v in ops.most_common()}}
+
+
+def sass_counts(cubin: bytes) -> dict | None:
+    """``loop_counts`` of a compiled kernel (its cubin through cuobjdump); None without cuobjdump."""
+    tool = _cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return loop_counts(sass)
+
+
+def _compile(fn, args, kw) -> tuple[str, bool, dict | None]:
+    """Compile one captured launch for sm_90; (name, whether PDL is on and its wait comes first, the SASS
+    loop counts of a 4-bit kernel or None)."""
     params = fn.params
     given = dict(zip([p.name for p in params], args))
     given.update({k: v for k, v in kw.items() if k not in OPTIONS})
@@ -58,7 +112,9 @@ def _compile(fn, args, kw) -> tuple[str, bool]:
     wait = body.find("griddepcontrol.wait")
     first = GLOBAL_ACCESS.search(body)
     ok = bool(const.get("PDL")) and bool(k.metadata.launch_pdl) and wait >= 0 and (first is None or wait < first.start())
-    return fn.fn.__name__, ok
+    counts = sass_counts(k.asm["cubin"]) if "ASM" in const else None
+    label = fn.fn.__name__ + (f" BM={const['BM']}" if "BM" in const else "")
+    return label, ok, counts
 
 
 @contextlib.contextmanager
@@ -117,7 +173,7 @@ def launches() -> None:
         return
     Nw = Kw = 3584  # the compute layout of a 7B q/o weight
     pc = torch.empty(Nw // 16, Kw // 64, 512, dtype=torch.uint8)
-    sc = torch.empty(Nw // 16, Kw // 64, 64, dtype=torch.uint8)
+    sc = torch.empty(Nw // 16, Kw // 64, 128, dtype=torch.uint8)
     gs = torch.ones(1)
     for m, wgmma in ((4, False), (32, False), (96, True)):
         xm = torch.randn(m, Kw, dtype=bf)
@@ -142,9 +198,10 @@ def main() -> int:
     results: list = []
     with _compiling(results):
         launches()
-    for name, ok in results:
-        print(f"{name:24s} {'ok' if ok else 'PDL launch without its wait first'}")
-    bad = [n for n, ok in results if not ok]
+    for name, ok, counts in results:
+        sass = "" if counts is None else f"   SASS per 8 weights: loop {counts['loop']:.1f}, decode {counts['decode']:.1f}"
+        print(f"{name:24s} {'ok' if ok else 'PDL launch without its wait first'}{sass}")
+    bad = [n for n, ok, _ in results if not ok]
     print(f"Triton {triton.__version__}: {len(results)} launches compiled for sm_90, {len(bad)} failed")
     return 1 if bad else 0
 

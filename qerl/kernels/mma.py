@@ -1,8 +1,9 @@
 """The tensor-core FP4 kernel for small M (decode batches) on the compute layout (qerl.kernels.layout).
 
-Exactness: the kernel decodes an E2M1 code c to the bf16 c * 2^-126 (bits placed, subnormal for
-0.5) and multiplies it by the scale's bf16 (E4M3 * 2^119 or 2^(e - 63)) with one bf16x2 FMA per
-two weights: the weight times 2^-7 (2^-62), exactly. The powers of two and the global divisor
+Exactness: the kernel decodes an E2M1 code c to the bf16 c * 2^-126 (the layout's bits rotated into
+place, subnormal for 0.5: 15 instructions per 8 weights, ``decode_asm``) and multiplies it by the
+scale's bf16 (E4M3 * 2^119 or 2^(e - 63), stored so in the layout) with one bf16x2 multiply per two
+weights: the weight times 2^-7 (2^-62), exactly. The powers of two and the global divisor
 come off in the epilogue; the tensor cores accumulate in fp32.
 
 The kernel (Gluon, Triton's explicit-layout dialect): the activation tiles (and from BM = 32 the
@@ -29,7 +30,7 @@ import torch
 import triton
 
 from qerl.kernels import common
-from qerl.kernels.layout import to_compute_layout
+from qerl.kernels.layout import ROT_MAG, ROT_SIGN, to_compute_layout
 
 try:  # Gluon: triton >= 3.6
     from triton.experimental import gluon
@@ -49,27 +50,30 @@ except ImportError:  # pragma: no cover - older triton
 # ----------------------------------------------------------------------------------------------
 # the kernel (Gluon)
 
-# One word (8 codes) and its scale word (bytes s_h0, -, s_h1, -) -> four bf16x2 registers of the A
-# fragment: (h0, q0), (h1, q0) as the first output's two registers, (h0, q1), (h1, q1) the second's.
-_ASM_NV = """
-{
-.reg .b32 p<4>, m, t, s0, s1, z;
-mov.b32 z, 0x80008000;
-prmt.b32 t, $5, 0, 0x4040; mad.lo.u32 s0, t, 16, 0x76007600;
-prmt.b32 t, $5, 0, 0x4242; mad.lo.u32 s1, t, 16, 0x76007600;
-shl.b32 m, $4, 6;  and.b32 m, m, 0x01C001C0; shl.b32 t, $4, 12; and.b32 t, t, 0x80008000; or.b32 p0, m, t;
-shl.b32 m, $4, 2;  and.b32 m, m, 0x01C001C0; shl.b32 t, $4, 8;  and.b32 t, t, 0x80008000; or.b32 p1, m, t;
-shr.b32 m, $4, 2;  and.b32 m, m, 0x01C001C0; shl.b32 t, $4, 4;  and.b32 t, t, 0x80008000; or.b32 p2, m, t;
-shr.b32 m, $4, 6;  and.b32 m, m, 0x01C001C0;                    and.b32 t, $4, 0x80008000; or.b32 p3, m, t;
-fma.rn.bf16x2 $0, p0, s0, z;
-fma.rn.bf16x2 $1, p1, s1, z;
-fma.rn.bf16x2 $2, p2, s0, z;
-fma.rn.bf16x2 $3, p3, s1, z;
-}
-"""
-# MXFP4: the scale's bf16 is 2^(e - 63): exponent field e + 64
-_ASM_MX = _ASM_NV.replace("mad.lo.u32 s0, t, 16, 0x76007600", "mad.lo.u32 s0, t, 128, 0x20002000").replace(
-    "mad.lo.u32 s1, t, 16, 0x76007600", "mad.lo.u32 s1, t, 128, 0x20002000")
+def decode_asm() -> str:
+    """The decode of one code word (8 weights) and its scale word into four bf16x2 registers of the A
+    fragment (r = h + 2 q: (h0, q0), (h1, q0) the first output's two registers, (h0, q1), (h1, q1) the
+    second's), for the rotation layout of ``qerl.kernels.layout``: per register one left rotation and an
+    AND, or two rotations merged by two LOP3s where the magnitude and sign rotations differ, then the
+    multiply by the row's scale half (.H0_H0 / .H1_H1 operands: rows g, g + 8). fma with -0 is what
+    ptxas turns into HMUL2 (mul.bf16x2 needs sm_90; the mma.sync form also runs on sm_80)."""
+    lines = [".reg .b32 p<4>, m, t, s0, s1, z;", ".reg .b16 sl, sh;", "mov.b32 z, 0x80008000;",
+             "mov.b32 {sl, sh}, $5;", "mov.b32 s0, {sl, sl};", "mov.b32 s1, {sh, sh};"]
+
+    def rot(dst, n):
+        return f"shf.l.wrap.b32 {dst}, $4, $4, {n};" if n else f"mov.b32 {dst}, $4;"
+
+    for r, (a, b) in enumerate(zip(ROT_MAG, ROT_SIGN)):
+        if a == b:
+            lines += [rot(f"p{r}", a), f"and.b32 p{r}, p{r}, 0x81C081C0;"]
+        else:
+            lines += [rot("m", a), rot("t", b), "and.b32 t, t, 0x80008000;", "and.b32 m, m, 0x01C001C0;",
+                      f"or.b32 p{r}, m, t;"]
+    lines += [f"fma.rn.bf16x2 ${r}, p{r}, s{r & 1}, z;" for r in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}\n"
+
+
+_ASM = decode_asm()
 
 if HAVE_GLUON:
 
@@ -96,15 +100,15 @@ if HAVE_GLUON:
     def _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim):
         """Weights and scales of the KB column blocks from block kb0 (masked at kb_lim)."""
         wq = gl.load(w_ptr + (w_off + kb0 * 512), mask=(kb0 + wk) < kb_lim, other=0)
-        sq = gl.load(s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk) < kb_lim, other=0)
+        sq = gl.load(s_ptr + (s_off + kb0 * 128), mask=(kb0 + sk) < kb_lim, other=0)
         return wq, sq
 
     @gluon.jit
     def _w_copy(w_dst, s_dst, w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim):
         """Asynchronous copies of the weights and scales of the KB column blocks from block kb0 (of
-        this thread's layout: 16 and 8 contiguous bytes); not committed (the activations' copy is)."""
+        this thread's layout: 16 contiguous bytes each); not committed (the activations' copy is)."""
         _cp_async(w_dst, w_ptr + (w_off + kb0 * 512), mask=(kb0 + wk) < kb_lim)
-        _cp_async(s_dst, s_ptr + (s_off + kb0 * 64), mask=(kb0 + sk) < kb_lim)
+        _cp_async(s_dst, s_ptr + (s_off + kb0 * 128), mask=(kb0 + sk) < kb_lim)
 
     @gluon.jit
     def _x_copy(x_smem, x_ptr, x_off, xr, xc, M, K, kb0, kb_lim):
@@ -155,11 +159,9 @@ if HAVE_GLUON:
         b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
         # weights [R, 8 (g), 4 (c), KB, 16 bytes]: 16 contiguous bytes a lane, warps over row blocks
         w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [num_warps, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-        # scales [R, 8, 4 (c), KB, 8 (t, h)]: 8 contiguous bytes a lane (one load; the four lanes c of
-        # a row read the same ones), then [.., 4 (t), 2 (h), 2]: the decode's scale words, by broadcasting
-        s_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [num_warps, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-        s7_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1, 1], [num_warps, 1, 1, 1, 1, 1, 1],
-                                              [6, 5, 4, 3, 2, 1, 0])
+        # scales [R, 8, 4 (c), KB, 16 (t, bf16 pair)]: 16 contiguous bytes a lane, word t the scale pair of
+        # code word t (the four lanes c of a row read the same ones): the layout of the codes
+        s_l: gl.constexpr = w_l
         # activation copies: [BM, BK] in 16-byte pieces, a warp along K
         TK: gl.constexpr = BK // 8 if BK // 8 < 32 else 32
         x_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [num_warps, 1], [1, 0])
@@ -170,9 +172,9 @@ if HAVE_GLUON:
         NBN = gl.cdiv(N, 16)
         nbc = gl.minimum(nb0 + wr, NBN - 1).to(gl.int64)
         w_off = ((nbc * NB_K) * 512 + wk * 512) + (wg * 64 + wc * 16) + wb
-        sr, sg, sc, sk, sth = _axes5(R, 8, 4, KB, 8, s_l)
+        sr, sg, sc, sk, sb = _axes5(R, 8, 4, KB, 16, s_l)
         snb = gl.minimum(nb0 + sr, NBN - 1).to(gl.int64)
-        s_off = ((snb * NB_K) * 64 + sk * 64) + sg * 8 + sth + sc * 0
+        s_off = ((snb * NB_K) * 128 + sk * 128) + sg * 16 + sb + sc * 0
         xr = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_ld))[:, None]
         xc = gl.arange(0, BK, layout=gl.SliceLayout(0, x_ld))[None, :]
         # (stride_xm // 8) * 8: the host guarantees 8 | stride (16-byte copies); this tells the compiler
@@ -181,8 +183,8 @@ if HAVE_GLUON:
         if W_RING:  # weights and scales ride in the ring too (16- and 8-byte copies, no swizzle needed)
             w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 8, 4, KB, 16], gl.SwizzledSharedLayout(
                 vec=16, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0]))
-            s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 8, 4, KB, 8], gl.SwizzledSharedLayout(
-                vec=8, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0]))
+            s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 8, 4, KB, 16], gl.SwizzledSharedLayout(
+                vec=16, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0]))
 
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         n_iter = gl.cdiv(NB_K, KB)
@@ -217,12 +219,7 @@ if HAVE_GLUON:
                 wq = w_smem.index(j % STAGES).load(w_l)
                 sq = s_smem.index(j % STAGES).load(s_l)
             _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
-            # scale bytes to the decode's words: [.., KB, 4 (t), 2 (h)] -> [.., KB, 4 (t), 2 (h), 2] -> [.., KB, 16]
-            s16 = gl.convert_layout(
-                gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [R, 8, 4, KB, 4, 2]), gl.SliceLayout(6, s7_l)),
-                                          6) + gl.zeros([R, 8, 4, KB, 4, 2, 2], gl.uint8, s7_l),
-                           [R, 8, 4, KB, 16]), w_l)
-            lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
+            lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, sq],
                                                dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
             # [R, g, c, KB, 16 = (t, h, e)] x 2 (q) -> [R, h, g, KB, t, q, c, e] -> [BN, BK]
             wv = gl.join(lo, hi)
@@ -457,7 +454,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     Np = Ns + [0] * (3 - len(Ns))
     Tp = tiles + [0] * (3 - len(tiles))
     args += [ws, cnt, M, Np[0], Np[1], Np[2], Tp[0], Tp[1], K, nbk, x2.stride(0), ips, mt]
-    kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM_NV if is_nv else _ASM_MX, num_warps=warps, **launch, **cfg,
+    kwargs = dict(IS_NV=is_nv, NM=len(weights), ASM=_ASM, num_warps=warps, **launch, **cfg,
                   **common.pdl_args(x2.device))
     if describe:  # (kernel, grid, args, kwargs, workspace need): for Plan's DirectLaunch
         return _mma_kernel, (n_tiles, split), tuple(args), kwargs, ws_need

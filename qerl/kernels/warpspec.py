@@ -1,7 +1,7 @@
 """Warp-specialised W4A16 GEMM for Hopper (sm_90) on the compute layout of ``qerl.kernels.layout``.
 
 y [M, N] = x [M, K] W^T, W in the compute layout (``layout.to_compute_layout``: 16-row x 64-column
-blocks of 512 code bytes, each lane's 16 bytes its MMA fragment, and 64 scale bytes a block).
+blocks of 512 code bytes, each lane's 16 bytes its MMA fragment, and 128 scale bytes a block: bf16 pairs).
 
 A CTA: NWG consumer warpgroups (RPW x 64 weight rows each) x BM rows of x, over a K range, and one
 producer warp:
@@ -11,8 +11,8 @@ producer warp:
     completing on its own mbarrier. It waits only on the ring's "empty" barriers: no CTA barrier in
     the loop.
   - each consumer warpgroup (the default partition and NWG - 1 worker partitions) waits for a
-    stage, decodes its RPW x 64 rows in registers (the ``qerl.kernels.mma`` decode: exact, 20
-    instructions per 8 weights) straight into the register A operand of the warpgroup MMA (RPW 2: two
+    stage, decodes its RPW x 64 rows in registers (the ``qerl.kernels.mma`` decode: exact, 15
+    instructions per 8 weights, ``make compile-check`` counts them) straight into the register A operand of the warpgroup MMA (RPW 2: two
     64-row instructions an MMA), whose B operand is the shared activation tile. Two forms of this
     loop, chosen by the installed Triton (MMA_IN_FLIGHT):
       - in flight (Triton >= 3.7): each MMA runs while the next block is decoded (wait(1)), and a
@@ -113,7 +113,7 @@ if HAVE_WS:
                 for w in gl.static_range(NWG):
                     idx = (s * KB + kb) * NWG + w
                     _tma_load(w_desc, [nb0 + w * RW, k * 2, 0], bar, w_bufs.index(idx))
-                    _tma_load(s_desc, [nb0 + w * RW, k * 64], bar, s_bufs.index(idx))
+                    _tma_load(s_desc, [nb0 + w * RW, k * 128], bar, s_bufs.index(idx))
 
     @gluon.jit
     def _ws_group_loader(x_desc, w_desc, s_desc, w_desc1, s_desc1, w_desc2, s_desc2, g, x_bufs, w_bufs, s_bufs,
@@ -132,24 +132,18 @@ if HAVE_WS:
     @gluon.jit
     def _ws_decode(w_buf, s_buf, RB: gl.constexpr, ASM: gl.constexpr, a_l: gl.constexpr):
         """One 64-column block of a warpgroup's RB x 16 weight rows from its ring buffers -> bf16 [RB * 16, 64]
-        in the MMA's register A layout (the qerl.kernels.mma decode: exact, 20 instructions per 8 weights).
+        in the MMA's register A layout (the qerl.kernels.mma decode, exact).
         Warp w holds the 16-row blocks w, w + 4, ...: the rows the warpgroup MMA gives it."""
         # weights [RB (blocks), 8 (g), 4 (c), 1, 16 bytes]: 16 contiguous bytes a lane, blocks w + 4i a warp
         w_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-        s_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-        s7_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1, 1], [4, 1, 1, 1, 1, 1, 1],
-                                              [6, 5, 4, 3, 2, 1, 0])
         flat5: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
         # the bulk copy wrote each block's 512 bytes in the compute layout's (g, c, byte) order
         wq = _view(w_buf, gl.uint8, [RB, 8, 4, 1, 16], flat5).load(w_l)
-        # the block's 64 scale bytes (g, t, h); the four lanes c of a row read the same 8
-        sq = _view(s_buf, gl.uint8, [RB, 8, 1, 1, 8], flat5).load(s_l)
-        sq = sq + gl.zeros([RB, 8, 4, 1, 8], gl.uint8, s_l)
-        s16 = gl.convert_layout(
-            gl.reshape(gl.expand_dims(gl.convert_layout(gl.reshape(sq, [RB, 8, 4, 1, 4, 2]),
-                                                        gl.SliceLayout(6, s7_l)), 6)
-                       + gl.zeros([RB, 8, 4, 1, 4, 2, 2], gl.uint8, s7_l), [RB, 8, 4, 1, 16]), w_l)
-        lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, s16],
+        # the block's 128 scale bytes (g, t, bf16 pair): word t of a lane's 16 the pair of its code word t;
+        # the four lanes c of a row read the same 16
+        sq = _view(s_buf, gl.uint8, [RB, 8, 1, 1, 16], flat5).load(w_l)
+        sq = sq + gl.zeros([RB, 8, 4, 1, 16], gl.uint8, w_l)
+        lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, sq],
                                            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         wv = gl.join(lo, hi)
         wv = gl.reshape(wv, [RB, 8, 4, 1, 4, 2, 2, 2])  # [nb, g, c, kb, t, h, e, q]
@@ -271,7 +265,7 @@ if HAVE_WS:
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES * KB, BM, 64], x_desc.layout)
         RB: gl.constexpr = 4 * RPW  # 16-row weight blocks a consumer warpgroup
         w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, RB, 2, 256], w_desc.layout)
-        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, RB, 64], s_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES * KB * NWG, RB, 128], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -339,10 +333,10 @@ def _w_descs(packed_c: torch.Tensor, scales_c: torch.Tensor, cache: dict | None,
     if wd is None:
         nb, nbk = packed_c.shape[:2]
         w3 = packed_c.view(nb, nbk * 2, 256)
-        s2 = scales_c.view(nb, nbk * 64)
+        s2 = scales_c.view(nb, nbk * 128)
         wd = (TensorDescriptor(w3, [nb, nbk * 2, 256], [nbk * 512, 256, 1], [4 * rpw, 2, 256],
                                gl_layout(swizzle_byte_width=0, element_bitwidth=8, rank=3)),
-              TensorDescriptor(s2, [nb, nbk * 64], [nbk * 64, 1], [4 * rpw, 64],
+              TensorDescriptor(s2, [nb, nbk * 128], [nbk * 128, 1], [4 * rpw, 128],
                                gl_layout(swizzle_byte_width=0, element_bitwidth=8, rank=2)))
         if cache is not None:
             cache[key] = wd
@@ -408,7 +402,7 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     Np = Ns + [0] * (3 - len(Ns))
     _ws_kernel[(n_tiles * mt, split)](
         *args, ws, cnt, M, Np[0], Np[1], Np[2], tiles[0], tiles[1] if len(tiles) > 1 else 0, nbk, ips, mt,
-        IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=mma._ASM_NV if is_nv else mma._ASM_MX,
+        IS_NV=is_nv, NWG=NWG, BM=BM, STAGES=stages, KB=KB, ASM=mma._ASM,
         REGS=cfg["REGS"], IN_FLIGHT=bool(cfg["in_flight"]), num_warps=4, RPW=rpw, NG=len(weights), **launch,
         **common.pdl_args(x2.device))
     return outs

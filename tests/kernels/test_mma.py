@@ -1,6 +1,8 @@
 """The compute layout of the tensor-core kernel (qerl.kernels.layout, qerl.kernels.mma) (CPU: exact inverse, the kernel's arithmetic in torch)
 and the kernel itself (GPU: against the fp32 reference, groups, repeatability, the plan's launches)."""
 
+import re
+
 import pytest
 import torch
 
@@ -29,22 +31,57 @@ def test_compute_layout_round_trip_is_exact(fmt, n, k, chunk_rows, monkeypatch):
     p, s = t["weight_packed"], t["weight_scale"]
     assert layout.compute_layout_ok(p, s, nv) is None
     pc, sc = layout.to_compute_layout(p, s, nv)
-    assert pc.shape == (-(-n // 16), -(-k // 64), 8, 4, 16) and sc.shape == (-(-n // 16), -(-k // 64), 8, 4, 2)
+    assert pc.shape == (-(-n // 16), -(-k // 64), 8, 4, 16) and sc.shape == (-(-n // 16), -(-k // 64), 8, 4, 4)
     assert pc.numel() * 2 == -(-n // 16) * 16 * -(-k // 64) * 64  # 4 bits a weight, padding only
     p2, s2 = layout.from_compute_layout(pc, sc, n, k, nv)
     assert torch.equal(p2, p) and torch.equal(s2, s.view(torch.uint8))
 
 
-def test_e4m3_scale_code_covers_every_e4m3_value():
-    s = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8)  # every finite non-negative E4M3
-    t = layout.e4m3_scale_code(s)
-    assert int(t[0]) == 0 and bool((t[1:] > 0).all())  # zero is t = 0, nothing else is
-    assert torch.equal(layout.e4m3_scale_from_code(t), s)
-    # the kernel's bf16 of t (one multiply-add on the bits) is E4M3 * 2^119 exactly
-    bits = (t[1:].to(torch.int32) * 16 + (layout.T_OFFSET << 7)).to(torch.int16)
-    got = bits.view(torch.bfloat16).float().double()
-    want = s[1:].view(torch.float8_e4m3fn).double() * 2.0 ** 119
-    assert torch.equal(got, want)
+def test_rotation_layout_uses_every_bit_once_and_the_asm_follows_it():
+    """The 8 codes of a word fill its 32 bits exactly; rotating the word left by ROT_MAG[r] (ROT_SIGN[r])
+    brings register r's magnitudes to bf16 bits 6-8 (signs to bit 15) of each half; the decode's PTX
+    rotates by those amounts: 5 rotations, 8 ANDs / ORs (6 LOP3 in SASS) and 4 multiplies."""
+    bits = []
+    for r in range(4):
+        for e in range(2):
+            m, sb = layout.mag_bit(r, e), layout.sign_bit(r, e)
+            bits += [(m + j) % 32 for j in range(3)] + [sb]
+            assert (m + layout.ROT_MAG[r]) % 32 == 6 + 16 * e and (sb + layout.ROT_SIGN[r]) % 32 == 15 + 16 * e
+    assert sorted(bits) == list(range(32))
+    asm = mma.decode_asm()
+    rots = [int(x) for x in re.findall(r"shf\.l\.wrap\.b32 \w+, \$4, \$4, (\d+);", asm)]
+    assert sorted(rots) == sorted(set(layout.ROT_MAG + layout.ROT_SIGN) - {0})  # r1, r2: one rotation each
+    assert asm.count("fma.rn.bf16x2") == 4 and asm.count("and.b32") + asm.count("or.b32") == 8
+
+
+def every_code_every_scale(nv: bool) -> dict:
+    """A weight [scales, 64] whose row i has the i-th scale code (NVFP4: every E4M3 byte but the NaNs: zero,
+    subnormals, negatives; MXFP4: every E8M0 byte the layout takes) and every E2M1 code in each block."""
+    scales = [c for c in range(256) if c & 0x7F != 0x7F] if nv else list(range(64, 191))
+    n, k, B = len(scales), 64, 16 if nv else 32
+    codes = torch.arange(k).remainder(16).to(torch.uint8).repeat(n, 1)  # every code, twice a 32-block
+    p = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    s = torch.tensor(scales, dtype=torch.uint8)[:, None].repeat(1, k // B).contiguous()
+    t = {"weight_packed": p, "weight_scale": s.view(torch.float8_e4m3fn) if nv else s}
+    if nv:
+        t["weight_global_scale"] = torch.tensor([1.0])
+    return t
+
+
+def test_every_code_times_every_scale_decodes_exactly():
+    """decode_reference (the kernel's arithmetic: rotations, masks, bf16 multiply by the layout's scale,
+    the epilogue's power of two) on a weight holding each E2M1 code under each E4M3 scale code (zero,
+    subnormals, negatives) and each E8M0 scale the layout takes, against the formats' dequantization."""
+    for nv in (True, False):
+        t = every_code_every_scale(nv)
+        p, s = t["weight_packed"], t["weight_scale"].view(torch.uint8)
+        (n, k), fmt = t["weight_packed"].shape, "nvfp4" if nv else "mxfp4"
+        k *= 2
+        assert layout.compute_layout_ok(p, s, nv) is None
+        pc, sc = layout.to_compute_layout(p, s, nv)
+        got = layout.decode_reference(pc, sc, n, k, nv, t.get("weight_global_scale"))
+        want = formats.dequantize(t, fmt, dtype=torch.float32)
+        assert torch.equal(got, want), fmt
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -63,15 +100,15 @@ def test_kernel_arithmetic_gives_the_dequantized_weight(fmt, n, k):
 def test_lanes_hold_their_mma_fragments_in_natural_column_order():
     """The layout's promise, from the PTX definition of mma.m16n8k16's A fragment (a0: row g,
     columns 2c, 2c+1; a1: row g+8; a2: row g, columns 2c+8, 2c+9; a3: row g+8, those columns): lane
-    (g, c)'s word t, decoded nibble by nibble, is the fragment of the 16-column step t of the block,
-    and its scale bytes are those of rows g and g+8 at that step (one code and scale per weight,
-    read from the original tensors, not from the layout code)."""
+    (g, c)'s word t, its register r's bits read at the layout's positions, is the fragment of the
+    16-column step t of the block, and its scale word is the bf16 pair of rows g and g+8 at that step
+    (one code and scale per weight, read from the original tensors, not from the layout code)."""
     n, k = 40, 192
     t = _weight(n, k, "nvfp4", seed=3)
     pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], True)
     p = t["weight_packed"]
     codes = torch.stack([p & 0xF, p >> 4], -1).view(n, k)  # natural [N, K] codes
-    scodes = layout.e4m3_scale_code(t["weight_scale"].view(torch.uint8))  # [N, K/16]
+    sbf = layout.scale_bf16(t["weight_scale"].view(torch.uint8), True)  # [N, K/16]
     rng = torch.Generator().manual_seed(0)
     for _ in range(200):
         nb, kb = int(torch.randint(3, (1,), generator=rng)), int(torch.randint(3, (1,), generator=rng))
@@ -81,24 +118,33 @@ def test_lanes_hold_their_mma_fragments_in_natural_column_order():
         frag = [(0, 0), (1, 0), (0, 8), (1, 8)]  # (row + 8 h, column offset) of a0 .. a3
         for r, (h, dq) in enumerate(frag):
             for e in range(2):
-                nib = (word >> (4 * (4 * e + 2 * (dq // 8) + h))) & 0xF
+                nib = ((word >> layout.mag_bit(r, e)) & 0x7) | (((word >> layout.sign_bit(r, e)) & 1) << 3)
                 row, col = 16 * nb + 8 * h + g, 64 * kb + 16 * tt + dq + 2 * c + e
                 want = int(codes[row, col]) if row < n and col < k else 0
                 assert nib == want, (nb, kb, g, c, tt, r, e)
+        pair = sc[nb, kb, g, tt].view(torch.bfloat16)
         for h in range(2):
             row = 16 * nb + 8 * h + g
-            want = int(scodes[row, (64 * kb + 16 * tt) // 16]) if row < n else 0
-            assert int(sc[nb, kb, g, tt, h]) == want
+            want = sbf[row, (64 * kb + 16 * tt) // 16] if row < n else torch.zeros((), dtype=torch.bfloat16)
+            assert pair[h].view(torch.int16) == want.view(torch.int16)
 
 
 def test_weights_without_an_exact_layout_are_refused():
     t = _weight(32, 64, "nvfp4")
     p, s = t["weight_packed"].clone(), t["weight_scale"].clone()
-    s.view(torch.uint8)[0, 0] = 0  # zero scale, codes still non-zero
-    assert "zero block scales" in layout.compute_layout_ok(p, s, True)
+    s.view(torch.uint8)[0, 0] = 0  # zero scale, codes still non-zero: exact (bf16 zero), kept
+    assert layout.compute_layout_ok(p, s, True) is None
     s.view(torch.uint8)[0, 0] = 0x7F
     assert "NaN" in layout.compute_layout_ok(p, s, True)
     assert layout.cached_layout({}, p, s, True) is None
+    m = _weight(32, 64, "mxfp4")
+    for byte, why in ((0xFF, "NaN"), (191, "above 2^63"), (63, "below 2^-63")):
+        sm = m["weight_scale"].clone()
+        sm.view(torch.uint8)[0, 0] = byte
+        assert why in layout.compute_layout_ok(m["weight_packed"], sm, False)
+    pz = m["weight_packed"].clone()
+    pz[0, :16] = 0x88  # all codes of that block zero (signed): any scale decodes it exactly
+    assert layout.compute_layout_ok(pz, sm, False) is None
 
 
 def test_cached_layout_follows_in_place_changes():
@@ -145,6 +191,37 @@ def test_kernel_matches_the_reference_gpu(fmt, n, k):
         assert _rel(y, x.float() @ wd.T) < 1e-2, (m, cfg, _rel(y, x.float() @ wd.T))
         # split-K in a fixed order: the same bits every call
         assert torch.equal(y, mma.linear(x, pc, sc, t.get("weight_global_scale"), n, k, nv, config=cfg))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_every_code_times_every_scale_is_exact_gpu(fmt):
+    """Each E2M1 code under each scale code (every_code_every_scale: E4M3 zero, subnormals and negatives
+    included) through the kernels that decode the compute layout, one weight column at a time (one-hot
+    activation rows): every output is the dequantized weight, bit for bit (each product has at most 6
+    significant bits; one product a sum). mma.sync at 1, 8 and 16 rows, the warpgroup MMA at 64, the
+    warp-specialised kernel at 32 and 64 rows where it serves."""
+    from qerl.kernels import warpspec
+
+    nv = fmt == "nvfp4"
+    t = {kk: v.cuda() for kk, v in every_code_every_scale(nv).items()}
+    n, k = t["weight_packed"].shape[0], t["weight_packed"].shape[1] * 2
+    pc, sc = layout.to_compute_layout(t["weight_packed"], t["weight_scale"], nv)
+    want = formats.dequantize(t, fmt, dtype=torch.float32).T.contiguous()  # [k, n]: row j = column j of W
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    gs = t.get("weight_global_scale")
+    dev = torch.device("cuda")
+    runs = [("mma", m, lambda x: mma.linear(x, pc, sc, gs, n, k, nv)) for m in (1, 8, 16)]
+    if mma.has_wgmma(dev):
+        runs.append(("wgmma", 64, lambda x: mma.linear(x, pc, sc, gs, n, k, nv, config=mma.pick_config(64, n, k, True))))
+    if warpspec.available(dev):
+        runs += [("warpspec", m, lambda x: warpspec.linear(x, pc, sc, gs, n, k, nv)) for m in (32, 64)]
+    for name, m, run in runs:
+        for j0 in range(0, k, m):
+            y = run(eye[j0:j0 + m].contiguous())
+            bad = (y.float() != want[j0:j0 + m]).nonzero()
+            assert bad.numel() == 0, (name, m, j0, bad[:4].tolist())
 
 
 @pytest.mark.gpu

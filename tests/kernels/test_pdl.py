@@ -110,3 +110,25 @@ def test_kernels_compile_for_sm90_with_the_wait_first():
     out = r.stdout + r.stderr[-4000:]
     assert r.returncode == 0, out
     assert " 0 failed" in r.stdout and "_mma_kernel" in r.stdout and "_decode_attn_kernel" in r.stdout, out
+
+
+def test_sass_loop_counts_read_the_innermost_decode_loop():
+    """compile_check.loop_counts on a hand-written listing: the outer loop's extra instructions and the
+    code outside any loop are not counted; 2 bf16x2 multiplies are 4 weights, so per 8 weights x2."""
+    from qerl.kernels.compile_check import loop_counts
+
+    lines = ["/*0000*/ MOV R1, c[0x0][0x28] ;", "/*0010*/ IMAD R2, R1, 0x4, RZ ;"]
+    body = ["SHF.L.W.U32 R4, R3, 0x3, R3", "LOP3.LUT R4, R4, 0x81c081c0, RZ, 0xc0, !PT",
+            "HMUL2.BF16_V2 R5, R4, R6.H0_H0", "HMUL2.BF16_V2 R7, R4, R6.H1_H1", "HGMMA.64x64x16.F32.BF16 R8, R4, gdesc[UR4]",
+            "ISETP.NE.AND P0, PT, R9, RZ, PT"]
+    addr = 0x20
+    for op in body:
+        lines.append(f"/*{addr:04x}*/ {op} ;")
+        addr += 0x10
+    lines.append(f"/*{addr:04x}*/ @P0 BRA 0x20 ;")  # the inner loop: 7 instructions
+    lines.append(f"/*{addr + 0x10:04x}*/ IADD3 R10, R10, 0x1, RZ ;")
+    lines.append(f"/*{addr + 0x20:04x}*/ @P1 BRA 0x10 ;")  # an outer loop around it
+    c = loop_counts("\n".join(lines))
+    assert c["loop"] == 14 and c["decode"] == 8  # (SHF + LOP3 + 2 HMUL2) x 2
+    assert c["ops"]["HGMMA"] == 2 and c["ops"]["BRA"] == 2
+    assert loop_counts("/*0000*/ MOV R1, R2 ;") is None
