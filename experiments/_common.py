@@ -7,7 +7,8 @@ A script lists its runs for a profile as `Run`s (a folder name + TrainConfig ove
 - flags: --profile smoke|small|paper, --dry-run (print the planned runs and commands, run nothing),
   --collect-only (rebuild the tables and the figure), --only PATTERN (a subset of the runs),
   --parallel N, --gpus 0 1 ... (each run sees one GPU, the least busy), --per-gpu N (N runs on each
-  GPU of --gpus), --seeds, --models,
+  GPU of --gpus), --time-budget / --stop-at S (bound one call: no run starts after S seconds / the
+  running ones stop then and stay unfinished), --seeds, --models,
   --data-dir, --max-steps, --wandb-mode; where runs go: --runs-dir, --root, --resume, --allow-drift,
   --publish, --results (the committed reference, default results/);
 - launching: each distinct run is a task of experiments/launch.py, the one launcher of experiments/
@@ -246,7 +247,8 @@ def flags(overrides: dict) -> list[str]:
 def common_overrides(args) -> dict:
     """TrainConfig overrides every run of this invocation gets from the shared flags."""
     return {k: v for k, v in dict(data_dir=args.data_dir, max_steps=args.max_steps or None,
-                                  wandb_mode=args.wandb_mode).items() if v is not None}
+                                  wandb_mode=args.wandb_mode, save_every=getattr(args, "save_every", 0) or None).items()
+            if v is not None}
 
 
 def reads_data_dir(cfg: TrainConfig) -> bool:
@@ -422,8 +424,14 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--only", nargs="+", default=None, metavar="PATTERN",
                     help="plan only the runs whose names match one of these glob patterns (e.g. 'cosine-*')")
     add_launch_args(ap)
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none); "
+                    "a later --resume ROOT starts the rest")
+    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped (0: "
+                    "never); they stay unfinished and --resume ROOT continues them from their last checkpoint")
     ap.add_argument("--data-dir", default=os.environ.get("QERL_DATA_DIR"), help="local JSONL data (shared/data)")
     ap.add_argument("--max-steps", type=int, default=0, help="override every run's max_steps (0 = keep)")
+    ap.add_argument("--save-every", type=int, default=0, help="a checkpoint every N steps in every run (0 = the "
+                    "profile's), so that a run stopped by --stop-at continues from it; not part of a run's plan")
     ap.add_argument("--wandb-mode", default=None, choices=("offline", "online", "disabled"))
     ap.add_argument("--runs-dir", default="runs", help="where new run roots are made")
     ap.add_argument("--root", default=None, help="the new run root (default: <runs-dir>/<name>-<profile>-<UTC "
@@ -546,10 +554,11 @@ def new_root(shared, label: str, git: dict) -> Path:
 # ----------------------------------------------------------------------------- running
 def launch(jobs: list[Job], shared, git: dict) -> dict[str, int]:
     """Run the jobs through the launcher (experiments.launch), each in its work folder, as the shared
-    flags --parallel / --gpus / --per-gpu say. -> {job name: exit code}"""
+    flags --parallel / --gpus / --per-gpu say, within --time-budget / --stop-at. -> {job name: exit code}"""
     tasks = [Task(j.name, j.command, j.work, done=lambda d, kind=j.run.kind: run_complete(d, kind),
                   planned={"spec": j.spec, **git}) for j in jobs]
-    return run_tasks(tasks, **launch_kwargs(shared), git=git)
+    return run_tasks(tasks, **launch_kwargs(shared), time_budget=getattr(shared, "time_budget", 0),
+                     stop_at=getattr(shared, "stop_at", 0), git=git)
 
 
 def assemble(exp: Experiment, args, jobs: list[Job], results: Path) -> Path:

@@ -4,8 +4,8 @@ pass@1 with n samples is the mean accuracy over all n samples of all problems (e
 the same n, so it is also the mean over problems of each problem's mean). Its standard error is
 taken over problems: std(per-problem means, ddof=1) / sqrt(problems), which counts both the
 sampling noise and the finite problem set; more samples per problem shrink the first part only.
-Results per dataset: accuracy, accuracy_stderr, format rate, mean completion length,
-num_problems and samples.
+Results per dataset: accuracy, accuracy_stderr, format rate, mean completion length, truncated
+(the fraction of samples that reached max_new_tokens without ending), num_problems and samples.
 
 Your own task is scored as it is trained: with ``rewards`` (a ``qerl.rewards.RewardSet`` holding one of your
 functions), each completion gets the run's reward functions, called as in training (the prompt as written,
@@ -52,7 +52,7 @@ def evaluate(model, tokenizer, records: list[dict], samples: int = 1, temperatur
                                            qdata.prompt_suffix(prompt_suffix))
     own = rewards if rewards is not None and any(not f.builtin for f in rewards.funcs) else None
     items = [(r["prompt_ids"], r["answer"], r) for r in kept for _ in range(samples)]
-    acc, fmt, lens, unparsed, comps, texts_all = [], [], [], 0, [], []
+    acc, fmt, lens, unparsed, comps, texts_all, cut = [], [], [], 0, [], [], 0
     for s in tqdm(range(0, len(items), batch_size), desc=desc, leave=False):
         chunk = items[s:s + batch_size]
         ro = engine.generate([c[0] for c in chunk], max_new_tokens, temperature=temperature, top_p=top_p,
@@ -71,11 +71,12 @@ def evaluate(model, tokenizer, records: list[dict], samples: int = 1, temperatur
             fmt += res.format
             unparsed += res.unparsed
         lens += ro.completion_mask.sum(1).tolist()
+        cut += int(ro.truncated.sum())
     model.train(was_training)
     n = max(len(acc), 1)
     mean, stderr = pass_at_1(acc, samples)
     out = {"accuracy": mean, "accuracy_stderr": stderr, "format": sum(fmt) / n if fmt else None,
-           "mean_length": sum(lens) / n, "num_problems": len(items) // samples, "samples": samples,
+           "mean_length": sum(lens) / n, "truncated": cut / n, "num_problems": len(items) // samples, "samples": samples,
            "unparsed": unparsed, "skipped_long_prompts": skipped}
     if own is not None:
         out["reward"] = mean
@@ -121,7 +122,7 @@ def pass_at_1(correct: list[float], samples: int) -> tuple[float, float | None]:
 
 def summary_entries(prefix: str, results: dict[str, dict]) -> dict:
     """Flat ``{prefix}/{dataset}/{key}`` entries of evaluation results for metrics and summaries."""
-    keys = ("accuracy", "accuracy_stderr", "format", "num_problems", "samples", "reward")
+    keys = ("accuracy", "accuracy_stderr", "format", "truncated", "num_problems", "samples", "reward")
     return {f"{prefix}/{d}/{k}": r[k] for d, r in results.items() for k in r if k in keys or k.startswith("rewards/")}
 
 

@@ -95,6 +95,29 @@ def test_evaluate_reports_problems_samples_and_stderr(monkeypatch):
     assert evaluate(model, tok, recs, samples=3, greedy=True, max_new_tokens=2, engine="hf")["samples"] == 1
 
 
+def test_evaluate_reports_the_fraction_of_samples_cut_at_the_cap(monkeypatch):
+    """``truncated``: the samples that reached max_new_tokens without ending, over all samples of all batches."""
+    import qerl.evaluate as qeval
+
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    cut = []
+    real = qeval.make_engine
+
+    def engine(*a, **k):
+        e = real(*a, **k)
+        gen = e.generate
+        e.generate = lambda *ga, **gk: (lambda ro: cut.extend(ro.truncated.tolist()) or ro)(gen(*ga, **gk))
+        return e
+
+    monkeypatch.setattr(qeval, "make_engine", engine)
+    recs = [{"question": f"w{i} w{i + 1}", "answer": str(i)} for i in range(5)]
+    for n in (1, 40):
+        cut.clear()
+        res = evaluate(model, tok, recs, samples=3, max_new_tokens=n, batch_size=4, engine="hf")
+        assert len(cut) == 15 and res["truncated"] == pytest.approx(sum(cut) / 15)
+    assert res["truncated"] < 1  # some of the random model's samples end within 40 tokens
+
+
 def _tiny_run(tmp_path, tiny_dir, **kw):
     base = dict(output_dir=str(tmp_path / "run"), model=str(tiny_dir), method="nvfp4_lora", eval_datasets=(),
                 max_steps=1, save_every=0, max_completion_length=6, prompts_per_step=2, num_generations=4,
@@ -111,6 +134,7 @@ def test_train_summary_has_the_eval_error_bar(tmp_path, text_rewards, tiny_llama
     for prefix in ("eval_before", "eval"):
         assert s[f"{prefix}/arith/num_problems"] == 3 and s[f"{prefix}/arith/samples"] == 2
         assert f"{prefix}/arith/accuracy" in s and f"{prefix}/arith/accuracy_stderr" in s
+        assert 0 <= s[f"{prefix}/arith/truncated"] <= 1  # the samples cut at the 3-token cap
 
 
 def test_eval_cli_reads_the_rank_of_a_rank8_checkpoint(tmp_path, text_rewards, tiny_llama_dir, capsys):

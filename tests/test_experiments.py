@@ -296,6 +296,19 @@ def test_run_loop_runs_fresh_collects_summarizes_and_draws(fake_runs, capsys):
     assert len(pd.read_csv(pub / "table.csv").query("metric == 'accuracy'")) == 8
 
 
+def test_time_budget_and_stop_at_bound_one_call(fake_runs, monkeypatch):
+    """--time-budget / --stop-at reach the launcher, so one call of bounded length leaves its finished runs and
+    a later --resume continues the rest."""
+    exp = importlib.import_module("experiments.fig9_noise_schedulers").EXPERIMENT
+    seen = {}
+    real = C.run_tasks
+    monkeypatch.setattr(C, "run_tasks", lambda tasks, **kw: seen.update(kw) or real(tasks, **kw))
+    base = ["--profile", "small", "--seeds", "0", "--only", "linear-*", "--results", str(fake_runs / "results"),
+            "--root", str(fake_runs / "root")]
+    assert C.main(exp, [*base, "--time-budget", "200", "--stop-at", "560"]) == 0
+    assert seen["time_budget"] == 200 and seen["stop_at"] == 560
+
+
 def test_resume_stops_on_drift_unless_allowed(fake_runs, monkeypatch, capsys):
     tmp_path = fake_runs
     exp = importlib.import_module("experiments.fig9_noise_schedulers").EXPERIMENT
