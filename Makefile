@@ -14,7 +14,7 @@ endef
 
 .PHONY: help setup quickstart data test test-gpu test-all lint compile-check reproduce-table1 notebooks figures train-smoke bench-kernels model-sizes \
 	table1 table2 fig4 fig5 fig7 fig8 fig9 fig10 fig16 reproduce-all reproduce rollout-throughput table3 \
-	train-ddp dist-check aqn-paired aqn-equivalence
+	train-ddp dist-check aqn-paired aqn-equivalence aqn-dose
 
 help:
 	@grep -E '^[a-z0-9%-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -116,6 +116,13 @@ AQN_DRY = $(shell $(PY) -c "import torch;print('' if torch.cuda.is_available() e
 aqn-equivalence: ## the AQN equivalence test (PLAN.md): 128 pairs over GPUS x AQN_PER_GPU, then the analysis (no GPU: the plan)
 	$(if $(AQN_DRY),@echo "aqn-equivalence: no GPU here: a dry run (the plan; nothing runs)")
 	$(PY) -m experiments.aqn_equivalence --gpus $(GPUS) --per-gpu $(AQN_PER_GPU) $(AQN_DRY) $(ARGS)
+
+# The AQN dose-response study (results/aqn_dose/PLAN.md): ARGS=--check runs the cap check (before the plan), then
+# the plan's blocks run over GPUS x AQN_PER_GPU, the six runs of a block on one GPU; call again to resume. On a
+# remote GPU machine without network: scripts/device_reproduce.sh. Without a GPU: a dry run.
+aqn-dose: ## the AQN dose-response study (PLAN.md; ARGS=--check: the cap check first); call again to resume
+	$(if $(AQN_DRY),@echo "aqn-dose: no GPU here: a dry run (the runs; nothing runs)")
+	$(PY) -m experiments.aqn_dose --gpus $(GPUS) --per-gpu $(AQN_PER_GPU) $(AQN_DRY) $(ARGS)
 
 fig9: ## Fig. 9: AQN noise schedulers (exponential, linear, cosine, logarithmic)
 	$(call EXP,fig9_noise_schedulers)
