@@ -303,11 +303,13 @@ def plot_curves(results=RESULTS, experiment=None, by=("method",), panels=None, k
     run_label = {r["run"]: ", ".join(str(r[f]) if f == "method" else f"{f}={r[f]}" for f in by)
                  for _, r in first.iterrows()}
     order = list(dict.fromkeys(run_label[r] for r in first["run"]))
-    m = m.assign(method=m["run"].map(run_label))  # _curves draws one line per "method"
-    pvals = sorted(m[panels].dropna().unique(), key=str) if panels else [None]
+    # _curves draws one line per "method": the line's label goes there, the panel's value is kept apart first
+    # (panels="method" would otherwise split the panels by the line labels)
+    m = m.assign(_panel=m[panels] if panels else None, method=m["run"].map(run_label))
+    pvals = sorted(m["_panel"].dropna().unique(), key=str) if panels else [None]
     fig, axes = plt.subplots(len(keys), len(pvals), figsize=(6.5 * len(pvals), 4 * len(keys)), squeeze=False)
     for j, pv in enumerate(pvals):
-        sub = m if pv is None else m[m[panels] == pv]
+        sub = m if pv is None else m[m["_panel"] == pv]
         for i, key in enumerate(keys):
             ax = axes[i][j]
             sm = 1 if key.startswith("aqn/") else smooth  # the sigma schedule is a step function: draw it raw

@@ -80,6 +80,24 @@ def test_curves_draw_mean_and_a_std_band(results):
     assert lo < line.get_ydata().min() and hi > line.get_ydata().max()  # +- std (0.02) around the mean
 
 
+def test_curves_with_a_panel_per_method_and_a_line_per_config_field(tmp_path):
+    """Fig. 16's layout: one panel per method (named by panel_names), one line per learning rate in each."""
+    runs = tmp_path / "results" / "lr" / "small" / "runs"
+    for method in ("nvfp4_lora_aqn", "bf16_lora"):
+        for lr in (5e-05, 3e-04):
+            for s in (0, 1):
+                d = runs / f"{method}-lr{lr:.0e}-s{s}"
+                _train_run(d, method, s)
+                cfg = json.loads((d / "config.json").read_text())
+                (d / "config.json").write_text(json.dumps({**cfg, "learning_rate": lr}))
+    fig = plots.plot_curves(results=tmp_path / "results", experiment="lr/small", by="learning_rate", panels="method",
+                            panel_names={"nvfp4_lora_aqn": "QeRL", "bf16_lora": "bf16 LoRA"}, out_dir=tmp_path)
+    assert [ax.get_title() for ax in fig.axes] == ["bf16 LoRA", "QeRL"]
+    for ax in fig.axes:
+        assert sorted(ln.get_label() for ln in ax.get_lines()) == ["learning_rate=0.0003 (n=2)",
+                                                                   "learning_rate=5e-05 (n=2)"]
+
+
 def test_kernel_table_matches_benchmark_summary(tmp_path):
     if not (ROOT / "results/kernels/h100.json").exists():
         pytest.skip("no kernel results")
