@@ -9,7 +9,8 @@ with the ~21 MB working tree under a 64 MiB transfer limit (scripts/device_repro
 needs only numpy and the standard library (no gguf package), and checks the sha256 of the whole file.
 
     python scripts/gguf_pack.py pack FILE.gguf --parts 2 --out .dev2     # .dev2/m1/model.part1, .dev2/m2/...
-    python scripts/gguf_pack.py pack FILE.gguf --max-part 45000000 --out .dev2   # as many parts as that needs
+    python scripts/gguf_pack.py pack FILE.gguf --max-part 45000000 --first-part 44000000 --out .dev2   # as many
+                                                                         # parts as that needs, the first smaller
     python scripts/gguf_pack.py unpack DIR [DIR ...] --out FILE.gguf     # the parts found in DIRs (any order)
 
 The packed blob: b"QGPK", an 8-byte little-endian header length, a JSON header (file name, size,
@@ -23,6 +24,7 @@ import argparse
 import hashlib
 import json
 import lzma
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -116,18 +118,36 @@ def unpack(blob: bytes) -> tuple[str, bytes]:
     return header["name"], data
 
 
-def write_parts(blob: bytes, n: int, out: Path) -> list[Path]:
-    """The blob in n nearly equal parts: <out>/m<i>/model.part<i>, i = 1..n (old m<i> folders replaced)."""
-    size = -(-len(blob) // n)
-    paths = []
-    for i in range(1, n + 1):
+def cuts(total: int, parts: int = 0, max_part: int = 0, first_part: int = 0) -> list[int]:
+    """Part sizes: ``parts`` nearly equal ones, or as few as parts of at most ``max_part`` bytes need, the first of
+    at most ``first_part`` (what travels beside it leaves it less room; 0: max_part)."""
+    if not max_part:
+        return [-(-total // parts)] * (parts - 1) + [total - -(-total // parts) * (parts - 1)]
+    first = min(first_part or max_part, total)
+    rest = total - first
+    n = -(-rest // max_part) if rest else 0
+    return [first] + ([-(-rest // n)] * (n - 1) + [rest - -(-rest // n) * (n - 1)] if n else [])
+
+
+def write_parts(blob: bytes, sizes: int | list[int], out: Path) -> list[Path]:
+    """The blob in parts (n nearly equal ones, or these sizes): <out>/m<i>/model.part<i>, i = 1..n (old m<i>
+    folders replaced)."""
+    sizes = cuts(len(blob), sizes) if isinstance(sizes, int) else sizes
+    if sum(sizes) != len(blob) or min(sizes) <= 0:
+        raise ValueError(f"part sizes {sizes} do not cut {len(blob)} bytes")
+    paths, pos = [], 0
+    for i, n in enumerate(sizes, 1):
         d = Path(out) / f"m{i}"
         d.mkdir(parents=True, exist_ok=True)
         for old in d.glob("model.part*"):
             old.unlink()
         p = d / PART.format(i)
-        p.write_bytes(blob[(i - 1) * size:i * size])
+        p.write_bytes(blob[pos:pos + n])
+        pos += n
         paths.append(p)
+    for stale in sorted(Path(out).glob("m[0-9]*")):  # parts of an earlier, longer cut
+        if stale.name[1:].isdigit() and int(stale.name[1:]) > len(sizes):
+            shutil.rmtree(stale)
     return paths
 
 
@@ -153,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--parts", type=int, default=2)
     p.add_argument("--max-part", type=int, default=0, metavar="BYTES", help="as many parts as parts of at most "
                    "BYTES need (instead of --parts)")
+    p.add_argument("--first-part", type=int, default=0, metavar="BYTES", help="with --max-part: the first part at "
+                   "most BYTES (what travels with it leaves it less room)")
     p.add_argument("--out", default=".dev2")
     u = sub.add_parser("unpack", allow_abbrev=False, help="the parts in DIRs -> the GGUF file (sha256 checked)")
     u.add_argument("dirs", nargs="+")
@@ -163,10 +185,10 @@ def main(argv=None) -> int:
             if args.parts < 1:
                 raise ValueError(f"--parts must be >= 1, got {args.parts}")
             blob = pack(Path(args.file))
-            n = -(-len(blob) // args.max_part) if args.max_part > 0 else args.parts
-            for path in write_parts(blob, n, Path(args.out)):
+            sizes = cuts(len(blob), args.parts, max(args.max_part, 0), max(args.first_part, 0))
+            for path in write_parts(blob, sizes, Path(args.out)):
                 print(f"{path} {path.stat().st_size} bytes")
-            print(f"packed {args.file} ({Path(args.file).stat().st_size} bytes) into {len(blob)} bytes, {n} parts")
+            print(f"packed {args.file} ({Path(args.file).stat().st_size} bytes) into {len(blob)} bytes, {len(sizes)} parts")
         else:
             name, data = unpack(read_parts([Path(d) for d in args.dirs]))
             out = Path(args.out)

@@ -80,3 +80,19 @@ def test_the_embedded_models_streams_round_trip_without_compressing():
     assert {(s[2], s[3]) for s in segs} == {(20, 4), (34, 2)}  # Q4_1 layers, the Q8_0 embedding
     streams = gp.split_streams(np.frombuffer(data, np.uint8), segs)
     assert gp.join_streams(len(data), segs, streams) == data
+
+
+def test_part_sizes_leave_the_first_part_room_for_what_travels_with_it(gguf_file, tmp_path):
+    assert gp.cuts(100, 3) == [34, 34, 32] and gp.cuts(100, max_part=45, first_part=44) == [44, 28, 28]
+    assert gp.cuts(100, max_part=60, first_part=50) == [50, 50] and gp.cuts(10, max_part=45, first_part=44) == [10]
+    blob = gp.pack(gguf_file, preset=1)
+    out = tmp_path / "dev"
+    gp.write_parts(blob, 3, out)
+    first = len(blob) // 2 - 10
+    sizes = gp.cuts(len(blob), max_part=len(blob) - first, first_part=first)
+    paths = gp.write_parts(blob, sizes, out)
+    assert [p.stat().st_size for p in paths] == sizes and len(sizes) == 2
+    assert not (out / "m3").exists()  # the earlier cut's third part is gone: it would join a wrong file
+    assert gp.unpack(gp.read_parts(sorted(out.iterdir())))[1] == gguf_file.read_bytes()
+    with pytest.raises(ValueError, match="do not cut"):
+        gp.write_parts(blob, [len(blob) - 1], out)
