@@ -315,6 +315,8 @@ def verdict(res: dict) -> str:
     if n < need:
         return f"Undecided: {n} complete blocks, fewer than the plan's {need}."
     rows = {r["comparison"]: r for r in res["table"] if r["role"] == "primary"}
+    if " < ".join(NVFP4_ARMS) not in rows:
+        return f"Undecided: {n} complete blocks, too few for a paired test."
     trend = rows[" < ".join(NVFP4_ARMS)]
     shown = [r for c, r in rows.items() if r["decision"] != "no difference shown" and " < " not in c]
 

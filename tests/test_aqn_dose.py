@@ -138,6 +138,13 @@ def test_blocks_left_out_and_too_few_blocks(tmp_path):
     assert "- left out, seed 304: git sha differs" in notes and "over the limit: " in notes
 
 
+def test_one_block_is_no_test(tmp_path):
+    _study(tmp_path, [300])
+    res = D.analyze(tmp_path, {**PLAN, "min_blocks": 1})
+    assert res["seeds"] == [300] and res["table"] == []
+    assert "Undecided: 1 complete blocks, too few for a paired test." in (tmp_path / "NOTES.md").read_text()
+
+
 def test_the_cap_check_reports_the_rates_and_the_budget(tmp_path):
     for cap, clip in ((64, 0.4), (128, 0.02)):
         for s in (900, 901):
