@@ -97,6 +97,19 @@ CELLS = {
         "    display(Image(str(equiv / 'paired_differences.png')))\n"
         "else:\n"
         "    print('no results/aqn_equivalence/small/table.csv here: not run yet (make aqn-equivalence, multi-GPU)')",
+        "## Does the AQN effect depend on the noise level, and on the base? (`results/aqn_dose/`)\n"
+        "The equivalence test tried one dose on the twice-quantized NVFP4 base. The dose-response study (plan "
+        "committed first: `results/aqn_dose/PLAN.md`) runs the NVFP4 base at sigma_start 0, 1e-3, 3e-3 and 1e-2 "
+        "and the bf16 base at 0 and 1e-2 (sigma_end = sigma_start / 20), six arms paired by seed, with a "
+        "completion cap fixed by a check before the plan. Primary: the NVFP4 trend over the levels and each "
+        "noisy arm against no noise on its base, Holm-corrected over the five.",
+        "dose = plots.RESULTS / 'aqn_dose' / 'small'\n"
+        "if (dose / 'table.csv').is_file():\n"
+        "    tab = pd.read_csv(dose / 'table.csv')\n"
+        "    display(tab[['endpoint', 'role', 'n', 'estimate', 'ci95_low', 'ci95_high', 'p_t', 'p_holm', 'decision']])\n"
+        "    display(Image(str(dose / 'dose_response.png')))\n"
+        "else:\n"
+        "    print('no results/aqn_dose/small/table.csv here: not run yet (make aqn-dose, multi-GPU)')",
     ],
     "entropy": [
         "# Token entropy during RL (Fig. 5)\n`entropy` is measured in the training forward pass, "

@@ -87,6 +87,7 @@ STUDY = Artefact("aqn_dose", "experiments.aqn_dose", Outputs(
     figure_file="dose_response.png", notebook="notebooks/rewards.ipynb",
     columns=("endpoint", "role", "comparison", "n", "estimate", "sd", "t", "p_t", "p_holm", "ci95_low", "ci95_high",
              "boot95_low", "boot95_high", "n_pos", "n_neg", "p_sign", "decision")))
+ARTEFACT = STUDY
 
 
 # ----------------------------------------------------------------------------- the plan's settings
