@@ -187,23 +187,6 @@ def split(n_tiles: int, k_tiles: int, sms: int, max_split: int | None = None, wa
     return max(1, min(want, k_tiles // max(min_tiles, 1)))
 
 
-def whole_wave_split(n_ctas: int, k_iters: int, slots: int, max_split: int = 16, fixed: float = 1.0) -> int:
-    """Split-K for whole waves (a model, not a measurement): the split s (at most max_split, at most k_iters)
-    that minimises waves(s) x (iterations a split + ``fixed``), where waves(s) = ceil(n_ctas * s' / slots)
-    for the s' = ceil(k_iters / ceil(k_iters / s)) splits that actually run and ``fixed`` is a CTA's
-    prologue and epilogue in K iterations; ties go to the smaller split (fewer partial sums)."""
-    best, best_cost = 1, None
-    for s in range(1, max(1, min(max_split, k_iters)) + 1):
-        ips = -(-k_iters // s)
-        real = -(-k_iters // ips)
-        if real != s:
-            continue
-        cost = -(-n_ctas * real // max(slots, 1)) * (ips + fixed)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
-
-
 # ----------------------------------------------------------------------------------------------
 # workspaces
 

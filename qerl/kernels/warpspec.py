@@ -382,8 +382,6 @@ def grouped_linear(x2: torch.Tensor, weights: list, K: int, is_nv: bool, outs: l
     n_tiles = sum(tiles)
     iters = triton.cdiv(nbk, KB)
     split_k = split_k or cfg.get("split")
-    if split_k is None and cfg.get("waves_rule"):  # a lead under measurement: CTAs an SM (results/kernels/NOTES.md)
-        split_k = common.whole_wave_split(n_tiles * mt, iters, common.num_sms(x2.device) * int(cfg["waves_rule"]))
     if split_k is None:
         want = cfg["waves"] * common.num_sms(x2.device) / max(n_tiles * mt, 1)
         split_k = 1

@@ -196,18 +196,3 @@ def test_grouped_launch_takes_the_warp_specialised_kernel_from_its_rows_gpu():
             args = [layout.weight_args(w.cache, t, True, w.out_features) for w, t in zip(weights, ts)]
             for y, want in zip(ys, warpspec.grouped_linear(x, args, k, True)):
                 assert torch.equal(y, want), M
-
-
-def test_whole_wave_split_fills_the_last_wave():
-    """The wave model's split: q/k/v of a 7B layer at 17-32 rows (36 tiles, 28 K iterations, 132 SMs) takes
-    7 splits (2 waves of 4 iterations) rather than 2 (one wave of 14); a launch that already fills the
-    SMs stays whole; a split never exceeds the K iterations, and only splits that really run are taken."""
-    from qerl.kernels.common import whole_wave_split
-
-    assert whole_wave_split(36, 28, 132) == 7
-    assert whole_wave_split(132, 28, 132) == 1
-    assert whole_wave_split(10, 3, 132) == 3
-    for n, k in ((5, 10), (36, 28), (296, 28), (28, 148)):
-        s = whole_wave_split(n, k, 132)
-        ips = -(-k // s)
-        assert 1 <= s <= min(16, k) and -(-k // ips) == s
