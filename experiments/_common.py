@@ -59,7 +59,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_complete, run_tasks
+from experiments.launch import (
+    Task,
+    add_call_bounds,
+    add_launch_args,
+    concurrency,
+    launch_kwargs,
+    run_complete,
+    run_tasks,
+)
 from qerl.cli_train import eval_flags
 from qerl.config import PROFILES, TABLE4_BIGMATH, TrainConfig, eval_settings, make_config
 from qerl.logging import git_info
@@ -424,10 +432,8 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--only", nargs="+", default=None, metavar="PATTERN",
                     help="plan only the runs whose names match one of these glob patterns (e.g. 'cosine-*')")
     add_launch_args(ap)
-    ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none); "
-                    "a later --resume ROOT starts the rest")
-    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped (0: "
-                    "never); they stay unfinished and --resume ROOT continues them from their last checkpoint")
+    add_call_bounds(ap, "0: never; they stay unfinished and --resume ROOT continues them from their last checkpoint",
+                    not_started="a later --resume ROOT starts the rest")
     ap.add_argument("--data-dir", default=os.environ.get("QERL_DATA_DIR"), help="local JSONL data (shared/data)")
     ap.add_argument("--max-steps", type=int, default=0, help="override every run's max_steps (0 = keep)")
     ap.add_argument("--save-every", type=int, default=0, help="a checkpoint every N steps in every run (0 = the "

@@ -45,7 +45,7 @@ from experiments import aqn_paired as A
 from experiments._common import GRPO, Artefact, Outputs, declare, flags
 from experiments.aqn_equivalence import RUN_KEYS, assign_gpus, seed_of, t_ci
 from experiments.aqn_power import t_test_power
-from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_tasks
+from experiments.launch import Task, add_call_bounds, add_launch_args, concurrency, launch_kwargs, run_tasks
 from qerl.logging import git_info
 from qerl.noise import stage_for_step
 
@@ -536,9 +536,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seeds", nargs="+", type=int, default=None, help="the study's seeds (default: the plan's; "
                     "replacement seeds after two technical failures are added here)")
     add_launch_args(ap, parallel=12)
-    ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none)")
-    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped (they "
-                    "continue from their last checkpoint in the next call)")
+    add_call_bounds(ap, "they continue from their last checkpoint in the next call")
     ap.add_argument("--max-steps", type=int, default=0, help="override max_steps (pipeline checks only)")
     ap.add_argument("--train-flags", default="", help="extra `qerl train` flags that do not change the computation")
     ap.add_argument("--archive", default=None, metavar="PATH.tar.gz", help="pack <out> without checkpoints into this "

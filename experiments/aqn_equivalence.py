@@ -38,7 +38,7 @@ from pathlib import Path
 from experiments import aqn_paired
 from experiments._common import Artefact, Outputs, declare
 from experiments.aqn_power import SD, t_cdf, t_quantile, tost_power
-from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_tasks
+from experiments.launch import Task, add_call_bounds, add_launch_args, concurrency, launch_kwargs, run_tasks
 from qerl.logging import git_info
 
 CONTROL, TREATED = aqn_paired.CONTROL, aqn_paired.TREATED
@@ -382,9 +382,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="the pairs' seeds (default: the "
                     "plan's 100-227; its replacement seeds 228, 229, ... are added here)")
     add_launch_args(ap, parallel=12)
-    ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none)")
-    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped (left "
-                    "unfinished; the next call redoes them)")
+    add_call_bounds(ap, "left unfinished; the next call redoes them")
     ap.add_argument("--max-steps", type=int, default=0, help="override max_steps (pipeline checks only)")
     ap.add_argument("--train-flags", default="", help="extra `qerl train` flags that do not change the computation")
     ap.add_argument("--archive", default=None, metavar="PATH.tar.gz", help="pack <out> (runs and analysis) into "

@@ -37,7 +37,7 @@ import tarfile
 from pathlib import Path
 
 from experiments._common import GRPO, Artefact, Outputs, declare, flags
-from experiments.launch import Task, add_launch_args, concurrency, launch_kwargs, run_tasks
+from experiments.launch import Task, add_call_bounds, add_launch_args, concurrency, launch_kwargs, run_tasks
 from qerl.config import QERL_FORMAT, method_name
 from qerl.logging import git_info
 from qerl.noise import stage_for_step
@@ -434,9 +434,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=tuple(ARMS))
     add_launch_args(ap, parallel=12)
-    ap.add_argument("--time-budget", type=float, default=0, help="seconds after which no run starts (0: none)")
-    ap.add_argument("--stop-at", type=float, default=0, help="seconds after which running runs are stopped (left "
-                    "unfinished; the next call redoes them), so the analysis and archive still happen (0: never)")
+    add_call_bounds(ap, "left unfinished; the next call redoes them), so the analysis and archive still happen (0: never")
     ap.add_argument("--data-dir", default=None, help="only for datasets other than the built-in arith")
     ap.add_argument("--max-steps", type=int, default=0, help="override max_steps (pipeline checks only)")
     ap.add_argument("--train-flags", default="", help="extra `qerl train` flags for every run, for settings that "

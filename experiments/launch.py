@@ -111,6 +111,14 @@ def add_launch_args(ap: argparse.ArgumentParser, parallel: int = 1) -> None:
                     "len(gpus) x per-gpu at once, --parallel ignored)")
 
 
+def add_call_bounds(ap: argparse.ArgumentParser, stopped: str, not_started: str = "") -> None:
+    """--time-budget / --stop-at (run_tasks' time_budget / stop_at: bound one call); ``stopped`` says what
+    becomes of a run stopped by --stop-at, ``not_started`` of the runs the budget did not start."""
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="seconds after which no run starts (0: none)" + (f"; {not_started}" if not_started else ""))
+    ap.add_argument("--stop-at", type=float, default=0, help=f"seconds after which running runs are stopped ({stopped})")
+
+
 def launch_kwargs(args: argparse.Namespace) -> dict:
     """run_tasks' keywords from the flags of add_launch_args; bad values are a ValueError."""
     if args.parallel < 1:
