@@ -54,9 +54,10 @@ pack() {
     for d in math500 aime24 aime25 amc23; do [ -f "$data/$d/test.jsonl" ] || { echo "pack: no $data/$d/test.jsonl (QERL_DATA_DIR)" >&2; return 1; }; done
     tar -cJf "$DEV/env/data.tar.xz" -C "$data" math500 aime24 aime25 amc23
     manifest || return 1
-    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s}')
-    env_b=$(du -cb "$DEV/env" | tail -1 | cut -f1)
-    sha_b=$(du -cb "$DEV/sha" | tail -1 | cut -f1)
+    # sizes as the disk holds them (whole blocks): the call's limit counts them so, ~4 MB above the bytes
+    tree=$(git ls-files -z --cached --others --exclude-standard | du -cB1 --files0-from=- | tail -1 | cut -f1)
+    env_b=$(du -cB1 "$DEV/env" | tail -1 | cut -f1)
+    sha_b=$(du -cB1 "$DEV/sha" | tail -1 | cut -f1)
     margin=${PACK_MARGIN:-600000}  # bytes the tree may grow by before the calls (pack again after a large commit)
     room=$((LIMIT - tree - sha_b - margin))  # a part beside the tree and the manifest; the first also carries env/
     src=$($PY -c "from qerl.models import embedded_gguf_path; print(embedded_gguf_path())") || return 1
