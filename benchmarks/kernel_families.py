@@ -20,11 +20,13 @@ Writes results/kernels/<gpu>_families.json (env: torch, Triton, GPU, git sha, da
 times and the winner at each M; the last stdout line is its summary.
 
 Extra warp-specialised configs are families too: ``--ws rpw2:NWG=1,RPW=2,STAGES=6`` times the kernel with
-those keys over its rule's config (``warpspec.pick_config``) as family ``ws:rpw2``.
+those keys over its rule's config (``warpspec.pick_config``) as family ``ws:rpw2``; ``--mma direct:X_DIRECT=1,KB=1``
+likewise the mma kernel over ``mma.pick_config`` as family ``mma:direct``.
 
 Run:   python -m benchmarks.kernel_families                      (qwen2.5-7b, M = 9..256)
        python -m benchmarks.kernel_families --m 16 32 64 --families door ws bf16
        python -m benchmarks.kernel_families --m 64 128 --families ws bf16 --ws rpw2:NWG=1,RPW=2
+       python -m benchmarks.kernel_families --m 1 8 16 --families mma bf16 --mma direct1:X_DIRECT=1,KB=1
 """
 
 from __future__ import annotations
@@ -46,22 +48,42 @@ TOL = 2e-2
 
 
 EXTRA_WS: dict[str, dict] = {}  # "ws:<name>" -> config keys over warpspec.pick_config (--ws)
+EXTRA_MMA: dict[str, dict] = {}  # "mma:<name>" -> config keys over mma.pick_config (--mma)
 
 
-def parse_ws(spec: str) -> tuple[str, dict]:
-    """"name:KEY=int,KEY=int" -> ("ws:name", {KEY: int})."""
+def _parse_extra(spec: str, kind: str) -> tuple[str, dict]:
+    """"name:KEY=int,KEY=int" -> ("<kind>:name", {KEY: int})."""
     name, _, body = spec.partition(":")
     if not name or not body:
-        raise argparse.ArgumentTypeError(f"--ws takes name:KEY=value,..., got {spec!r}")
+        raise argparse.ArgumentTypeError(f"--{kind} takes name:KEY=value,..., got {spec!r}")
     try:
         cfg = {k.strip(): int(v) for k, v in (kv.split("=") for kv in body.split(","))}
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--ws {spec!r}: {e}") from None
-    return f"ws:{name}", cfg
+        raise argparse.ArgumentTypeError(f"--{kind} {spec!r}: {e}") from None
+    return f"{kind}:{name}", cfg
+
+
+def parse_ws(spec: str) -> tuple[str, dict]:
+    return _parse_extra(spec, "ws")
+
+
+def parse_mma(spec: str) -> tuple[str, dict]:
+    return _parse_extra(spec, "mma")
+
+
+MMA_BOOL_KEYS = ("X_DIRECT", "PREFETCH", "WGMMA", "W_RING")
+
+
+def _mma_config(x: torch.Tensor, n: int, k: int, keys: dict) -> dict:
+    """The mma kernel's rule config at x's rows, with ``keys`` over it (1 / 0 for the boolean keys)."""
+    return kernels.mma_config(x.shape[0], n, k, x.device,
+                              **{kk: bool(v) if kk in MMA_BOOL_KEYS else v for kk, v in keys.items()})
 
 
 def _family_fn(family: str, fmt: str, t: dict, cache: dict, w: torch.Tensor, n: int, k: int):
     """x -> y for one family on one weight copy (``cache`` keeps its compute layout, as a QuantLinear's)."""
+    if family in EXTRA_MMA:
+        return lambda x: kernels.linear_tuned(x, fmt, t, kind="mma", cache=cache, config=_mma_config(x, n, k, EXTRA_MMA[family]))
     if family in EXTRA_WS:
         return lambda x: kernels.linear_tuned(x, fmt, t, kind="warpspec", cache=cache, config=EXTRA_WS[family])
     if family == "bf16":
@@ -116,6 +138,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--fmt", default="nvfp4", choices=formats.with_kernel("triton"))
     ap.add_argument("--ws", nargs="+", type=parse_ws, default=[], metavar="NAME:KEY=V,...",
                     help="extra warp-specialised configs timed as families ws:NAME (keys of warpspec.pick_config)")
+    ap.add_argument("--mma", nargs="+", type=parse_mma, default=[], metavar="NAME:KEY=V,...",
+                    help="extra mma-kernel configs timed as families mma:NAME (keys of mma.pick_config; 1/0 for booleans)")
     ap.add_argument("--out", default="results/kernels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -123,7 +147,9 @@ def main(argv=None) -> dict:
     dev = torch.cuda.get_device_properties(0)
     EXTRA_WS.clear()
     EXTRA_WS.update(dict(args.ws))
-    families = list(args.families) + list(EXTRA_WS)
+    EXTRA_MMA.clear()
+    EXTRA_MMA.update(dict(args.mma))
+    families = list(args.families) + list(EXTRA_WS) + list(EXTRA_MMA)
     bad = check(families, args.m)
     timed = [f for f in families if not bad[f]]
     shapes: dict[tuple[int, int], list[str]] = {}
@@ -158,7 +184,7 @@ def main(argv=None) -> dict:
     out = dict(
         what=f"{args.model} decoder layer (sum of its seven linears), {args.fmt}, microseconds a layer per family",
         command="python -m benchmarks.kernel_families " + " ".join(argv if argv is not None else sys.argv[1:]),
-        **prov, ws_configs=EXTRA_WS, failed_check={f: v for f, v in bad.items() if v},
+        **prov, ws_configs=EXTRA_WS, mma_configs=EXTRA_MMA, failed_check={f: v for f, v in bad.items() if v},
         layer_us={f: {str(m): round(v, 2) for m, v in layer[f].items()} for f in timed},
         winner={str(m): f for m, f in winners.items()}, summary=summary)
     path = sc.write_json(out, args.out, f"{prov['gpu']}_families")

@@ -9,7 +9,8 @@ Public API (see CONTRACTS.md):
     make_plan(weight, device)        -> Plan (per-weight launch state) or None off the Triton backend
     decode(fmt, tensors, dtype, rows=None, cols=None, out=None) -> W (or a block of it), dense
     linear_tuned, grad_input_tuned, kernel_name   heuristics overridden / named (benchmarks); linear_tuned's
-                                     kind picks a family ("gemv", "dot", "scratch", "mma", "warpspec")
+                                     kind picks a family ("gemv", "dot", "scratch", "mma", "warpspec");
+                                     mma_config the "mma" family's rule config, parts overridden
     MMA_IN_FLIGHT                    whether the installed Triton keeps register-A MMAs in flight (>= 3.7)
     lora_a_tuned, lora_out_tuned, lora_a_config   the same for the decode step's LoRA kernels
     scratch_bytes(device=None), buffer_bytes(), release_scratch(), resolve_backend(backend, fmt, device)
@@ -374,6 +375,15 @@ def kernel_name(op: str, x: torch.Tensor, in_features: int, cached: bool = True)
     return ops.kernel_name(op, x, in_features, cached)
 
 
+def mma_config(M: int, N: int, K: int, device: torch.device, **override) -> dict:
+    """The launch config the compute-layout mma kernel takes at M rows by its rule (mma.sync up to
+    MMA_MAX_M rows, the warpgroup-MMA variant above on sm_90); ``override`` replaces parts of it
+    (benchmark sweeps: ``linear_tuned(kind="mma", config=...)``)."""
+    from qerl.kernels import mma
+
+    return {**mma.pick_config(M, N, K, M > mma.MMA_MAX_M and mma.has_wgmma(device)), **override}
+
+
 def lora_a_config(M: int, K: int, n: int, device: torch.device, rank: int = 32, **override) -> dict:
     """The launch config ``lora_a`` takes from LORA_A_DOT_MIN_M rows (the tiled kernel); ``override``
     (BLOCK_M, BLOCK_K, programs) replaces parts of the rule (benchmark sweeps)."""
@@ -434,6 +444,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["linear", "grad_input", "grouped_linear", "make_plan", "decode", "Weight", "resolve_backend",
-           "linear_tuned", "grad_input_tuned", "kernel_name", "lora_a_config", "lora_a_tuned", "lora_out_tuned",
+           "linear_tuned", "grad_input_tuned", "kernel_name", "mma_config", "lora_a_config", "lora_a_tuned", "lora_out_tuned",
            "scratch_bytes", "buffer_bytes", "release_scratch", "linear_reference", "grad_input_reference", "dequantize_fp32",
            "triton_available", "pdl", "set_pdl", "BACKENDS", "M32", "fmix32", "uniform_noise", "gumbel_argmax_torch", *_LAZY]

@@ -49,7 +49,8 @@ def _cuobjdump() -> str | None:
 
 def loop_counts(sass: str) -> dict | None:
     """Instructions per 8 weights in the innermost SASS loop that holds bf16x2 multiplies (the decode's):
-    {"loop": all of them, "decode": LOP3 + SHF + IMAD.SHL + PRMT + LEA + the multiplies, "ops": by opcode};
+    {"loop": all of them, "decode": LOP3 + SHF + IMAD.SHL + PRMT + LEA + the multiplies, "ops": by opcode,
+    "bars": the loop's CTA barriers (BAR instructions, not per 8 weights)};
     None if no loop holds any."""
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in SASS_LINE.finditer(sass)]
     best = None
@@ -67,11 +68,12 @@ def loop_counts(sass: str) -> dict | None:
     per = 8 / (2 * muls)
     ops = collections.Counter("IMAD.SHL" if o.startswith("IMAD.SHL") else o.split(".")[0] for o in body)
     return {"loop": len(body) * per, "decode": sum(ops[k] for k in DECODE_OPS) * per,
-            "ops": {k: v * per for k, v in ops.most_common()}}
+            "ops": {k: v * per for k, v in ops.most_common()}, "bars": ops["BAR"]}
 
 
 def sass_counts(cubin: bytes) -> dict | None:
-    """``loop_counts`` of a compiled kernel (its cubin through cuobjdump); None without cuobjdump."""
+    """``loop_counts`` of a compiled kernel (its cubin through cuobjdump) and its registers a thread ("regs");
+    None without cuobjdump."""
     tool = _cuobjdump()
     if tool is None:
         return None
@@ -79,7 +81,12 @@ def sass_counts(cubin: bytes) -> dict | None:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return loop_counts(sass)
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    counts = loop_counts(sass)
+    regs = re.search(r"REG:(\d+)", usage)
+    if counts is not None:
+        counts["regs"] = int(regs.group(1)) if regs else None
+    return counts
 
 
 def _compile(fn, args, kw) -> tuple[str, bool, dict | None]:
@@ -113,7 +120,7 @@ def _compile(fn, args, kw) -> tuple[str, bool, dict | None]:
     first = GLOBAL_ACCESS.search(body)
     ok = bool(const.get("PDL")) and bool(k.metadata.launch_pdl) and wait >= 0 and (first is None or wait < first.start())
     counts = sass_counts(k.asm["cubin"]) if "ASM" in const else None
-    label = fn.fn.__name__ + (f" BM={const['BM']}" if "BM" in const else "")
+    label = fn.fn.__name__ + (f" BM={const['BM']}" if "BM" in const else "") + (" X_DIRECT" if const.get("X_DIRECT") else "")
     return label, ok, counts
 
 
@@ -175,10 +182,12 @@ def launches() -> None:
     pc = torch.empty(Nw // 16, Kw // 64, 512, dtype=torch.uint8)
     sc = torch.empty(Nw // 16, Kw // 64, 128, dtype=torch.uint8)
     gs = torch.ones(1)
-    for m, wgmma in ((4, False), (32, False), (96, True)):
+    for m, wgmma, extra in ((4, False, {}), (4, False, {"X_DIRECT": True, "KB": 1, "REPS": 2}),
+                            (16, False, {"X_DIRECT": True, "KB": 1}),
+                            (32, False, {}), (96, True, {})):
         xm = torch.randn(m, Kw, dtype=bf)
         mma.grouped_linear(xm, [(pc, sc, gs, Nw)], Kw, True, [torch.empty(m, Nw, dtype=bf)],
-                           config=mma.pick_config(m, Nw, Kw, wgmma))
+                           config={**mma.pick_config(m, Nw, Kw, wgmma), **extra})
     if getattr(warpspec, "HAVE_WS", False):
         for m in (24, 48, 128):
             xm = torch.randn(m, Kw, dtype=bf)
@@ -199,7 +208,8 @@ def main() -> int:
     with _compiling(results):
         launches()
     for name, ok, counts in results:
-        sass = "" if counts is None else f"   SASS per 8 weights: loop {counts['loop']:.1f}, decode {counts['decode']:.1f}"
+        sass = "" if counts is None else (f"   SASS per 8 weights: loop {counts['loop']:.1f}, decode {counts['decode']:.1f}"
+                                          f"; {counts['regs']} registers, {counts['bars']} CTA barriers in the loop")
         print(f"{name:24s} {'ok' if ok else 'PDL launch without its wait first'}{sass}")
     bad = [n for n, ok, _ in results if not ok]
     print(f"Triton {triton.__version__}: {len(results)} launches compiled for sm_90, {len(bad)} failed")

@@ -26,6 +26,8 @@ against the fp32 reference.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -119,11 +121,19 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _x_load(x_ptr, xd_off, xdm, xdk, M, K, kb0, kb_lim):
+        """The activation tile from column block kb0 loaded straight into the B operand's registers
+        ([BK, BM], x transposed; rows >= M, columns >= K and blocks past kb_lim zero)."""
+        kc = kb0 * 64 + xdk
+        return gl.load(x_ptr + (xd_off + kb0 * 64), mask=(xdm < M) & (kc < K) & (kc < kb_lim * 64), other=0.0)
+
+    @gluon.jit
     def _mma_kernel(x_ptr, w0, s0, g0, o0, w1, s1, g1, o1, w2, s2, g2, o2, ws_ptr, cnt_ptr,
                     M, N0, N1, N2, T0, T1, K, NB_K, stride_xm, iters_per_split, MT,
                     IS_NV: gl.constexpr, NM: gl.constexpr, BM: gl.constexpr, REPS: gl.constexpr,
                     KB: gl.constexpr, ASM: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr,
-                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False):
+                    WGMMA: gl.constexpr, W_RING: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
+                    X_DIRECT: gl.constexpr = False):
         """out_i[M, N_i] = x W_i^T for NM (1-3) weights sharing x (q/k/v, gate/up: one launch).
         Grid ((T0 + T1 + T2) MT, split): member i's T_i row tiles, one after the other, each with
         its MT tiles of BM rows of x next to each other (they share the weight tile in L2). A program:
@@ -131,7 +141,8 @@ if HAVE_GLUON:
         iteration. The activation tiles go through a ring of STAGES shared-memory buffers filled by
         asynchronous copies; the weights are decoded in registers into the A operand of mma.sync
         (mma_v2) or, with WGMMA (sm_90), of the warpgroup MMA, whose B operand is the shared tile.
-        Outputs are contiguous [M, N_i]."""
+        Outputs are contiguous [M, N_i]. X_DIRECT (mma.sync, weights in registers): no shared memory and no
+        CTA barrier; each warp loads the activations straight into its B operand, one iteration ahead."""
         pdl_enter(PDL)
         pid0 = gl.program_id(0)
         pid = pid0 // MT  # row tile of all members
@@ -179,7 +190,12 @@ if HAVE_GLUON:
         xc = gl.arange(0, BK, layout=gl.SliceLayout(0, x_ld))[None, :]
         # (stride_xm // 8) * 8: the host guarantees 8 | stride (16-byte copies); this tells the compiler
         x_off = gl.minimum(xr, M - 1).to(gl.int64) * ((stride_xm // 8) * 8) + xc
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_sl)
+        if X_DIRECT:  # [BK, BM] offsets of x^T in the B operand's layout
+            xdk = gl.arange(0, BK, layout=gl.SliceLayout(1, b_l))[:, None]
+            xdm = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, b_l))[None, :]
+            xd_off = gl.minimum(xdm, M - 1).to(gl.int64) * ((stride_xm // 8) * 8) + xdk
+        else:
+            x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_sl)
         if W_RING:  # weights and scales ride in the ring too (16- and 8-byte copies, no swizzle needed)
             w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 8, 4, KB, 16], gl.SwizzledSharedLayout(
                 vec=16, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0]))
@@ -191,11 +207,14 @@ if HAVE_GLUON:
         i0 = pid_k * iters_per_split
         i1 = gl.minimum(i0 + iters_per_split, n_iter)
         kb_lim = gl.minimum(NB_K, i1 * KB)  # blocks of this split (copies / loads past it: none)
-        for p in gl.static_range(STAGES - 1):  # the ring's first tiles
-            kb0 = (i0 + p) * KB
-            if W_RING:
-                _w_copy(w_smem.index(p), s_smem.index(p), w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim)
-            _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, kb0, kb_lim)
+        if X_DIRECT:
+            xq = _x_load(x_ptr, xd_off, xdm, xdk, M, K, i0 * KB, kb_lim)
+        else:
+            for p in gl.static_range(STAGES - 1):  # the ring's first tiles
+                kb0 = (i0 + p) * KB
+                if W_RING:
+                    _w_copy(w_smem.index(p), s_smem.index(p), w_ptr, s_ptr, w_off, s_off, wk, sk, kb0, kb_lim)
+                _x_copy(x_smem.index(p), x_ptr, x_off, xr, xc, M, K, kb0, kb_lim)
         if PREFETCH and not W_RING:
             wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, i0 * KB, kb_lim)
         for it in range(i0, i1):
@@ -205,20 +224,23 @@ if HAVE_GLUON:
                     nwq, nsq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, (it + 1) * KB, kb_lim)
                 else:
                     wq, sq = _w_loads(w_ptr, s_ptr, w_off, s_off, wk, sk, it * KB, kb_lim)
-            # tile j landed (this thread's copies; visible to the async proxy for WGMMA), and every
-            # warp is done with the buffer of iteration j - 1
-            async_copy.wait_group(STAGES - 2)
-            if WGMMA:
-                fence_async_shared()
-            _cta_barrier()
-            # refill that buffer
-            kb1 = (it + STAGES - 1) * KB
-            sn = (j + STAGES - 1) % STAGES
-            if W_RING:
-                _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
-                wq = w_smem.index(j % STAGES).load(w_l)
-                sq = s_smem.index(j % STAGES).load(s_l)
-            _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
+            if X_DIRECT:  # the next iteration's activations go out before this one's decode
+                nxq = _x_load(x_ptr, xd_off, xdm, xdk, M, K, (it + 1) * KB, kb_lim)
+            else:
+                # tile j landed (this thread's copies; visible to the async proxy for WGMMA), and every
+                # warp is done with the buffer of iteration j - 1
+                async_copy.wait_group(STAGES - 2)
+                if WGMMA:
+                    fence_async_shared()
+                _cta_barrier()
+                # refill that buffer
+                kb1 = (it + STAGES - 1) * KB
+                sn = (j + STAGES - 1) % STAGES
+                if W_RING:
+                    _w_copy(w_smem.index(sn), s_smem.index(sn), w_ptr, s_ptr, w_off, s_off, wk, sk, kb1, kb_lim)
+                    wq = w_smem.index(j % STAGES).load(w_l)
+                    sq = s_smem.index(j % STAGES).load(s_l)
+                _x_copy(x_smem.index(sn), x_ptr, x_off, xr, xc, M, K, kb1, kb_lim)
             lo, hi = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [wq, sq],
                                                dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
             # [R, g, c, KB, 16 = (t, h, e)] x 2 (q) -> [R, h, g, KB, t, q, c, e] -> [BN, BK]
@@ -226,17 +248,21 @@ if HAVE_GLUON:
             wv = gl.reshape(wv, [R, 8, 4, KB, 4, 2, 2, 2])  # [nb, g, c, kb, t, h, e, q]
             wv = gl.permute(wv, [0, 5, 1, 3, 4, 7, 2, 6])  # [nb, h, g, kb, t, q, c, e]
             a = gl.convert_layout(gl.reshape(wv, [BN, BK]), a_l)
-            xs = x_smem.index(j % STAGES).permute((1, 0))  # [BK, BM]
-            if WGMMA:
+            if X_DIRECT:
+                acc = mma_v2(a, xq, acc)
+                xq = nxq
+            elif WGMMA:
+                xs = x_smem.index(j % STAGES).permute((1, 0))  # [BK, BM]
                 # waited at once: with the MMA left in flight across the next decode (register A operand),
                 # results came out wrong on the H100 (Triton 3.6; results/kernels/NOTES.md)
                 acc = warpgroup_mma(a, xs, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
             else:
-                acc = mma_v2(a, xs.load(b_l), acc)
+                acc = mma_v2(a, x_smem.index(j % STAGES).permute((1, 0)).load(b_l), acc)
             if PREFETCH and not W_RING:
                 wq, sq = nwq, nsq
-        async_copy.wait_group(0)
+        if not X_DIRECT:
+            async_copy.wait_group(0)
         if IS_NV:
             alpha = 128.0 / gl.load(gs_ptr)
         else:
@@ -365,15 +391,29 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
     in the grid), weights and activations through a 4-deep ring: 7B layer M = 64 178 us (mma.sync 244),
     M = 128 251 (BM = 128: 301), M = 256 414 (BM = 128: 479) in the same run. Split-K (in
     ``grouped_linear``): mma.sync for about 4 waves of programs (2 waves and <= 8 splits at BM = 64),
-    the warpgroup variant by ``wgmma_split``."""
+    the warpgroup variant by ``wgmma_split``. ``X_DIRECT`` (mma.sync with the weights in registers: the
+    activations loaded straight into the B operand, no shared memory, no CTA barrier in the loop; sm_90
+    SASS at M = 1, KB 1: 49 registers against 84, 30.5 instructions per 8 weights against 22.7; two row blocks a
+    warp, REPS 2: 64 registers, 24.2; REPS 4: 95, 20.8): the rule
+    takes it up to X_DIRECT_MAX_M rows (0: never, until measured; ``benchmarks.kernel_families --mma
+    NAME:X_DIRECT=1,KB=1`` times it beside the rule)."""
     if wgmma and M > MMA_MAX_M:
         return dict(BM=64, KB=1, REPS=1, num_warps=4, PREFETCH=False, STAGES=4, WGMMA=True, W_RING=True)
     BM = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
+    if M <= X_DIRECT_MAX_M and BM <= 16:
+        return dict(BM=BM, KB=X_DIRECT_KB, REPS=X_DIRECT_REPS, num_warps=4, PREFETCH=False, X_DIRECT=True)
     if BM == 32:  # weights through the ring, two row blocks a warp
         return dict(BM=32, KB=1, REPS=2, num_warps=4, PREFETCH=False, STAGES=4, W_RING=True)
     pf = BM >= PREFETCH_MIN_BM
     return dict(BM=BM, KB=max(1, 32 // BM), REPS=2 if BM == 64 else 1, num_warps=4, PREFETCH=pf)
 
+
+# The activations straight into the B operand (X_DIRECT) up to this many rows (at most 16), KB column blocks an
+# iteration; 0 until a GPU measurement says where it pays. QERL_MMA_X_DIRECT=<rows> (read at import, like QERL_PDL)
+# sets it for A/B runs of the decode step.
+X_DIRECT_MAX_M = min(16, int(os.environ.get("QERL_MMA_X_DIRECT", "0") or 0))
+X_DIRECT_KB = 1
+X_DIRECT_REPS = 2  # two 16-row weight blocks a warp: their loads in flight together, one activation operand
 
 # Software prefetch of the weights in registers (the next iteration's loads issued before this one's
 # decode), where the weights do not ride in the ring (now: the BM = 64 mma.sync config only): it

@@ -183,6 +183,9 @@ def test_kernel_matches_the_reference_gpu(fmt, n, k):
     wd = formats.dequantize(t, fmt, dtype=torch.float32)
     wg = mma.has_wgmma(torch.device("cuda"))
     cases = [(m, None) for m in (1, 3, 8, 16, 32)] + [(64, mma.pick_config(64, n, k))]  # mma.sync
+    # the activations straight into the B operand (no shared memory, no CTA barrier), K steps of 1 and 2 blocks
+    cases += [(m, {**mma.pick_config(m, n, k), "X_DIRECT": True, "KB": kb, "REPS": reps})
+              for m in (1, 3, 16) for kb in (1, 2) for reps in (1, 2, 4)]
     if wg:  # the warpgroup-MMA variant: one tile, ragged tiles, several row tiles of x
         cases += [(m, None) for m in (40, 64, 100, 128, 256, 300)]
     for m, cfg in cases:
@@ -213,6 +216,8 @@ def test_every_code_times_every_scale_is_exact_gpu(fmt):
     gs = t.get("weight_global_scale")
     dev = torch.device("cuda")
     runs = [("mma", m, lambda x: mma.linear(x, pc, sc, gs, n, k, nv)) for m in (1, 8, 16)]
+    runs += [("mma X_DIRECT", m, lambda x, m=m: mma.linear(x, pc, sc, gs, n, k, nv, config={
+        **mma.pick_config(m, n, k), "X_DIRECT": True, "KB": 1, "REPS": 2})) for m in (1, 8)]
     if mma.has_wgmma(dev):
         runs.append(("wgmma", 64, lambda x: mma.linear(x, pc, sc, gs, n, k, nv, config=mma.pick_config(64, n, k, True))))
     if warpspec.available(dev):
@@ -277,6 +282,10 @@ def test_strided_and_unaligned_activations_gpu():
         if m <= mma.MMA_MAX_M or mma.has_wgmma(x.device):
             y = mma.linear(x, pc, sc, t["weight_global_scale"], n, k, True)
             assert _rel(y, x.float() @ wd.T) < 1e-2
+        if m <= 16:  # the activations loaded straight into the B operand take the row stride too
+            y = mma.linear(x, pc, sc, t["weight_global_scale"], n, k, True,
+                           config={**mma.pick_config(m, n, k), "X_DIRECT": True})
+            assert _rel(y, x.float() @ wd.T) < 1e-2
         odd = torch.randn(m, k + 1, device="cuda", dtype=torch.bfloat16)[:, 1:]  # start 2 bytes off
         assert not mma.applies(odd, k)
         with pytest.raises(ValueError, match="16 bytes"):
@@ -288,6 +297,20 @@ def test_a_failing_self_test_turns_the_kernel_off_with_a_warning():
     False, so that available() sends every call to the Triton kernels."""
     with pytest.warns(UserWarning, match="failed its self-test"):
         assert mma._self_test(torch.device("cpu")) is False
+
+
+def test_the_rule_takes_the_direct_activations_up_to_its_rows(monkeypatch):
+    """X_DIRECT (activations straight into the B operand) is the rule's config up to X_DIRECT_MAX_M rows (at
+    most the 16-row tiles), never by default."""
+    assert mma.X_DIRECT_MAX_M == 0 or "QERL_MMA_X_DIRECT" in __import__("os").environ
+    monkeypatch.setattr(mma, "X_DIRECT_MAX_M", 8)
+    for m in (1, 8):
+        cfg = mma.pick_config(m, 3584, 3584)
+        assert cfg["X_DIRECT"] and cfg["BM"] == 8 and cfg["KB"] == mma.X_DIRECT_KB and cfg["REPS"] == mma.X_DIRECT_REPS
+    for m in (9, 16, 32):
+        assert not mma.pick_config(m, 3584, 3584).get("X_DIRECT")
+    monkeypatch.setattr(mma, "X_DIRECT_MAX_M", 0)
+    assert not mma.pick_config(1, 3584, 3584).get("X_DIRECT")
 
 
 def test_wgmma_split_rule():
