@@ -35,7 +35,7 @@
 # - 180 / - 150: a run started late checkpoints and continues in the next call). For a rehearsal
 # on a CPU: PROFILE=smoke MAX_STEPS=1 (every task at the smoke profile, one step a run).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DEV=.dev2
 S=${QERL_DEV_STATE:-/tmp/qerl-dev}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -204,6 +204,8 @@ device() {
     return $rc
 }
 
+# sourced (scripts/device_measure.sh): the functions only
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
 case "${1:-}" in
 pack) pack ;;
 manifest) manifest ;;

@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The 4-bit kernels' and the rollout's measurements (results/kernels, results/rollout) and the GPU test suite
+# under both Tritons, on a GPU machine without network reached by calls that each carry at most 64 MiB (the
+# working tree included) and return the files written under $OUT. It shares the state of
+# scripts/device_reproduce.sh (/tmp/qerl-dev: the wheels, the benchmark data and the embedded model that that
+# script's `pack` and calls stage), and adds Triton 3.7.1 (the measurements' Triton) and humming-kernels (the
+# reference column of results/kernels).
+#
+# Here, on the CPU machine:
+#   bash scripts/device_reproduce.sh pack     # once: .dev2/env, .dev2/m<i> (the model), .dev2/sha
+#   bash scripts/device_measure.sh pack       # .dev2/t1, .dev2/t2 (Triton 3.7.1's package in two parts), .dev2/hum
+#   bash scripts/device_reproduce.sh manifest # after any commit (the device checks the tree against it)
+# There, the model's calls first if the machine does not hold it (scripts/device_reproduce.sh's header), then
+#   bash scripts/device_measure.sh TASK ...   # carrying .dev2/sha, plus .dev2/t1 (and .dev2/hum), then .dev2/t2,
+#                                             # until Triton is whole (a call that lacks a part exits 3 at once)
+# TASK (several run one after the other; each on its own GPU where it says so):
+#   kernels   benchmarks.bench_kernels, 7B layer, M 1..256, humming in the same run (GPU $BENCH_GPU)
+#   families  benchmarks.kernel_families at M 1-16: the mma kernel's rule against its X_DIRECT configs
+#   rollout   experiments.rollout_throughput, 7B, bf16 and nvfp4: bs1 (2048 tokens) with the rule and with
+#             QERL_MMA_X_DIRECT=16, then (ROLLOUT_MIX=1) the length mix at 64 rows the same two ways
+#   testgpu   make test-gpu under Triton 3.6 (GPU $TEST_GPU_36) and 3.7.1 (GPU $TEST_GPU_37) side by side, with
+#             the embedded model; one log each, named by the commit and the Triton
+# Every call ends with $OUT/measure.tar.gz (each task's JSON, stdout and logs; unpack anywhere and copy what
+# results/ keeps) and $OUT/device.log. Timing tasks run alone on their GPU; run `testgpu` in a later call than
+# the timing tasks, not beside them.
+set -uo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/device_reproduce.sh"  # pack, manifest, stage, verify_tree; cd to the root
+TRITON_VERSION=3.7.1
+HUMMING_VERSION=0.1.19
+
+pack_measure() {
+    PY=${PY:-python}
+    grep -qx "/$DEV/" .git/info/exclude 2>/dev/null || echo "/$DEV/" >> .git/info/exclude
+    tmp=$(mktemp -d)
+    tar_xz=${TRITON_TAR:-}
+    if [ -z "$tar_xz" ]; then
+        # the wheel's package without what a CUDA machine with its own toolkit does not need: the AMD backend,
+        # the bundled CUDA binaries and libraries (ptxas comes from TRITON_PTXAS_PATH there), the profiler
+        $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 -d "$tmp" "triton==$TRITON_VERSION" || return 1
+        (cd "$tmp" && $PY -m zipfile -e triton-*.whl w && rm -rf w/triton/backends/amd w/triton/backends/nvidia/bin \
+            w/triton/backends/nvidia/lib w/triton/_C/libproton.so w/triton/profiler w/triton/instrumentation w/triton/plugins \
+            && { strip --strip-unneeded w/triton/_C/libtriton.so 2>/dev/null || true; } \
+            && echo "pack: compressing Triton $TRITON_VERSION (a few minutes)" && tar -cJf triton.tar.xz -C w triton) || return 1
+        tar_xz=$tmp/triton.tar.xz
+    fi
+    rm -rf "$DEV"/t1 "$DEV"/t2 "$DEV"/hum
+    mkdir -p "$DEV/t1" "$DEV/t2" "$DEV/hum"
+    half=$(( ($(stat -c %s "$tar_xz") + 1) / 2 ))
+    split -b "$half" -d -a 1 "$tar_xz" "$tmp/part"
+    mv "$tmp/part0" "$DEV/t1/triton.part0" && mv "$tmp/part1" "$DEV/t2/triton.part1"
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d "$DEV/hum" "humming-kernels==$HUMMING_VERSION" || return 1
+    rm -rf "$tmp"
+    tree=$(git ls-files -z --cached --others --exclude-standard | du -cB1 --files0-from=- | tail -1 | cut -f1)
+    for c in "t1 hum" t2; do
+        # shellcheck disable=SC2086
+        n=$(du -cB1 $(for d in $c; do echo "$DEV/$d"; done) "$DEV/sha" | tail -1 | cut -f1)
+        echo "pack: a call with $c: $(( (tree + n) / 1000 )) kB of $((LIMIT / 1000))"
+        [ $((tree + n)) -lt "$LIMIT" ] || { echo "pack: over the call's limit" >&2; return 1; }
+    done
+}
+
+stage_measure() {
+    mkdir -p "$S/tparts"
+    for p in "$DEV"/t[12]/triton.part*; do [ -f "$p" ] && cp "$p" "$S/tparts/"; done
+    if [ ! -f "$S/triton37/.done" ]; then
+        if [ -f "$S/tparts/triton.part0" ] && [ -f "$S/tparts/triton.part1" ]; then
+            mkdir -p "$S/triton37" && cat "$S/tparts/triton.part0" "$S/tparts/triton.part1" \
+                | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1])" \
+                "$S/triton37" && touch "$S/triton37/.done" || { echo "stage: Triton's parts do not unpack" >&2; return 1; }
+        else
+            echo "stage: Triton $TRITON_VERSION is not whole: parts here: $(ls "$S/tparts" | tr '\n' ' '); carry .dev2/t1 or .dev2/t2" >&2
+            return 3
+        fi
+    fi
+    if [ -d "$DEV/hum" ] && [ ! -d "$S/hum/humming" ]; then
+        mkdir -p "$S/hum" && (cd "$S/hum" && python3 -m zipfile -e "$OLDPWD"/"$DEV"/hum/humming*.whl .) \
+            && chmod +x "$S"/hum/humming/_native/*/* 2>/dev/null
+    fi
+    [ -f "$S/model/$GGUF" ] || echo "stage: no embedded model in $S/model (scripts/device_reproduce.sh's calls): testgpu runs without it" >&2
+    return 0
+}
+
+measure_task() {
+    local t=$1 sha=$QERL_GIT_SHA w=$OUT/w
+    local t37="env PYTHONPATH=$S/triton37:$S/hum:$S/site:$PWD TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas"
+    local t36="env PYTHONPATH=$S/hum:$S/site:$PWD"
+    local g=${BENCH_GPU:-0}
+    mkdir -p "$w"
+    case $t in
+    kernels)
+        CUDA_VISIBLE_DEVICES=$g $t37 python3 -m benchmarks.bench_kernels --models qwen2.5-7b \
+            --m 1 8 16 17 24 32 48 64 96 128 192 256 --grad-m 256 --no-nf4 --git-sha "$sha" --out "$w/kernels" \
+            > "$w/kernels.txt" 2>&1; local rc=$?; tail -1 "$w/kernels.txt" | cut -c1-1500; return $rc ;;
+    families)
+        CUDA_VISIBLE_DEVICES=$g $t37 python3 -m benchmarks.kernel_families --m 1 2 4 8 12 16 --families mma bf16 \
+            --mma d1:X_DIRECT=1,KB=1,REPS=1 d1r2:X_DIRECT=1,KB=1,REPS=2 d1r4:X_DIRECT=1,KB=1,REPS=4 d2r2:X_DIRECT=1,KB=2,REPS=2 \
+            --out "$w/families" > "$w/families.txt" 2>&1; local rc=$?; tail -9 "$w/families.txt" | cut -c1-300; return $rc ;;
+    rollout)
+        local r="python3 -m experiments.rollout_throughput --models qwen2.5-7b --methods bf16 nvfp4 --git-sha $sha" rc=0
+        for xd in 0 16; do
+            CUDA_VISIBLE_DEVICES=$g QERL_MMA_X_DIRECT=$xd $t37 $r --batch 1 --completion 2048 --out "$w/rollout_bs1_xd$xd" \
+                > "$w/rollout_bs1_xd$xd.txt" 2>&1 || rc=$?
+            echo "QERL_MMA_X_DIRECT=$xd: $(tail -1 "$w/rollout_bs1_xd$xd.txt" | cut -c1-400)"
+        done
+        if [ "${ROLLOUT_MIX:-0}" = 1 ]; then
+            for xd in 0 16; do
+                CUDA_VISIBLE_DEVICES=$g QERL_MMA_X_DIRECT=$xd $t37 $r --batch 64 --lengths mix --completion 2048 \
+                    --out "$w/rollout_mix_xd$xd" > "$w/rollout_mix_xd$xd.txt" 2>&1 || rc=$?
+                echo "QERL_MMA_X_DIRECT=$xd: $(tail -1 "$w/rollout_mix_xd$xd.txt" | cut -c1-400)"
+            done
+        fi
+        return $rc ;;
+    testgpu)
+        local model="" rc=0
+        [ -f "$S/model/$GGUF" ] && model="QERL_SMOLLM2_GGUF=$S/model/$GGUF"
+        # shellcheck disable=SC2086
+        (CUDA_VISIBLE_DEVICES=${TEST_GPU_36:-1} $t36 $model QERL_GIT_SHA=$sha timeout 560 make test-gpu PY=python3 \
+            GPU_LOG="$w/h200_${sha:0:7}_triton3.6.log" > /dev/null 2>&1) &
+        local p36=$!
+        # shellcheck disable=SC2086
+        (CUDA_VISIBLE_DEVICES=${TEST_GPU_37:-2} $t37 $model QERL_GIT_SHA=$sha timeout 560 make test-gpu PY=python3 \
+            GPU_LOG="$w/h200_${sha:0:7}_triton3.7.1.log" > /dev/null 2>&1) &
+        wait $p36 || rc=$?
+        wait $! || rc=$?
+        tail -n 2 "$w"/h200_*_triton3.6.log "$w"/h200_*_triton3.7.1.log
+        return $rc ;;
+    *) echo "unknown task $t (kernels | families | rollout | testgpu)" >&2; return 2 ;;
+    esac
+}
+
+measure() {
+    : "${OUT:?OUT is not set (the device sets it)}"
+    export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 WANDB_MODE=disabled QERL_CACHE="$S/cache" QERL_DATA_DIR="$S/data"
+    stage || { rc=$?; [ "$rc" = 3 ] && [ -f "$S/site/.done" ] || return $rc; }  # the model may be absent
+    stage_measure || return $?
+    [ "$*" = stage ] && { echo "staged: Triton $TRITON_VERSION in $S/triton37"; return 0; }
+    verify_tree || return $?
+    local rc=0
+    for t in "$@"; do
+        [ "$t" = stage ] && continue
+        echo "== $t ($(date -u +%T))"
+        measure_task "$t" || { echo "$t: exit $?"; rc=1; }
+    done
+    tar -czf "$OUT/measure.tar.gz" -C "$OUT" w && rm -rf "$OUT/w"
+    ls -la "$OUT"
+    return $rc
+}
+
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
+case "${1:-}" in
+pack) pack_measure ;;
+""|-h|--help) sed -n '2,28p' "$0"; exit 2 ;;
+*)
+    mkdir -p "${OUT:-/tmp/qerl-dev/out}"
+    OUT=${OUT:-/tmp/qerl-dev/out}
+    measure "$@" 2>&1 | tee "$OUT/device.log"
+    exit "${PIPESTATUS[0]}" ;;
+esac
