@@ -16,8 +16,8 @@
 # TASK (several run one after the other; each on its own GPU where it says so):
 #   kernels   benchmarks.bench_kernels, 7B layer, M 1..256, humming in the same run (GPU $BENCH_GPU)
 #   families  benchmarks.kernel_families at M 1-16: the mma kernel's rule against its X_DIRECT configs
-#   rollout   experiments.rollout_throughput, 7B, bf16 and nvfp4: bs1 (2048 tokens) with the rule and with
-#             QERL_MMA_X_DIRECT=16, then (ROLLOUT_MIX=1) the length mix at 64 rows the same two ways
+#   rollout   experiments.rollout_throughput, 7B, bf16 and nvfp4: bs1 (2048 tokens) with the rule, with
+#             QERL_MMA_X_DIRECT=16, with QERL_ATTN_LORA_A=16 and with both; (ROLLOUT_MIX=1) the length mix too
 #   testgpu   make test-gpu under Triton 3.6 (GPU $TEST_GPU_36) and 3.7.1 (GPU $TEST_GPU_37) side by side, with
 #             the embedded model; one log each, named by the commit and the Triton
 # Every call ends with $OUT/measure.tar.gz (each task's JSON, stdout and logs; unpack anywhere and copy what
@@ -98,19 +98,23 @@ measure_task() {
             --mma d1:X_DIRECT=1,KB=1,REPS=1 d1r2:X_DIRECT=1,KB=1,REPS=2 d1r4:X_DIRECT=1,KB=1,REPS=4 d2r2:X_DIRECT=1,KB=2,REPS=2 \
             --out "$w/families" > "$w/families.txt" 2>&1; local rc=$?; tail -9 "$w/families.txt" | cut -c1-300; return $rc ;;
     rollout)
+        # the rule, then the opt-in paths: mma X_DIRECT up to 16 rows, o_proj's LoRA A in the attention launch
         local r="python3 -m experiments.rollout_throughput --models qwen2.5-7b --methods bf16 nvfp4 --git-sha $sha" rc=0
-        for xd in 0 16; do
-            CUDA_VISIBLE_DEVICES=$g QERL_MMA_X_DIRECT=$xd $t37 $r --batch 1 --completion 2048 --out "$w/rollout_bs1_xd$xd" \
-                > "$w/rollout_bs1_xd$xd.txt" 2>&1 || rc=$?
-            echo "QERL_MMA_X_DIRECT=$xd: $(tail -1 "$w/rollout_bs1_xd$xd.txt" | cut -c1-400)"
+        local variants="rule:QERL_MMA_X_DIRECT=0 xd16:QERL_MMA_X_DIRECT=16 attn16:QERL_ATTN_LORA_A=16 both:QERL_MMA_X_DIRECT=16,QERL_ATTN_LORA_A=16"
+        for v in $variants; do
+            local name=${v%%:*} envs
+            envs=$(echo "${v#*:}" | tr ',' ' ')
+            # shellcheck disable=SC2086
+            CUDA_VISIBLE_DEVICES=$g env $envs $t37 $r --batch 1 --completion 2048 --out "$w/rollout_bs1_$name" \
+                > "$w/rollout_bs1_$name.txt" 2>&1 || rc=$?
+            echo "bs1 $name: $(tail -1 "$w/rollout_bs1_$name.txt" | cut -c1-400)"
+            if [ "${ROLLOUT_MIX:-0}" = 1 ]; then
+                # shellcheck disable=SC2086
+                CUDA_VISIBLE_DEVICES=$g env $envs $t37 $r --batch 64 --lengths mix --completion 2048 \
+                    --out "$w/rollout_mix_$name" > "$w/rollout_mix_$name.txt" 2>&1 || rc=$?
+                echo "mix $name: $(tail -1 "$w/rollout_mix_$name.txt" | cut -c1-400)"
+            fi
         done
-        if [ "${ROLLOUT_MIX:-0}" = 1 ]; then
-            for xd in 0 16; do
-                CUDA_VISIBLE_DEVICES=$g QERL_MMA_X_DIRECT=$xd $t37 $r --batch 64 --lengths mix --completion 2048 \
-                    --out "$w/rollout_mix_xd$xd" > "$w/rollout_mix_xd$xd.txt" 2>&1 || rc=$?
-                echo "QERL_MMA_X_DIRECT=$xd: $(tail -1 "$w/rollout_mix_xd$xd.txt" | cut -c1-400)"
-            done
-        fi
         return $rc ;;
     testgpu)
         local model="" rc=0

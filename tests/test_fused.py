@@ -230,13 +230,17 @@ def _lora_model(model_type, fmt="nvfp4", dtype=torch.float32, **kw):
     return model
 
 
-@pytest.mark.parametrize("model_type,norm_lora_max_m", [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("qwen2", 0)])
-def test_fused_engine_equals_unfused(model_type, norm_lora_max_m, monkeypatch):
+@pytest.mark.parametrize("model_type,norm_lora_max_m,attn_lora_max_m",
+                         [("llama", 16, 0), ("qwen2", 16, 0), ("qwen3", 16, 0), ("qwen2", 0, 0), ("qwen2", 16, 16),
+                          ("qwen3", 16, 16)])
+def test_fused_engine_equals_unfused(model_type, norm_lora_max_m, attn_lora_max_m, monkeypatch):
     """fp32 tiny models with NVFP4 + LoRA: the same sampled tokens, log-probs within fp32 rounding.
-    norm_lora_max_m 0: the large-batch step (plain norm, then a tiled lora_a launch per group)."""
+    norm_lora_max_m 0: the large-batch step (plain norm, then a tiled lora_a launch per group);
+    attn_lora_max_m 16: o_proj's LoRA A product inside the attention launch."""
     import qerl.rollout.fast as fast
 
     monkeypatch.setattr(fast, "NORM_LORA_A_MAX_M", norm_lora_max_m)
+    monkeypatch.setattr(fast, "ATTN_LORA_A_MAX_M", attn_lora_max_m)
     model = _lora_model(model_type)
     kw = dict(temperature=1.0, top_k=40, seed=3)
     a = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=False).generate(PROMPTS, 10, **kw)
@@ -363,6 +367,19 @@ def test_fused_decode_step_launches_fewer_ops(model_type):
     assert n_fused <= 17, ops
     assert n_unfused >= 5 * n_fused, (n_unfused, n_fused)
     assert ops["qerl.fp4_e4m3_linear.default"] == 7 and ops["qerl.add_rmsnorm_lora_a.default"] == 2
+
+
+def test_o_proj_lora_a_in_the_attention_launch_saves_a_launch(monkeypatch):
+    """With ATTN_LORA_A_MAX_M rows, the o_proj LoRA A product rides in the attention launch: one op a layer
+    fewer (its lora_a), the attention op the LoRA variant."""
+    import qerl.rollout.fast as fast
+
+    n_off, off = _ops_per_layer("qwen2", True, 8)
+    monkeypatch.setattr(fast, "ATTN_LORA_A_MAX_M", 16)
+    n_on, on = _ops_per_layer("qwen2", True, 8)
+    assert n_on == n_off - 1, (off, on)
+    assert on["qerl.lora_a.default"] == off["qerl.lora_a.default"] - 1
+    assert on["qerl.decode_attention_lora_a.default"] == 1 and on["qerl.decode_attention.default"] == 0
 
 
 def test_fused_needs_a_kernel_backend(monkeypatch):
@@ -555,3 +572,20 @@ def test_lora_a_beside_the_matmuls_gives_the_same_bits(monkeypatch):
     for graphs in (True, False):
         a, b = runs[False, graphs], runs[True, graphs]
         assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs), graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_o_proj_lora_a_in_the_attention_launch_gpu(monkeypatch):
+    """o_proj's LoRA A product inside the attention launch (ATTN_LORA_A_MAX_M) under CUDA graphs: an fp32
+    NVFP4 + LoRA model's greedy tokens and log-probs as with its own lora_a launch (within fp32 rounding of
+    the partial sums' order), and bitwise repeatable."""
+    import qerl.rollout.fast as fast
+
+    model = _gpu_model(torch.float32, lora=True)
+    a = _gpu_engine(model).generate(GPU_PROMPTS, 120, greedy=True, ignore_eos=True)
+    monkeypatch.setattr(fast, "ATTN_LORA_A_MAX_M", 16)
+    b = _gpu_engine(model).generate(GPU_PROMPTS, 120, greedy=True, ignore_eos=True)
+    assert_greedy_close(a, b, 1e-3)
+    c = _gpu_engine(model).generate(GPU_PROMPTS, 120, greedy=True, ignore_eos=True)
+    assert torch.equal(b.completion_ids, c.completion_ids) and torch.equal(b.logprobs, c.logprobs)

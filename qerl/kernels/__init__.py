@@ -17,6 +17,7 @@ Public API (see CONTRACTS.md):
     rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
     lora_silu_mul                    the fused decode step's ops (qerl.kernels.fused)
     decode_attention(q, k, v, key_valid, cpos, scale)   one query token a sequence over its KV cache,
+                                     (decode_attention_lora_a: with the LoRA A product of o_proj's input),
                                      split over the keys (qerl.kernels.attention); its fp32 torch reference
                                      decode_attention_reference
     gumbel_argmax(x, keys, t)        the rollout's Gumbel-max draw in one kernel; uniform_noise,
@@ -415,6 +416,7 @@ _LAZY = {
     "MMA_IN_FLIGHT": "warpspec",  # whether the installed Triton keeps register-A warpgroup MMAs in flight
     "gumbel_argmax": "sampling",
     "decode_attention": "attention",
+    "decode_attention_lora_a": "attention",
     "decode_attention_reference": "attention",
     **{name: "fused" for name in ("rmsnorm", "add_rmsnorm", "add_rmsnorm_lora_a", "rope_cache_write", "silu_mul",
                                   "lora_a", "lora_out", "lora_out_to", "lora_silu_mul")},

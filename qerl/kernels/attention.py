@@ -17,6 +17,11 @@ serves every cursor within its window and chunks past the cursor end at once.
 Arithmetic: scores q k^T in fp32, the online softmax in fp32, the probabilities rounded to the
 value dtype for p V (as flash attention does), the output rounded once at the end; fp32 inputs
 multiply in IEEE fp32 (no TF32). A row with no valid key gives zeros (SDPA gives NaN).
+
+``decode_attention_lora_a`` also multiplies each output by the LoRA A of the projection it feeds (o_proj) in
+the same launch: the program that writes a (sequence, KV head)'s G query heads adds their columns' share of
+o A^T, one partial sum a KV head ([n_kv, B, r], fp32), which ``lora_out`` adds in KV-head order (so o_proj's
+LoRA needs no ``lora_a`` launch of its own).
 """
 
 from __future__ import annotations
@@ -33,10 +38,29 @@ WAVES = 2  # about WAVES * SMs programs in all
 
 
 @triton.jit
+def _lora_a_part(y, a_ptr, h_ptr, b, h, R, offs_g, offs_d, mg, md, G: tl.constexpr, D: tl.constexpr,
+                 NKV: tl.constexpr, RB: tl.constexpr):
+    """KV head h's partial sum of (sequence b's output row) A^T: y [BLOCK_G, BLOCK_D] (as stored) times A's
+    columns of the G query heads, into h_ptr[h, b, :R] (fp32), RB rows of A at a time."""
+    cols = (h * G + offs_g)[:, None] * D + offs_d[None, :]
+    om = mg[:, None] & md[None, :]
+    yf = y.to(tl.float32)
+    n_b = tl.num_programs(0) // NKV
+    rb = tl.arange(0, RB)
+    for r0 in range(0, R, RB):
+        rr = r0 + rb
+        a = tl.load(a_ptr + rr[:, None, None].to(tl.int64) * (NKV * G * D) + cols[None, :, :],
+                    mask=(rr < R)[:, None, None] & om[None, :, :], other=0.0).to(tl.float32)
+        part = tl.sum(tl.sum(a * yf[None, :, :], axis=2), axis=1)
+        tl.store(h_ptr + ((h * n_b + b) * R + rr), part, mask=rr < R)
+
+
+@triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, cpos_ptr, out_ptr, ws_ptr, cnt_ptr,
-                        s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vm, window, chunk, scale,
+                        s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vm, window, chunk, scale, a_ptr, h_ptr, R,
                         NKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+                        HAS_A: tl.constexpr = False, RB: tl.constexpr = 4):
     pdl_enter(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -86,7 +110,10 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, cpos_ptr, out_ptr, ws_pt
     out_ptrs = out_ptr + (b * NKV * G + h * G + offs_g)[:, None] * D + offs_d[None, :]
     om = mg[:, None] & md[None, :]
     if n_split == 1:
-        tl.store(out_ptrs, rnd(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], TY), mask=om)
+        y = rnd(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], TY)
+        tl.store(out_ptrs, y, mask=om)
+        if HAS_A:
+            _lora_a_part(y, a_ptr, h_ptr, b, h, R, offs_g, offs_d, mg, md, G, D, NKV, RB)
     else:
         # partials: acc [n_split, BH, BLOCK_G, BLOCK_D], then (m, l) [n_split, BH, 2, BLOCK_G]
         bh64 = bh.to(tl.int64)
@@ -112,7 +139,10 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, cpos_ptr, out_ptr, ws_pt
                 l_all += w * tl.load(ml_base + (i * n_bh + bh64) * 2 * BLOCK_G + BLOCK_G + offs_g,
                                      cache_modifier=".cg")
                 total += w[:, None] * tl.load(ws_ptr + (i * n_bh + bh64) * tile + acc_off, cache_modifier=".cg")
-            tl.store(out_ptrs, rnd(total / tl.where(l_all > 0, l_all, 1.0)[:, None], TY), mask=om)
+            y = rnd(total / tl.where(l_all > 0, l_all, 1.0)[:, None], TY)
+            tl.store(out_ptrs, y, mask=om)
+            if HAS_A:
+                _lora_a_part(y, a_ptr, h_ptr, b, h, R, offs_g, offs_d, mg, md, G, D, NKV, RB)
             tl.atomic_xchg(cnt_ptr + bh, 0)
 
 
@@ -122,7 +152,7 @@ def decode_attention_splits(B: int, n_kv: int, window: int, sms: int) -> int:
     return max(1, min(triton.cdiv(window, MIN_CHUNK), triton.cdiv(WAVES * sms, B * n_kv)))
 
 
-def _launch(q, k, v, key_valid, cpos, scale, out):
+def _launch(q, k, v, key_valid, cpos, scale, out, A=None, h=None):
     B, n_kv, window, D = k.shape
     G = q.shape[1] // n_kv
     S = decode_attention_splits(B, n_kv, window, num_sms(q.device))
@@ -133,9 +163,10 @@ def _launch(q, k, v, key_valid, cpos, scale, out):
     ws, cnt = workspace(q.device, S * B * n_kv * BLOCK_G * (BLOCK_D + 2) if S > 1 else 1, B * n_kv)
     _decode_attn_kernel[(B * n_kv, S)](
         q, k, v, key_valid, cpos, out, ws, cnt, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), key_valid.stride(0), window, chunk, scale, NKV=n_kv, G=G, BLOCK_G=BLOCK_G, D=D,
+        v.stride(2), key_valid.stride(0), window, chunk, scale, A if A is not None else out,
+        h if h is not None else out, A.shape[0] if A is not None else 1, NKV=n_kv, G=G, BLOCK_G=BLOCK_G, D=D,
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, IEEE=IEEE, num_warps=4, num_stages=3,
-        **pdl_args(q.device))
+        **pdl_args(q.device), **({"HAS_A": True} if A is not None else {}))
 
 
 def _check(q, k, v, key_valid, cpos):
@@ -171,6 +202,29 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_vali
 @decode_attention.register_fake
 def _(q, k, v, key_valid, cpos, scale):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+@torch.library.custom_op("qerl::decode_attention_lora_a", mutates_args=())
+def decode_attention_lora_a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,
+                            cpos: torch.Tensor, scale: float, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_attention`` and, in the same launch, the LoRA A product of its output for the projection it
+    feeds: (o [B, H * D], partial sums [n_kv, B, r] fp32 whose sum over the first dimension is o A^T, with
+    A [r, H * D]) -- the form ``lora_out`` takes for h."""
+    _check(q, k, v, key_valid, cpos)
+    if A.dim() != 2 or A.shape[1] != q.shape[1] * q.shape[2]:
+        raise ValueError(f"decode_attention_lora_a: A must be [r, H * D] = [r, {q.shape[1] * q.shape[2]}], got "
+                         f"{tuple(A.shape)}")
+    B, n_kv = k.shape[:2]
+    out = torch.empty((B, q.shape[1] * q.shape[2]), dtype=q.dtype, device=q.device)
+    h = torch.empty((n_kv, B, A.shape[0]), dtype=torch.float32, device=q.device)
+    _launch(q.contiguous(), k, v, key_valid, cpos, scale, out, A.contiguous(), h)
+    return out, h
+
+
+@decode_attention_lora_a.register_fake
+def _(q, k, v, key_valid, cpos, scale, A):
+    B, n_kv = k.shape[:2]
+    return q.new_empty((B, q.shape[1] * q.shape[2])), q.new_empty((n_kv, B, A.shape[0]), dtype=torch.float32)
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor,

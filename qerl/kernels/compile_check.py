@@ -175,6 +175,8 @@ def launches() -> None:
     cs = torch.randn(M, D, dtype=bf)
     fused.rope_cache_write(q, kv, kv, cs, cs, cache, cache.clone(), cpos, None, None, 1e-6)
     attention.decode_attention(q.view(M, NH, D), cache, cache, torch.ones(M, L, dtype=torch.bool), cpos, 0.125)
+    attention.decode_attention_lora_a(q.view(M, NH, D), cache, cache, torch.ones(M, L, dtype=torch.bool), cpos, 0.125,
+                                      torch.randn(R, NH * D))
     sampling.gumbel_argmax(torch.randn(M, 1000), torch.zeros(M, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     if not mma.HAVE_GLUON:
         return

@@ -77,7 +77,14 @@ import torch.nn.functional as F
 
 from qerl.arch import FUSED_GROUPS, SUPPORTED_MODEL_TYPES
 from qerl.forward import lm_logits, positions_from_mask
-from qerl.kernels import add_rmsnorm, add_rmsnorm_lora_a, decode_attention, rmsnorm, rope_cache_write
+from qerl.kernels import (
+    add_rmsnorm,
+    add_rmsnorm_lora_a,
+    decode_attention,
+    decode_attention_lora_a,
+    rmsnorm,
+    rope_cache_write,
+)
 from qerl.rollout.common import (
     RolloutOutput,
     apply_stop_strings,
@@ -96,6 +103,11 @@ WINDOW = 256  # cache length granularity and the smallest attention window
 # a program per row and two A rows, each recomputing its row's norm); larger batches run the plain
 # norm and then one lora_a launch tiled over rows.
 NORM_LORA_A_MAX_M = 16
+# Largest batch whose decode step multiplies o_proj's LoRA A inside the attention kernel
+# (decode_attention_lora_a: the program that writes a KV head's query heads adds their columns' share; o_proj
+# then needs no lora_a launch). 0 (off) until a GPU measurement says where it pays; QERL_ATTN_LORA_A=<rows>
+# (read at import) sets it for A/B runs.
+ATTN_LORA_A_MAX_M = int(os.environ.get("QERL_ATTN_LORA_A", "0") or 0)
 # The fused decode step's attention: "qerl" (qerl.kernels.decode_attention, split over the keys, reads
 # up to the cursor) or "sdpa" (torch's scaled_dot_product_attention over the whole window; A/B runs).
 ATTENTION = ("qerl", "sdpa")
@@ -333,14 +345,19 @@ class FastEngine:
                                        1e-6 if qn is None else qn.variance_epsilon)
             # one query token: the G = n_heads / n_kv query heads of a KV head are G query rows of it
             # (HF's repeat_kv order), so no copy of K/V per query head (enable_gqa's math path makes one)
-            if self.attention == "qerl":
+            ho = None
+            Ao = stacked_A([attn.o_proj]) if self.attention == "qerl" and B <= ATTN_LORA_A_MAX_M else None
+            if Ao is not None:  # o_proj's LoRA A product in the attention launch (partial sums a KV head)
+                o, ho = decode_attention_lora_a(q.view(B, self.n_heads, self.head_dim), b.k[i][:, :, :window],
+                                                b.v[i][:, :, :window], b.key_valid, b.cpos, self.scaling, Ao[0])
+            elif self.attention == "qerl":
                 o = decode_attention(q.view(B, self.n_heads, self.head_dim), b.k[i][:, :, :window],
                                      b.v[i][:, :, :window], b.key_valid, b.cpos, self.scaling)
             else:
                 o = F.scaled_dot_product_attention(q.view(B, self.n_kv, -1, self.head_dim), b.k[i][:, :, :window],
                                                    b.v[i][:, :, :window], attn_mask=mask,
                                                    scale=self.scaling).reshape(B, -1)
-            (delta,) = grouped_linears(o, [attn.o_proj])
+            (delta,) = grouped_linears(o, [attn.o_proj], ho)
             res, x, hm = self._fused_norm(res, delta, layer.post_attention_layernorm, gate_up)
             (delta,) = grouped_linears(silu_mlp_input(x, *gate_up, hm), [layer.mlp.down_proj])
         return self._fused_norm(res, delta, self.inner.norm, [])[1]

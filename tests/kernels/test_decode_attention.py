@@ -127,3 +127,46 @@ def test_matches_the_reference_gpu(B, n_kv, G, D, window, cur, dtype):
     cpos.fill_(cur // 2)
     g.replay()
     torch.testing.assert_close(static, decode_attention(q, k, v, valid, cpos, scale), rtol=0, atol=0)
+
+
+def _lora_a_case(G, D, R, B, window, cur, device, n_kv=2):
+    from qerl.kernels import decode_attention_lora_a
+
+    q, k, v, valid, cpos = _case(B=B, n_kv=n_kv, G=G, D=D, L=window + 64, window=window, cur=cur,
+                                 dtype=torch.bfloat16, device=device, seed=2)
+    A = (torch.randn(R, n_kv * G * D, generator=torch.Generator().manual_seed(3)) * 0.05).to(device)
+    o, h = decode_attention_lora_a(q, k, v, valid, cpos, D ** -0.5, A)
+    assert torch.equal(o, decode_attention(q, k, v, valid, cpos, D ** -0.5))
+    assert h.shape == (n_kv, B, R) and h.dtype == torch.float32
+    torch.testing.assert_close(h.sum(0), o.float() @ A.T, rtol=1e-5, atol=1e-5)
+    for kh in range(n_kv):  # each KV head's share is its own query heads' columns
+        cols = slice(kh * G * D, (kh + 1) * G * D)
+        torch.testing.assert_close(h[kh], o.float()[:, cols] @ A[:, cols].T, rtol=1e-5, atol=1e-5)
+    o2, h2 = decode_attention_lora_a(q, k, v, valid, cpos, D ** -0.5, A)
+    assert torch.equal(o2, o) and torch.equal(h2, h)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("B,window,cur", [(1, 2048, 1900), (16, 512, 300), (3, 256, 200)])
+def test_the_lora_a_product_rides_in_the_same_launch_gpu(B, window, cur):
+    """As below on the GPU, the 7B shapes (4 KV heads of 7 query heads, head size 128, rank 32)."""
+    _lora_a_case(7, 128, 32, B, window, cur, "cuda", n_kv=4)
+
+
+@pytest.mark.parametrize("splits", [1, None])
+@pytest.mark.parametrize("G,D,R", [(1, 16, 8), (7, 48, 32), (4, 32, 5)])
+def test_the_lora_a_product_rides_in_the_same_launch(G, D, R, splits, monkeypatch):
+    """decode_attention_lora_a: the same o as decode_attention (bit for bit), and per KV head a partial sum
+    whose sum over the heads is o A^T (o as stored, bf16) in fp32; one split and many; repeatable."""
+    if splits == 1:
+        monkeypatch.setattr(attn_mod, "MIN_CHUNK", 1 << 20)
+    _lora_a_case(G, D, R, 3, 256, 200, "cpu")
+
+
+def test_the_lora_a_variant_refuses_an_a_of_the_wrong_width():
+    from qerl.kernels import decode_attention_lora_a
+
+    q, k, v, valid, cpos = _case(B=1, n_kv=2, G=2, D=16, L=128, window=128, cur=50, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"A must be \[r, H \* D\]"):
+        decode_attention_lora_a(q, k, v, valid, cpos, 0.25, torch.randn(4, 63))
