@@ -17,7 +17,7 @@
 #   kernels   benchmarks.bench_kernels, 7B layer, M 1..256, humming in the same run (GPU $BENCH_GPU)
 #   families  benchmarks.kernel_families at M 1-16: the mma kernel's rule against its X_DIRECT configs
 #   rollout   experiments.rollout_throughput, 7B, bf16 and nvfp4: bs1 (2048 tokens) with the rule, with
-#             QERL_MMA_X_DIRECT=16, with QERL_ATTN_LORA_A=16 and with both; (ROLLOUT_MIX=1) the length mix too
+#             QERL_MMA_X_DIRECT=16, with QERL_PRODUCER_LORA_A=16 and with both; (ROLLOUT_MIX=1) the length mix too
 #   testgpu   make test-gpu under Triton 3.6 (GPU $TEST_GPU_36) and 3.7.1 (GPU $TEST_GPU_37) side by side, with
 #             the embedded model; one log each, named by the commit and the Triton
 # Every call ends with $OUT/measure.tar.gz (each task's JSON, stdout and logs; unpack anywhere and copy what
@@ -100,7 +100,7 @@ measure_task() {
     rollout)
         # the rule, then the opt-in paths: mma X_DIRECT up to 16 rows, o_proj's LoRA A in the attention launch
         local r="python3 -m experiments.rollout_throughput --models qwen2.5-7b --methods bf16 nvfp4 --git-sha $sha" rc=0
-        local variants="rule:QERL_MMA_X_DIRECT=0 xd16:QERL_MMA_X_DIRECT=16 attn16:QERL_ATTN_LORA_A=16 both:QERL_MMA_X_DIRECT=16,QERL_ATTN_LORA_A=16"
+        local variants="rule:QERL_MMA_X_DIRECT=0 xd16:QERL_MMA_X_DIRECT=16 prod16:QERL_PRODUCER_LORA_A=16 both:QERL_MMA_X_DIRECT=16,QERL_PRODUCER_LORA_A=16"
         for v in $variants; do
             local name=${v%%:*} envs
             envs=$(echo "${v#*:}" | tr ',' ' ')

@@ -15,7 +15,7 @@ Public API (see CONTRACTS.md):
     lora_a_tuned, lora_out_tuned, lora_a_config   the same for the decode step's LoRA kernels
     scratch_bytes(device=None), buffer_bytes(), release_scratch(), resolve_backend(backend, fmt, device)
     rmsnorm, add_rmsnorm, add_rmsnorm_lora_a, rope_cache_write, silu_mul, lora_a, lora_out,
-    lora_silu_mul                    the fused decode step's ops (qerl.kernels.fused)
+    lora_silu_mul(_lora_a)           the fused decode step's ops (qerl.kernels.fused)
     decode_attention(q, k, v, key_valid, cpos, scale)   one query token a sequence over its KV cache,
                                      (decode_attention_lora_a: with the LoRA A product of o_proj's input),
                                      split over the keys (qerl.kernels.attention); its fp32 torch reference
@@ -419,7 +419,7 @@ _LAZY = {
     "decode_attention_lora_a": "attention",
     "decode_attention_reference": "attention",
     **{name: "fused" for name in ("rmsnorm", "add_rmsnorm", "add_rmsnorm_lora_a", "rope_cache_write", "silu_mul",
-                                  "lora_a", "lora_out", "lora_out_to", "lora_silu_mul")},
+                                  "lora_a", "lora_out", "lora_out_to", "lora_silu_mul", "lora_silu_mul_lora_a")},
 }
 
 

@@ -168,6 +168,7 @@ def launches() -> None:
     h = torch.randn(1, M, 3 * R)
     fused.lora_out(ys, h, Bs, [], 2.0)
     fused.lora_silu_mul(ys[0], ys[1], h, Bs[:2], [], 2.0)
+    fused.lora_silu_mul_lora_a(ys[0], ys[1], h, Bs[:2], [], 2.0, torch.randn(R, N))
     fused.silu_mul(ys[0], ys[1])
     D, NH, NKV, L = 64, 8, 2, 512
     q, kv = torch.randn(M, NH * D, dtype=bf), torch.randn(M, NKV * D, dtype=bf)

@@ -432,10 +432,12 @@ def _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, m
 def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, N1, N2, R, NR, S, scaling,
                      HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_R: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False,
-                     TO_OUT: tl.constexpr = False):
+                     TO_OUT: tl.constexpr = False, NEXT_A: tl.constexpr = False, an_ptr=None, hn_ptr=None, RN=1,
+                     BLOCK_RN: tl.constexpr = 1):
     """Output i = program_id(0) in place (TO_OUT: into out_ptr, one output), columns of program_id(1),
     rows of program_id(2) (ROWS at a time, so that a large batch spreads over programs); or (SILU_MUL,
-    one program row) out = SiLU(y0') * y1'."""
+    one program row) out = SiLU(y0') * y1', and with NEXT_A this column block's share of out A^T for the
+    LoRA A [RN, N] of the Linear it feeds (down_proj): hn[program_id(1), rows, :RN], fp32 partial sums."""
     pdl_enter(PDL)
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -467,7 +469,16 @@ def _lora_out_kernel(y0, y1, y2, b0, b1, b2, c0, c1, c2, h_ptr, out_ptr, M, N0, 
         u = _rnd(_lora_tile(y1, B1, bias1, h_ptr, ms, mm, M, N, cols, mn, 1, R, NR, S, rr, mr, scaling,
                             HAS_LORA, HAS_BIAS, USE_DOT, SB), TY).to(tl.float32)
         act = _rnd(g / (1.0 + tl.exp(-g)), TY).to(tl.float32)
-        tl.store(out_ptr + offs, _rnd(act * u, TY), mask=mm[:, None] & mn[None, :])
+        o = _rnd(act * u, TY)
+        tl.store(out_ptr + offs, o, mask=mm[:, None] & mn[None, :])
+        if NEXT_A:  # [ROWS, BLOCK_N] x [BLOCK_N, RN]: the rows' partial sums over these columns
+            rn = tl.arange(0, BLOCK_RN)
+            an = tl.load(an_ptr + rn[None, :].to(tl.int64) * N + cols[:, None], mask=mn[:, None] & (rn < RN)[None, :],
+                         other=0.0).to(tl.float32)
+            of = tl.where(mm[:, None] & mn[None, :], o.to(tl.float32), 0.0)
+            part = tl.sum(of[:, :, None] * an[None, :, :], axis=1)
+            tl.store(hn_ptr + (tl.program_id(1) * M + ms[:, None]).to(tl.int64) * RN + rn[None, :], part,
+                     mask=mm[:, None] & (rn < RN)[None, :])
     elif TO_OUT:
         tl.store(out_ptr + offs, _rnd(y, TY), mask=mm[:, None] & mn[None, :])
     else:
@@ -486,7 +497,8 @@ LORA_OUT_DOT_ROWS = 64
 LORA_OUT_H_FLOATS = 8192
 
 
-def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=None, num_warps=4, dest=None):
+def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=None, num_warps=4, dest=None,
+                     next_A=None, next_h=None):
     """The lora_out / lora_silu_mul launch; BLOCK_N / ROWS / num_warps override the rule (benchmarks sweep them).
     ``dest`` (one output): the result goes there, ``ys[0]`` is only read (the training forward's LoRA)."""
     n, M = len(ys), ys[0].shape[0]
@@ -512,11 +524,17 @@ def _lora_out_launch(ys, h, Bs, biases, scaling, out=None, BLOCK_N=None, ROWS=No
         raise ValueError("lora_out: dest takes one output, without the SiLU epilogue")
     grid = (1 if out is not None else n, triton.cdiv(max(Ns), BLOCK_N), max(1, triton.cdiv(M, ROWS)))
     target = out if out is not None else (dest if dest is not None else y[0])
+    extra = {"TO_OUT": True} if dest is not None else {}
+    if next_A is not None:  # the SiLU epilogue's partial sums of out next_A^T, one a column block
+        if out is None:
+            raise ValueError("lora_out: next_A needs the SiLU epilogue")
+        extra.update(NEXT_A=True, an_ptr=next_A, hn_ptr=next_h, RN=next_A.shape[0],
+                     BLOCK_RN=triton.next_power_of_2(next_A.shape[0]))
     _lora_out_kernel[grid](y[0], y[1], y[2], b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else y[0],
                            target, M, Ns[0], Ns[1], Ns[2], R, NR, S, scaling,
                            HAS_LORA=has_lora, HAS_BIAS=has_bias, SILU_MUL=out is not None, BLOCK_N=BLOCK_N,
                            BLOCK_R=BLOCK_R, ROWS=ROWS, SB=SB, num_warps=num_warps,
-                           **pdl_args(ys[0].device), **({"TO_OUT": True} if dest is not None else {}))
+                           **pdl_args(ys[0].device), **extra)
 
 
 @torch.library.custom_op("qerl::lora_out", mutates_args=("ys",))
@@ -546,6 +564,29 @@ def lora_silu_mul(gate: torch.Tensor, up: torch.Tensor, h: torch.Tensor | None, 
     out = torch.empty_like(gate)
     _lora_out_launch([gate, up], h, Bs, biases, scaling, out=out)
     return out
+
+
+# Columns a lora_silu_mul_lora_a program takes: its partial sums of the down LoRA A product are one a column
+# block, which down's lora_out then adds (fewer, wider blocks: fewer partials for it to read).
+SILU_LORA_A_BLOCK_N = 128
+
+
+@torch.library.custom_op("qerl::lora_silu_mul_lora_a", mutates_args=())
+def lora_silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, h: torch.Tensor | None, Bs: list[torch.Tensor],
+                         biases: list[torch.Tensor], scaling: float,
+                         next_A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lora_silu_mul`` and, in the same launch, the LoRA A product of its output for the Linear it feeds
+    (down_proj; ``next_A`` [r, N]): (out [M, N], partial sums [S, M, r] fp32 over column blocks, whose sum
+    over the first dimension is out next_A^T): the form ``lora_out`` takes for h."""
+    M, N = gate.shape
+    if next_A.dim() != 2 or next_A.shape[1] != N:
+        raise ValueError(f"lora_silu_mul_lora_a: next_A must be [r, {N}], got {tuple(next_A.shape)}")
+    out = torch.empty_like(gate)
+    BLOCK_N = SILU_LORA_A_BLOCK_N
+    hn = torch.empty((triton.cdiv(N, BLOCK_N), M, next_A.shape[0]), dtype=torch.float32, device=gate.device)
+    _lora_out_launch([gate, up], h, Bs, biases, scaling, out=out, BLOCK_N=BLOCK_N, num_warps=8,
+                     next_A=next_A.contiguous(), next_h=hn)
+    return out, hn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -600,3 +641,10 @@ def _(y, h, B, scaling):
 @lora_silu_mul.register_fake
 def _(gate, up, h, Bs, biases, scaling):
     return torch.empty_like(gate)
+
+
+@lora_silu_mul_lora_a.register_fake
+def _(gate, up, h, Bs, biases, scaling, next_A):
+    M, N = gate.shape
+    return torch.empty_like(gate), gate.new_empty((triton.cdiv(N, SILU_LORA_A_BLOCK_N), M, next_A.shape[0]),
+                                                  dtype=torch.float32)

@@ -103,11 +103,12 @@ WINDOW = 256  # cache length granularity and the smallest attention window
 # a program per row and two A rows, each recomputing its row's norm); larger batches run the plain
 # norm and then one lora_a launch tiled over rows.
 NORM_LORA_A_MAX_M = 16
-# Largest batch whose decode step multiplies o_proj's LoRA A inside the attention kernel
-# (decode_attention_lora_a: the program that writes a KV head's query heads adds their columns' share; o_proj
-# then needs no lora_a launch). 0 (off) until a GPU measurement says where it pays; QERL_ATTN_LORA_A=<rows>
-# (read at import) sets it for A/B runs.
-ATTN_LORA_A_MAX_M = int(os.environ.get("QERL_ATTN_LORA_A", "0") or 0)
+# Largest batch whose decode step multiplies a Linear's LoRA A inside the kernel that produces its input:
+# o_proj's in the attention kernel (decode_attention_lora_a: the program that writes a KV head's query heads
+# adds their columns' share), down_proj's in the SiLU * up kernel (lora_silu_mul_lora_a: a column block's
+# share a program); those Linears then need no lora_a launch. 0 (off) until a GPU measurement says where it
+# pays; QERL_PRODUCER_LORA_A=<rows> (read at import) sets it for A/B runs.
+PRODUCER_LORA_A_MAX_M = int(os.environ.get("QERL_PRODUCER_LORA_A", "0") or 0)
 # The fused decode step's attention: "qerl" (qerl.kernels.decode_attention, split over the keys, reads
 # up to the cursor) or "sdpa" (torch's scaled_dot_product_attention over the whole window; A/B runs).
 ATTENTION = ("qerl", "sdpa")
@@ -346,7 +347,7 @@ class FastEngine:
             # one query token: the G = n_heads / n_kv query heads of a KV head are G query rows of it
             # (HF's repeat_kv order), so no copy of K/V per query head (enable_gqa's math path makes one)
             ho = None
-            Ao = stacked_A([attn.o_proj]) if self.attention == "qerl" and B <= ATTN_LORA_A_MAX_M else None
+            Ao = stacked_A([attn.o_proj]) if self.attention == "qerl" and B <= PRODUCER_LORA_A_MAX_M else None
             if Ao is not None:  # o_proj's LoRA A product in the attention launch (partial sums a KV head)
                 o, ho = decode_attention_lora_a(q.view(B, self.n_heads, self.head_dim), b.k[i][:, :, :window],
                                                 b.v[i][:, :, :window], b.key_valid, b.cpos, self.scaling, Ao[0])
@@ -359,7 +360,12 @@ class FastEngine:
                                                    scale=self.scaling).reshape(B, -1)
             (delta,) = grouped_linears(o, [attn.o_proj], ho)
             res, x, hm = self._fused_norm(res, delta, layer.post_attention_layernorm, gate_up)
-            (delta,) = grouped_linears(silu_mlp_input(x, *gate_up, hm), [layer.mlp.down_proj])
+            Ad = stacked_A([layer.mlp.down_proj]) if B <= PRODUCER_LORA_A_MAX_M else None
+            if Ad is not None:  # down_proj's LoRA A product in the SiLU * up launch (where that launch runs)
+                act, hd = silu_mlp_input(x, *gate_up, hm, next_A=Ad[0])
+                (delta,) = grouped_linears(act, [layer.mlp.down_proj], hd)
+            else:
+                (delta,) = grouped_linears(silu_mlp_input(x, *gate_up, hm), [layer.mlp.down_proj])
         return self._fused_norm(res, delta, self.inner.norm, [])[1]
 
     @staticmethod

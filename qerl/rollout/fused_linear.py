@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qerl import formats, kernels
-from qerl.kernels import lora_a, lora_out, lora_silu_mul, silu_mul
+from qerl.kernels import lora_a, lora_out, lora_silu_mul, lora_silu_mul_lora_a, silu_mul
 from qerl.qlinear import QuantLinear
 
 
@@ -134,16 +134,22 @@ def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor |
     return ys
 
 
-def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mlp_input(x: torch.Tensor, gate: nn.Module, up: nn.Module, h: torch.Tensor | None = None,
+                   next_A: torch.Tensor | None = None):
     """SiLU(gate(x)) * up(x) for x [M, K]: the two base matmuls, then (with LoRA or biases) one
-    ``lora_a`` (unless h is given; beside the matmuls) and one ``lora_silu_mul`` launch; else ``silu_mul``."""
+    ``lora_a`` (unless h is given; beside the matmuls) and one ``lora_silu_mul`` launch; else ``silu_mul``.
+    ``next_A`` (the LoRA A of the Linear the result feeds): returns (result, partial sums of result next_A^T
+    for ``grouped_linears``' h, or None where the LoRA launch does not run and the Linear computes them)."""
     x = x.contiguous()
     pg, pu = _parts(gate), _parts(up)
     if pg is None or pu is None or pg.key() != pu.key() or (pg.A is None and pg.bias is None):
-        return silu_mul(*grouped_linears(x, [gate, up], h))
+        act = silu_mul(*grouped_linears(x, [gate, up], h))
+        return act if next_A is None else (act, None)
     hs = (lambda: h) if h is not None or pg.A is None else _lora_a_start(x, [pg.A, pu.A])
     gu = _mma_group(x, [gate, up])
     g, u = gu if gu is not None else (pg.base(x).contiguous(), pu.base(x).contiguous())
     h = hs()
-    return lora_silu_mul(g, u, h, [pg.B, pu.B] if h is not None else [],
-                         [pg.bias, pu.bias] if pg.bias is not None else [], float(pg.scaling))
+    Bs, biases = [pg.B, pu.B] if h is not None else [], [pg.bias, pu.bias] if pg.bias is not None else []
+    if next_A is not None:
+        return lora_silu_mul_lora_a(g, u, h, Bs, biases, float(pg.scaling), next_A)
+    return lora_silu_mul(g, u, h, Bs, biases, float(pg.scaling))
