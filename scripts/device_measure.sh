@@ -18,6 +18,7 @@
 #   families  benchmarks.kernel_families at M 1-16: the mma kernel's rule against its X_DIRECT configs
 #   rollout   experiments.rollout_throughput, 7B, bf16 and nvfp4: bs1 (2048 tokens) with the rule, with
 #             QERL_MMA_X_DIRECT=16, with QERL_PRODUCER_LORA_A=16 and with both; (ROLLOUT_MIX=1) the length mix too
+#   profile   benchmarks.profile_decode, nvfp4 bs1 and bs8: kernel time by kind, the rule and both opt-in paths
 #   testgpu   make test-gpu under Triton 3.6 (GPU $TEST_GPU_36) and 3.7.1 (GPU $TEST_GPU_37) side by side, with
 #             the embedded model; one log each, named by the commit and the Triton
 # Every call ends with $OUT/measure.tar.gz (each task's JSON, stdout and logs; unpack anywhere and copy what
@@ -116,6 +117,18 @@ measure_task() {
             fi
         done
         return $rc ;;
+    profile)
+        # where a bs1 / bs8 decode step's time goes, by kernel kind, with the rule and with both opt-in paths
+        local rc=0
+        for v in rule:QERL_MMA_X_DIRECT=0 both:QERL_MMA_X_DIRECT=16,QERL_PRODUCER_LORA_A=16; do
+            local name=${v%%:*} envs
+            envs=$(echo "${v#*:}" | tr ',' ' ')
+            # shellcheck disable=SC2086
+            CUDA_VISIBLE_DEVICES=$g env $envs $t37 QERL_GIT_SHA=$sha python3 -m benchmarks.profile_decode --batch 1 8 \
+                --methods nvfp4 --out "$w/profile_$name" > "$w/profile_$name.txt" 2>&1 || rc=$?
+            echo "profile $name: $(grep -h "ms a step\|wall" "$w/profile_$name.txt" | head -4 | tr '\n' ' ' | cut -c1-400)"
+        done
+        return $rc ;;
     testgpu)
         local model="" rc=0
         [ -f "$S/model/$GGUF" ] && model="QERL_SMOLLM2_GGUF=$S/model/$GGUF"
@@ -130,7 +143,7 @@ measure_task() {
         wait $! || rc=$?
         tail -n 2 "$w"/h200_*_triton3.6.log "$w"/h200_*_triton3.7.1.log
         return $rc ;;
-    *) echo "unknown task $t (kernels | families | rollout | testgpu)" >&2; return 2 ;;
+    *) echo "unknown task $t (kernels | families | rollout | profile | testgpu)" >&2; return 2 ;;
     esac
 }
 
