@@ -50,6 +50,7 @@ def _cases():
     ys = [torch.randn(2, 48, dtype=BF), torch.randn(2, 32, dtype=BF)]
     gu = [torch.randn(2, 48, dtype=BF), torch.randn(2, 48, dtype=BF)]
     Bs_gu = [torch.randn(48, 8), torch.randn(48, 8)]
+    A_next = torch.randn(5, 48)  # down_proj's LoRA A
 
     def rope(q, k, v, cos, sin, kc, vc):
         out = fused.rope_cache_write(q, k, v, cos, sin, kc, vc, torch.tensor([5]), None, None, 1e-6)
@@ -71,6 +72,7 @@ def _cases():
         ("lora_out", lora_out, (*ys, h)),
         ("lora_out_to", lambda y, h16: fused.lora_out_to(y, h16, Bs16[0], 2.0), (y16, h16)),
         ("lora_silu_mul", lambda g, u, h: fused.lora_silu_mul(g, u, h, Bs_gu, [], 2.0), (*gu, h)),
+        ("lora_silu_mul_lora_a", lambda g, u, h: fused.lora_silu_mul_lora_a(g, u, h, Bs_gu, [], 2.0, A_next), (*gu, h)),
     ]
 
 
