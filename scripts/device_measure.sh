@@ -96,7 +96,7 @@ measure_task() {
             > "$w/kernels.txt" 2>&1; local rc=$?; tail -1 "$w/kernels.txt" | cut -c1-1500; return $rc ;;
     families)
         CUDA_VISIBLE_DEVICES=$g $t37 python3 -m benchmarks.kernel_families --m 1 2 4 8 12 16 --families mma bf16 \
-            --mma d1:X_DIRECT=1,KB=1,REPS=1 d1r2:X_DIRECT=1,KB=1,REPS=2 d1r4:X_DIRECT=1,KB=1,REPS=4 d2r2:X_DIRECT=1,KB=2,REPS=2 \
+            --mma d1:X_DIRECT=1,KB=1,REPS=1 d1r2:X_DIRECT=1,KB=1,REPS=2 d1r4:X_DIRECT=1,KB=1,REPS=4 d2:X_DIRECT=1,KB=2,REPS=1 d2r2:X_DIRECT=1,KB=2,REPS=2 d1r2w8:X_DIRECT=1,KB=1,REPS=2,num_warps=8 \
             --out "$w/families" > "$w/families.txt" 2>&1; local rc=$?; tail -9 "$w/families.txt" | cut -c1-300; return $rc ;;
     rollout)
         # the rule, then the opt-in paths: mma X_DIRECT up to 16 rows, o_proj's LoRA A in the attention launch
