@@ -16,9 +16,10 @@
 # TASK (several run one after the other; each on its own GPU where it says so):
 #   kernels   benchmarks.bench_kernels, 7B layer, M 1..256, humming in the same run (GPU $BENCH_GPU)
 #   families  benchmarks.kernel_families at M 1-16: the mma kernel's rule against its X_DIRECT configs
-#   rollout   experiments.rollout_throughput, 7B, bf16 and nvfp4: bs1 (2048 tokens) with the rule, with
-#             QERL_MMA_X_DIRECT=16, with QERL_PRODUCER_LORA_A=16 and with both; (ROLLOUT_MIX=1) the length mix too
-#   profile   benchmarks.profile_decode, nvfp4 bs1 and bs8: kernel time by kind, the rule and both opt-in paths
+#   rollout   experiments.rollout_throughput, 7B, bf16 and nvfp4: bs1 (2048 tokens) with the rule, with each of
+#             QERL_MMA_X_DIRECT, QERL_PRODUCER_LORA_A and QERL_ROPE_LORA_OUT at 16 rows, and with all three;
+#             (ROLLOUT_MIX=1) the length mix too
+#   profile   benchmarks.profile_decode, nvfp4 bs1 and bs8: kernel time by kind, the rule and all opt-in paths
 #   testgpu   make test-gpu under Triton 3.6 (GPU $TEST_GPU_36) and 3.7.1 (GPU $TEST_GPU_37) side by side, with
 #             the embedded model; one log each, named by the commit and the Triton
 # Every call ends with $OUT/measure.tar.gz (each task's JSON, stdout and logs; unpack anywhere and copy what
@@ -101,7 +102,7 @@ measure_task() {
     rollout)
         # the rule, then the opt-in paths: mma X_DIRECT up to 16 rows, o_proj's LoRA A in the attention launch
         local r="python3 -m experiments.rollout_throughput --models qwen2.5-7b --methods bf16 nvfp4 --git-sha $sha" rc=0
-        local variants="rule:QERL_MMA_X_DIRECT=0 xd16:QERL_MMA_X_DIRECT=16 prod16:QERL_PRODUCER_LORA_A=16 both:QERL_MMA_X_DIRECT=16,QERL_PRODUCER_LORA_A=16"
+        local variants="rule:QERL_MMA_X_DIRECT=0 xd16:QERL_MMA_X_DIRECT=16 prod16:QERL_PRODUCER_LORA_A=16 rope16:QERL_ROPE_LORA_OUT=16 all:QERL_MMA_X_DIRECT=16,QERL_PRODUCER_LORA_A=16,QERL_ROPE_LORA_OUT=16"
         for v in $variants; do
             local name=${v%%:*} envs
             envs=$(echo "${v#*:}" | tr ',' ' ')
@@ -118,9 +119,9 @@ measure_task() {
         done
         return $rc ;;
     profile)
-        # where a bs1 / bs8 decode step's time goes, by kernel kind, with the rule and with both opt-in paths
+        # where a bs1 / bs8 decode step's time goes, by kernel kind, with the rule and with all opt-in paths
         local rc=0
-        for v in rule:QERL_MMA_X_DIRECT=0 both:QERL_MMA_X_DIRECT=16,QERL_PRODUCER_LORA_A=16; do
+        for v in rule:QERL_MMA_X_DIRECT=0 all:QERL_MMA_X_DIRECT=16,QERL_PRODUCER_LORA_A=16,QERL_ROPE_LORA_OUT=16; do
             local name=${v%%:*} envs
             envs=$(echo "${v#*:}" | tr ',' ' ')
             # shellcheck disable=SC2086

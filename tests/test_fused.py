@@ -106,6 +106,40 @@ def test_rope_cache_write(qk_norm, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qk_norm,bias,B", [(False, True, 1), (True, False, 3), (False, False, 6)])
+def test_lora_rope_cache_write_equals_its_two_launches(qk_norm, bias, B, device):
+    """The q/k/v epilogue and the rotary in one launch (few rows, ROPE_LORA_OUT_MAX_M): the same rotated q,
+    cache rows and values as lora_out then rope_cache_write (6 rows: a full and a ragged 4-row tile); q / k / v
+    themselves stay the base outputs; h as the norm kernel gives it (final sums) or as lora_a's partials."""
+    torch.manual_seed(0)
+    NH, NKV, D, L, R = (28, 4, 128, 8, 32) if device == "cuda" else (4, 2, 16, 8, 16)
+    K = 3584 if device == "cuda" else 64
+    x = torch.randn(B, K, dtype=BF, device=device)
+    q, k, v = (torch.randn(B, n * D, dtype=BF, device=device) for n in (NH, NKV, NKV))
+    As = [torch.randn(R, K, device=device) / K ** 0.5 for _ in range(3)]
+    Bs = [torch.randn(n * D, R, device=device) * 0.1 for n in (NH, NKV, NKV)]
+    bs = [torch.randn(n * D, dtype=BF, device=device) for n in (NH, NKV, NKV)] if bias else []
+    ang = torch.rand(B, D // 2, device=device) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(BF), torch.cat([ang.sin()] * 2, -1).to(BF)
+    kc, vc = (torch.randn(B, NKV, L, D, dtype=BF, device=device) for _ in range(2))
+    kc2, vc2 = kc.clone(), vc.clone()
+    qn, kn = ((1 + 0.1 * torch.randn(D, device=device)).to(BF) for _ in range(2)) if qk_norm else (None, None)
+    cpos = torch.tensor([5], device=device)
+    h = fused.lora_a(x, As)
+    base = [t.clone() for t in (q, k, v)]
+    qo = fused.lora_rope_cache_write(q, k, v, h, Bs, bs, 2.0, cos, sin, kc, vc, cpos, qn, kn, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), base))
+    fused.lora_out([q, k, v], h, Bs, bs, 2.0)
+    want = fused.rope_cache_write(q, k, v, cos, sin, kc2, vc2, cpos, qn, kn, 1e-6)
+    assert torch.equal(vc, vc2)  # values: lora_out's arithmetic and rounding, bitwise
+    if qk_norm:  # the head norm's sums in another layout
+        _close_bf16(qo, want)
+        _close_bf16(kc, kc2)
+    else:
+        assert torch.equal(qo, want) and torch.equal(kc, kc2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_silu_mul(device):
     torch.manual_seed(0)
     g, u = torch.randn(3, 1500, dtype=BF, device=device), torch.randn(3, 1500, dtype=BF, device=device)
@@ -230,17 +264,20 @@ def _lora_model(model_type, fmt="nvfp4", dtype=torch.float32, **kw):
     return model
 
 
-@pytest.mark.parametrize("model_type,norm_lora_max_m,producer_lora_max_m",
-                         [("llama", 16, 0), ("qwen2", 16, 0), ("qwen3", 16, 0), ("qwen2", 0, 0), ("qwen2", 16, 16),
-                          ("qwen3", 16, 16)])
-def test_fused_engine_equals_unfused(model_type, norm_lora_max_m, producer_lora_max_m, monkeypatch):
+@pytest.mark.parametrize("model_type,norm_lora_max_m,producer_lora_max_m,rope_max_m",
+                         [("llama", 16, 0, 0), ("qwen2", 16, 0, 0), ("qwen3", 16, 0, 0), ("qwen2", 0, 0, 0),
+                          ("qwen2", 16, 16, 16), ("qwen3", 16, 16, 16), ("qwen2", 0, 0, 16)])
+def test_fused_engine_equals_unfused(model_type, norm_lora_max_m, producer_lora_max_m, rope_max_m, monkeypatch):
     """fp32 tiny models with NVFP4 + LoRA: the same sampled tokens, log-probs within fp32 rounding.
     norm_lora_max_m 0: the large-batch step (plain norm, then a tiled lora_a launch per group);
-    producer_lora_max_m 16: o_proj's and down_proj's LoRA A products in the launches that produce their inputs."""
+    producer_lora_max_m 16: o_proj's and down_proj's LoRA A products in the launches that produce their inputs;
+    rope_max_m 16: q/k/v's bias and LoRA in the rotary launch (h from the norm kernel, or with norm_lora_max_m 0
+    from a lora_a launch)."""
     import qerl.rollout.fast as fast
 
     monkeypatch.setattr(fast, "NORM_LORA_A_MAX_M", norm_lora_max_m)
     monkeypatch.setattr(fast, "PRODUCER_LORA_A_MAX_M", producer_lora_max_m)
+    monkeypatch.setattr(fast, "ROPE_LORA_OUT_MAX_M", rope_max_m)
     model = _lora_model(model_type)
     kw = dict(temperature=1.0, top_k=40, seed=3)
     a = FastEngine(model, eos_token_ids=[2], pad_id=0, fused=False).generate(PROMPTS, 10, **kw)
@@ -381,6 +418,18 @@ def test_lora_a_in_the_producing_launches_saves_two_launches(monkeypatch):
     assert on["qerl.lora_a.default"] == off["qerl.lora_a.default"] - 2
     assert on["qerl.decode_attention_lora_a.default"] == 1 and on["qerl.decode_attention.default"] == 0
     assert on["qerl.lora_silu_mul_lora_a.default"] == 1 and on["qerl.lora_silu_mul.default"] == 0
+
+
+def test_q_k_v_epilogue_in_the_rotary_launch_saves_a_launch(monkeypatch):
+    """With ROPE_LORA_OUT_MAX_M rows, q/k/v's lora_out rides in the rotary + cache launch: one op a layer fewer."""
+    import qerl.rollout.fast as fast
+
+    n_off, off = _ops_per_layer("qwen2", True, 8)
+    monkeypatch.setattr(fast, "ROPE_LORA_OUT_MAX_M", 16)
+    n_on, on = _ops_per_layer("qwen2", True, 8)
+    assert n_on == n_off - 1, (off, on)
+    assert on["qerl.lora_out.default"] == off["qerl.lora_out.default"] - 1
+    assert on["qerl.lora_rope_cache_write.default"] == 1 and on["qerl.rope_cache_write.default"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -419,7 +419,8 @@ _LAZY = {
     "decode_attention_lora_a": "attention",
     "decode_attention_reference": "attention",
     **{name: "fused" for name in ("rmsnorm", "add_rmsnorm", "add_rmsnorm_lora_a", "rope_cache_write", "silu_mul",
-                                  "lora_a", "lora_out", "lora_out_to", "lora_silu_mul", "lora_silu_mul_lora_a")},
+                                  "lora_a", "lora_out", "lora_out_to", "lora_silu_mul", "lora_silu_mul_lora_a",
+                                  "lora_rope_cache_write")},
 }
 
 

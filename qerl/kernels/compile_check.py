@@ -175,6 +175,8 @@ def launches() -> None:
     cache, cpos = torch.empty(M, NKV, L, D, dtype=bf), torch.zeros(1, dtype=torch.long)
     cs = torch.randn(M, D, dtype=bf)
     fused.rope_cache_write(q, kv, kv, cs, cs, cache, cache.clone(), cpos, None, None, 1e-6)
+    fused.lora_rope_cache_write(q, kv, kv, torch.randn(1, M, 3 * R), [torch.randn(n * D, R) for n in (NH, NKV, NKV)],
+                                [], 2.0, cs, cs, cache, cache.clone(), cpos, None, None, 1e-6)
     attention.decode_attention(q.view(M, NH, D), cache, cache, torch.ones(M, L, dtype=torch.bool), cpos, 0.125)
     attention.decode_attention_lora_a(q.view(M, NH, D), cache, cache, torch.ones(M, L, dtype=torch.bool), cpos, 0.125,
                                       torch.randn(R, NH * D))

@@ -17,7 +17,9 @@ graph captured once sees every later update:
     from 16 rows a tiled tl.dot kernel that sums its K chunks itself, in a fixed order (the last
     program of a tile, found by a counter; no float atomics). Deterministic either way.
   - ``lora_out``: y += bias + scaling * h B^T in place on up to three base outputs, one kernel;
-    ``lora_silu_mul``: the same for gate and up, then SiLU(gate) * up, one kernel.
+    ``lora_silu_mul``: the same for gate and up, then SiLU(gate) * up, one kernel (``_lora_a``: with the
+    LoRA A product of the result for down_proj); ``lora_rope_cache_write``: q/k/v's lora_out and
+    ``rope_cache_write`` in one launch (few rows).
 
 Rounding follows HF's modules wherever it is cheap to (bf16 rounding of x_hat before the norm
 weight, of each rotary product and of SiLU before the multiply), but reductions run in a
@@ -590,6 +592,127 @@ def lora_silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, h: torch.Tensor |
 
 
 # ----------------------------------------------------------------------------------------------
+# q/k/v bias + LoRA epilogue + rotary + KV-cache write, one launch (the few-row decode step, opt-in)
+#
+# Measured slower from 16 rows as 16-row tiles with a tl.dot per half head (55597b5, reverted in 08776fd: a
+# bs16 step's fused kernels 1.225 -> 1.304 ms, H100): here for decode batches, up to LORA_OUT_ROWS rows a program
+# with lora_out's broadcast product, so the step saves q/k/v's lora_out launch.
+
+
+@triton.jit
+def _lora_cols(y_ptr, b_ptr, c_ptr, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, mr, scaling,
+               HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, SB: tl.constexpr, TY: tl.constexpr):
+    """Rows ms, columns cols of output i with its bias and LoRA term (lora_out's arithmetic), rounded to
+    TY as lora_out stores it, returned in fp32."""
+    B, bias = 0.0, 0.0
+    if HAS_LORA:
+        B = tl.load(b_ptr + cols[:, None].to(tl.int64) * R + rr[None, :], mask=mn[:, None] & mr[None, :],
+                    other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(c_ptr + cols, mask=mn, other=0.0).to(tl.float32)
+    y = _lora_tile(y_ptr, B, bias, h_ptr, ms, mm, M, N, cols, mn, i, R, NR, S, rr, mr, scaling, HAS_LORA, HAS_BIAS,
+                   False, SB)
+    return _rnd(y, TY).to(tl.float32)
+
+
+@triton.jit
+def _head_norm_rows(x1, x2, w_ptr, offs, m, eps, HEAD_DIM: tl.constexpr, TY: tl.constexpr):
+    """_head_norm on [rows, half] tiles (one head a row)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+    r = tl.rsqrt(var + eps)[:, None]
+    w1 = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs, mask=m, other=0.0).to(tl.float32)[None, :]
+    x1 = _rnd(_rnd(x1 * r, TY).to(tl.float32) * w1, TY).to(tl.float32)
+    x2 = _rnd(_rnd(x2 * r, TY).to(tl.float32) * w2, TY).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _lora_rope_cache_kernel(q_ptr, k_ptr, v_ptr, b0, b1, b2, bi0, bi1, bi2, h_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+                            q_out_ptr, kc_ptr, vc_ptr, cpos_ptr, M, L, R, NR, S, scaling, eps,
+                            NH: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                            BLOCK_R: tl.constexpr, ROWS: tl.constexpr, SB: tl.constexpr, HAS_LORA: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row tile, head): the head's columns of q (or k and v) plus bias and LoRA, rounded as
+    lora_out rounds them, then rotated (after Qwen3's head norm) as _rope_cache_kernel does."""
+    pdl_enter(PDL)
+    TY: tl.constexpr = q_out_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    ms = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    mm = ms < M
+    hd = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m = offs < HALF
+    rr = tl.arange(0, BLOCK_R)
+    mr = rr < R
+    cm = mm[:, None] & m[None, :]
+    cs = ms.to(tl.int64)[:, None] * HEAD_DIM + offs[None, :]
+    c1 = tl.load(cos_ptr + cs, mask=cm, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF, mask=cm, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs, mask=cm, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF, mask=cm, other=0.0).to(tl.float32)
+    if hd < NH:  # a query head: rotated into q_out [M, NH, 1, HEAD_DIM]
+        col = hd * HEAD_DIM + offs
+        x1 = _lora_cols(q_ptr, b0, bi0, h_ptr, ms, mm, M, NH * HEAD_DIM, col, m, 0, R, NR, S, rr, mr, scaling,
+                        HAS_LORA, HAS_BIAS, SB, TY)
+        x2 = _lora_cols(q_ptr, b0, bi0, h_ptr, ms, mm, M, NH * HEAD_DIM, col + HALF, m, 0, R, NR, S, rr, mr, scaling,
+                        HAS_LORA, HAS_BIAS, SB, TY)
+        if QK_NORM:
+            x1, x2 = _head_norm_rows(x1, x2, qn_ptr, offs, m, eps, HEAD_DIM, TY)
+        y1, y2 = _rope(x1, x2, c1, c2, s1, s2, TY)
+        dst = q_out_ptr + (ms.to(tl.int64)[:, None] * NH + hd) * HEAD_DIM + offs[None, :]
+        tl.store(dst, y1, mask=cm)
+        tl.store(dst + HALF, y2, mask=cm)
+    else:  # a key/value head: rotated k and v into cache[row, kh, cpos]
+        kh = hd - NH
+        col = kh * HEAD_DIM + offs
+        x1 = _lora_cols(k_ptr, b1, bi1, h_ptr, ms, mm, M, NKV * HEAD_DIM, col, m, 1, R, NR, S, rr, mr, scaling,
+                        HAS_LORA, HAS_BIAS, SB, TY)
+        x2 = _lora_cols(k_ptr, b1, bi1, h_ptr, ms, mm, M, NKV * HEAD_DIM, col + HALF, m, 1, R, NR, S, rr, mr, scaling,
+                        HAS_LORA, HAS_BIAS, SB, TY)
+        if QK_NORM:
+            x1, x2 = _head_norm_rows(x1, x2, kn_ptr, offs, m, eps, HEAD_DIM, TY)
+        y1, y2 = _rope(x1, x2, c1, c2, s1, s2, TY)
+        slot = ((ms.to(tl.int64)[:, None] * NKV + kh) * L + tl.load(cpos_ptr)) * HEAD_DIM + offs[None, :]
+        tl.store(kc_ptr + slot, y1, mask=cm)
+        tl.store(kc_ptr + slot + HALF, y2, mask=cm)
+        v1 = _lora_cols(v_ptr, b2, bi2, h_ptr, ms, mm, M, NKV * HEAD_DIM, col, m, 2, R, NR, S, rr, mr, scaling,
+                        HAS_LORA, HAS_BIAS, SB, TY)
+        v2 = _lora_cols(v_ptr, b2, bi2, h_ptr, ms, mm, M, NKV * HEAD_DIM, col + HALF, m, 2, R, NR, S, rr, mr, scaling,
+                        HAS_LORA, HAS_BIAS, SB, TY)
+        tl.store(vc_ptr + slot, v1.to(TY), mask=cm)
+        tl.store(vc_ptr + slot + HALF, v2.to(TY), mask=cm)
+
+
+@torch.library.custom_op("qerl::lora_rope_cache_write", mutates_args=("k_cache", "v_cache"))
+def lora_rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None,
+                          Bs: list[torch.Tensor], biases: list[torch.Tensor], scaling: float, cos: torch.Tensor,
+                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cpos: torch.Tensor,
+                          q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``lora_out([q, k, v], h, Bs, biases, scaling)`` then ``rope_cache_write`` in one launch, with the
+    same arithmetic and roundings; q / k / v (the base outputs) are read, not written."""
+    B, NKV, L, D = k_cache.shape
+    NH = q.shape[1] // D
+    q_out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
+    has_lora, has_bias, has_norm = h is not None, len(biases) > 0, q_norm is not None
+    R = Bs[0].shape[1] if has_lora else 1
+    S, NR = (h.shape[0], h.shape[2]) if has_lora else (1, 1)
+    ROWS = min(LORA_OUT_ROWS, triton.next_power_of_2(max(B, 1)))
+    BLOCK_R = triton.next_power_of_2(R)
+    SB = max(1, min(triton.next_power_of_2(S), LORA_OUT_H_BLOCK // (ROWS * BLOCK_R)))
+    b = list(Bs) if has_lora else [q] * 3
+    c = list(biases) if has_bias else [q] * 3
+    _lora_rope_cache_kernel[(triton.cdiv(B, ROWS), NH + NKV)](
+        q, k, v, b[0], b[1], b[2], c[0], c[1], c[2], h if has_lora else q, cos, sin,
+        q_norm if has_norm else q, k_norm if has_norm else q, q_out, k_cache, v_cache, cpos, B, L, R, NR, S,
+        float(scaling), eps, NH=NH, NKV=NKV, HEAD_DIM=D, BLOCK=triton.next_power_of_2(D // 2),
+        BLOCK_R=BLOCK_R, ROWS=ROWS, SB=SB, HAS_LORA=has_lora, HAS_BIAS=has_bias, QK_NORM=has_norm,
+        **pdl_args(q.device))
+    return q_out
+
+
+# ----------------------------------------------------------------------------------------------
 # fakes: each op's outputs (shapes, dtypes, devices) without a launch, so the ops trace under
 # torch.compile and run under FakeTensorMode as the 4-bit linears do
 
@@ -641,6 +764,12 @@ def _(y, h, B, scaling):
 @lora_silu_mul.register_fake
 def _(gate, up, h, Bs, biases, scaling):
     return torch.empty_like(gate)
+
+
+@lora_rope_cache_write.register_fake
+def _(q, k, v, h, Bs, biases, scaling, cos, sin, k_cache, v_cache, cpos, q_norm, k_norm, eps):
+    B, _, _, D = k_cache.shape
+    return q.new_empty((B, q.shape[1] // D, 1, D))
 
 
 @lora_silu_mul_lora_a.register_fake

@@ -82,6 +82,8 @@ from qerl.kernels import (
     add_rmsnorm_lora_a,
     decode_attention,
     decode_attention_lora_a,
+    lora_a,
+    lora_rope_cache_write,
     rmsnorm,
     rope_cache_write,
 )
@@ -95,7 +97,7 @@ from qerl.rollout.common import (
     left_pad,
     sample_tokens,
 )
-from qerl.rollout.fused_linear import grouped_linears, silu_mlp_input, stacked_A
+from qerl.rollout.fused_linear import grouped_linears, lora_group, silu_mlp_input, stacked_A
 
 SUPPORTED = SUPPORTED_MODEL_TYPES  # qerl.arch: every family qerl loads
 WINDOW = 256  # cache length granularity and the smallest attention window
@@ -109,6 +111,10 @@ NORM_LORA_A_MAX_M = 16
 # share a program); those Linears then need no lora_a launch. 0 (off) until a GPU measurement says where it
 # pays; QERL_PRODUCER_LORA_A=<rows> (read at import) sets it for A/B runs.
 PRODUCER_LORA_A_MAX_M = int(os.environ.get("QERL_PRODUCER_LORA_A", "0") or 0)
+# Largest batch whose decode step adds q/k/v's bias and LoRA inside the rotary + KV-cache launch
+# (lora_rope_cache_write: lora_out's arithmetic and roundings; q/k/v's lora_out launch goes). 0 (off) until
+# measured; QERL_ROPE_LORA_OUT=<rows> (read at import) sets it. From 16 rows it was slower (55597b5).
+ROPE_LORA_OUT_MAX_M = int(os.environ.get("QERL_ROPE_LORA_OUT", "0") or 0)
 # The fused decode step's attention: "qerl" (qerl.kernels.decode_attention, split over the keys, reads
 # up to the cursor) or "sdpa" (torch's scaled_dot_product_attention over the whole window; A/B runs).
 ATTENTION = ("qerl", "sdpa")
@@ -339,11 +345,18 @@ class FastEngine:
             attn = layer.self_attn
             qkv, gate_up = _fused_groups(layer)
             res, x, ha = self._fused_norm(res, delta, layer.input_layernorm, qkv)
-            q, k, v = grouped_linears(x, qkv, ha)
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            q = rope_cache_write(q, k, v, cos, sin, b.k[i], b.v[i], b.cpos,
-                                       None if qn is None else qn.weight, None if kn is None else kn.weight,
-                                       1e-6 if qn is None else qn.variance_epsilon)
+            norms = (None if qn is None else qn.weight, None if kn is None else kn.weight,
+                     1e-6 if qn is None else qn.variance_epsilon)
+            grp = lora_group(qkv) if B <= ROPE_LORA_OUT_MAX_M else None
+            if grp is not None:  # q/k/v's bias + LoRA with the rotary and the cache write: one launch
+                As, Bs, biases, scaling = grp
+                q, k, v = grouped_linears(x, qkv, epilogue=False)
+                q = lora_rope_cache_write(q, k, v, ha if ha is not None else lora_a(x, As), Bs, biases, scaling,
+                                          cos, sin, b.k[i], b.v[i], b.cpos, *norms)
+            else:
+                q, k, v = grouped_linears(x, qkv, ha)
+                q = rope_cache_write(q, k, v, cos, sin, b.k[i], b.v[i], b.cpos, *norms)
             # one query token: the G = n_heads / n_kv query heads of a KV head are G query rows of it
             # (HF's repeat_kv order), so no copy of K/V per query head (enable_gqa's math path makes one)
             ho = None

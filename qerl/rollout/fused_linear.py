@@ -73,6 +73,16 @@ def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
     return [p.A for p in parts]
 
 
+def lora_group(modules: list[nn.Module]) -> tuple | None:
+    """(As, Bs, biases, scaling) of ``modules`` if they form one LoRA group (``stacked_A``'s conditions;
+    biases [] when they have none), so that a fused kernel can apply their epilogue; else None."""
+    As = stacked_A(modules)
+    if As is None:
+        return None
+    parts = [_parts(m) for m in modules]
+    return As, [p.B for p in parts], [p.bias for p in parts] if parts[0].bias is not None else [], float(parts[0].scaling)
+
+
 # lora_a beside the base matmuls: both read x only, so from LORA_A_BESIDE_MIN_M rows the group's lora_a runs
 # on a side stream while the current stream runs the base matmuls, and the current stream waits for it
 # before lora_out. The matmuls leave room on each SM for lora_a's few small programs. 7B decode step, H200,
@@ -107,11 +117,16 @@ def _lora_a_start(x: torch.Tensor, As: list[torch.Tensor]):
     return take
 
 
-def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor | None = None) -> list[torch.Tensor]:
+def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor | None = None,
+                    epilogue: bool = True) -> list[torch.Tensor]:
     """[m(x) for m in modules] for x [M, K] (outputs [M, N_i]), grouped as the module docstring says.
-    ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``)."""
+    ``h``: the group's ``lora_a`` output when computed already (for ``stacked_A(modules)``).
+    ``epilogue`` False (a ``lora_group``): the base outputs only, for a kernel that adds bias and LoRA itself."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
+    if not epilogue:
+        ys = _mma_group(x, modules) if all(p is not None for p in parts) else None
+        return ys if ys is not None else [p.base(x).contiguous() for p in parts]
     launches = []  # (outputs, has_lora, has_bias, scaling, h or a function that gives it)
     if h is not None:  # one LoRA group (stacked_A)
         launches.append((list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, lambda: h))

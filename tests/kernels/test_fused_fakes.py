@@ -56,6 +56,14 @@ def _cases():
         out = fused.rope_cache_write(q, k, v, cos, sin, kc, vc, torch.tensor([5]), None, None, 1e-6)
         return out, kc, vc
 
+    hq = torch.randn(1, B, 3 * 8)
+    Bs_qkv = [torch.randn(n * D, 8) for n in (NH, NKV, NKV)]
+
+    def lora_rope(q, k, v, kc, vc):
+        out = fused.lora_rope_cache_write(q, k, v, hq, Bs_qkv, [], 2.0, cos, sin, kc, vc, torch.tensor([5]), None,
+                                          None, 1e-6)
+        return out, kc, vc
+
     def lora_out(y0, y1, h):
         fused.lora_out([y0, y1], h, Bs, bs, 2.0)
         return y0, y1
@@ -72,6 +80,7 @@ def _cases():
         ("lora_out", lora_out, (*ys, h)),
         ("lora_out_to", lambda y, h16: fused.lora_out_to(y, h16, Bs16[0], 2.0), (y16, h16)),
         ("lora_silu_mul", lambda g, u, h: fused.lora_silu_mul(g, u, h, Bs_gu, [], 2.0), (*gu, h)),
+        ("lora_rope_cache_write", lora_rope, (q, k, v, kc, vc)),
         ("lora_silu_mul_lora_a", lambda g, u, h: fused.lora_silu_mul_lora_a(g, u, h, Bs_gu, [], 2.0, A_next), (*gu, h)),
     ]
 
