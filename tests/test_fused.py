@@ -432,6 +432,217 @@ def test_q_k_v_epilogue_in_the_rotary_launch_saves_a_launch(monkeypatch):
     assert on["qerl.lora_rope_cache_write.default"] == 1 and on["qerl.rope_cache_write.default"] == 0
 
 
+def test_fused_needs_a_kernel_backend(monkeypatch):
+    model = make_tiny_model("llama", dtype=torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="fused=True cannot run"):
+        FastEngine(model, eos_token_ids=[2], fused=True)
+    assert not FastEngine(model, eos_token_ids=[2]).fused  # CPU default: the HF-order eager path
+
+
+# ---------------------------------------------------------------------------------- GPU
+def _gpu_model(dtype, lora):
+    torch.manual_seed(0)
+    model = make_tiny_model("qwen2", dtype=dtype, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=2, vocab_size=2048,
+                            max_position_embeddings=1024, tie_word_embeddings=False).cuda()
+    if lora:
+        quantize_(model, QuantizeConfig(fmt="nvfp4", lora_rank=16))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+    return model
+
+
+GPU_PROMPTS = [[3 + (7 * i + 11 * j) % 2000 for j in range(n)] for i, n in enumerate((7, 30, 120, 200))]
+
+
+def _gpu_engine(model, **kw):
+    return FastEngine(model, eos_token_ids=[2], pad_id=0, max_seq_len=512, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_cuda_graphs_fp32_equal_unfused():
+    """fp32, random Qwen2-architecture model (no download: runs on the device image), 250 greedy
+    tokens over the 256 and 512 windows: the fused graphs give the unfused graphs' log-probs within
+    1e-3 (fp32: reduction order moves logits by ~1e-6), rows parting only at a near tie."""
+    model = _gpu_model(torch.float32, lora=False)
+    a = _gpu_engine(model, fused=False).generate(GPU_PROMPTS, 250, greedy=True, ignore_eos=True)
+    fe = _gpu_engine(model, fused=True)
+    assert fe.fused and fe.cuda_graphs
+    b = fe.generate(GPU_PROMPTS, 250, greedy=True, ignore_eos=True)
+    assert_greedy_close(a, b, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_compaction_cuda_graphs_equal_the_static_batch(dtype):
+    """Finished rows leave the batch under CUDA graphs (a graph per bucket and window): 40 sequences with
+    their own caps over the 256 and 512 windows give the static batch's greedy tokens (fp32: log-probs
+    within 1e-3, rows parting only at a near tie; bf16 NVFP4 + LoRA: within bf16 rounding, 0.05), the
+    decode steps run at buckets 40, 32, ..., 1, and a repeat is bitwise the same."""
+    model = _gpu_model(dtype, lora=dtype == BF)
+    prompts = [GPU_PROMPTS[i % 4][: 5 + 3 * i] for i in range(40)]
+    caps = [1 + (37 * i) % 170 for i in range(36)] + [180, 220, 260, 300]  # a long tail: the last buckets run
+    caps = [caps[(7 * i) % 40] for i in range(40)]
+    kw = dict(greedy=True, ignore_eos=True)
+    a = _gpu_engine(model, compact=False).generate(prompts, caps, **kw)
+    fe = _gpu_engine(model)
+    assert fe.compact and fe.cuda_graphs
+    b = fe.generate(prompts, caps, **kw)
+    assert b.completion_mask.sum(1).tolist() == caps
+    assert_greedy_close(a, b, 1e-3 if dtype == torch.float32 else 0.05)
+    st = fe.last_stats
+    assert set(st["bucket_steps"]) == {40, 32, 16, 8, 4, 2, 1} and st["decode_steps"] == max(caps) - 1
+    c = fe.generate(prompts, caps, **kw)
+    assert torch.equal(b.completion_ids, c.completion_ids) and torch.equal(b.logprobs, c.logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_refill_cuda_graphs_equal_one_batch(dtype):
+    """Freed rows take waiting prompts under CUDA graphs (each row's own token index in the graph, the
+    fused per-row Gumbel draw), with a cache of prompt + cap + sync_every slots, so the cursor moves back:
+    40 sequences on 8 rows give one batch's greedy tokens (the closeness rule of the compaction test),
+    and seeded sampled runs repeat bitwise."""
+    model = _gpu_model(dtype, lora=dtype == BF)
+    prompts = [GPU_PROMPTS[i % 4][: 5 + 3 * i] for i in range(40)]
+    caps = [1 + (37 * i) % 170 for i in range(40)]
+    kw = dict(greedy=True, ignore_eos=True)
+    a = _gpu_engine(model).generate(prompts, caps, **kw)
+    fe = _gpu_engine(model, max_batch=8)
+    b = fe.generate(prompts, caps, **kw)
+    assert b.completion_mask.sum(1).tolist() == caps
+    st = fe.last_stats
+    assert st["refills"] == 32 and st["rebases"] >= 1 and max(st["bucket_steps"]) == 8, st
+    w = min(a.completion_ids.shape[1], b.completion_ids.shape[1])
+    from types import SimpleNamespace
+
+    cut = [SimpleNamespace(**{f: getattr(x, f)[:, :w] for f in ("completion_ids", "completion_mask", "logprobs")})
+           for x in (a, b)]
+    assert_greedy_close(*cut, 1e-3 if dtype == torch.float32 else 0.05)
+    s1 = fe.generate(prompts, caps, temperature=1.0, seed=3, ignore_eos=True)
+    s2 = _gpu_engine(model, max_batch=8).generate(prompts, caps, temperature=1.0, seed=3, ignore_eos=True)
+    assert torch.equal(s1.completion_ids, s2.completion_ids) and torch.equal(s1.logprobs, s2.logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_cuda_graphs_bf16_lora_live():
+    """bf16 NVFP4 + LoRA (non-zero B): the fused graphs give the unfused graphs' and fused eager's
+    log-probs within bf16 rounding (a bf16 near tie may fall either way, anywhere in a row: compared
+    by log-probs, not by where the rows part), and see AQN noise and a LoRA update with no re-capture."""
+    from qerl.noise import keep_norms_fp32, noisy_norms
+
+    model = _gpu_model(BF, lora=True)
+    keep_norms_fp32(model)
+    kw = dict(greedy=True, ignore_eos=True)
+    unfused, fused_g, fused_e = (_gpu_engine(model, fused=False), _gpu_engine(model, fused=True),
+                                 _gpu_engine(model, fused=True, cuda_graphs=False))
+    a, b, c = (e.generate(GPU_PROMPTS, 250, **kw) for e in (unfused, fused_g, fused_e))
+    for other in (a, c):  # log-probs within bf16 rounding; rows may part only at a near tie
+        assert_greedy_close(other, b, 0.05)
+    caps = fused_g.stats["captures"]
+    with noisy_norms(model, 0.05, seed=0):
+        d = fused_g.generate(GPU_PROMPTS, 250, **kw)
+    assert not torch.equal(d.logprobs, b.logprobs)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.lora_B.weight.normal_(0, 0.5)
+    e = fused_g.generate(GPU_PROMPTS, 250, **kw)
+    assert fused_g.stats["captures"] == caps  # same graphs, new noise and new LoRA weights
+    assert not torch.equal(e.logprobs, b.logprobs)
+    assert_greedy_close(unfused.generate(GPU_PROMPTS, 250, **kw), e, 0.05)  # the update as the unfused path sees it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_gives_the_same_bits():
+    """Programmatic dependent launch (on by default on sm_90) changes when a kernel's programs start, not
+    what they compute: bf16 NVFP4 + LoRA, 40 sampled sequences of their own lengths under CUDA graphs (buckets
+    40 to 1: the mma and warp-specialised kernels, the tiled and broadcast lora_a, split attention, the
+    sampler) give the same tokens and log-probs bit for bit with PDL on and off (a fresh model each: the
+    kernel launches are kept per weight)."""
+    from qerl import kernels
+
+    if torch.cuda.get_device_capability(0)[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    prompts = [GPU_PROMPTS[i % 4][: 5 + 3 * i] for i in range(40)]
+    caps = [1 + (37 * i) % 170 for i in range(40)]
+    kw = dict(temperature=1.0, seed=5, ignore_eos=True)
+    runs = []
+    before = kernels.set_pdl(True)
+    try:
+        for on in (True, False):
+            kernels.set_pdl(on)
+            assert kernels.pdl(torch.device("cuda", 0)) == on
+            runs.append(_gpu_engine(_gpu_model(BF, lora=True)).generate(prompts, caps, **kw))
+    finally:
+        kernels.set_pdl(before)
+    a, b = runs
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_split_attention_equals_sdpa():
+    """The fused step's attention split over the keys (the default) against torch SDPA over the whole window:
+    the same tokens and log-probs within fp32 rounding (fp32 NVFP4 + LoRA, sampled; the kernel's splits, the
+    cursor and windows past 256 slots: tests/kernels/test_decode_attention.py)."""
+    model = _lora_model("qwen2")
+    prompts = [PROMPTS[i % len(PROMPTS)] + [40 + i] for i in range(3)]
+    kw = dict(temperature=1.0, seed=3, ignore_eos=True)
+    runs = [FastEngine(model, eos_token_ids=[2], pad_id=0, fused=True, sync_every=4, attention=a).generate(
+        prompts, 8, **kw) for a in ("sdpa", "qerl")]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        FastEngine(model, eos_token_ids=[2], pad_id=0, attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lora_a_beside_the_matmuls_gives_the_same_bits(monkeypatch):
+    """lora_a on a side stream beside the base matmuls (fused_linear.LORA_A_BESIDE) changes when it runs,
+    not what it computes: bf16 NVFP4 + LoRA, 40 sampled sequences of their own lengths (buckets 40 to 1:
+    the tiled and the in-norm lora_a) under CUDA graphs and eagerly give the in-line run's tokens and
+    log-probs bit for bit."""
+    from qerl.rollout import fused_linear
+
+    prompts = [GPU_PROMPTS[i % 4][: 5 + 3 * i] for i in range(40)]
+    caps = [1 + (37 * i) % 170 for i in range(40)]
+    kw = dict(temperature=1.0, seed=5, ignore_eos=True)
+    model = _gpu_model(BF, lora=True)
+    runs = {}
+    for beside in (False, True):
+        monkeypatch.setattr(fused_linear, "LORA_A_BESIDE", beside)
+        for graphs in (True, False):
+            runs[beside, graphs] = _gpu_engine(model, cuda_graphs=graphs).generate(prompts, caps, **kw)
+    for graphs in (True, False):
+        a, b = runs[False, graphs], runs[True, graphs]
+        assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs), graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_few_row_opt_ins_gpu(monkeypatch):
+    """o_proj's and down_proj's LoRA A products in the launches that produce their inputs (PRODUCER_LORA_A_MAX_M),
+    and q/k/v's epilogue in the rotary launch (ROPE_LORA_OUT_MAX_M), under CUDA graphs: an fp32 NVFP4 + LoRA
+    model's greedy tokens and log-probs as with the separate launches (within fp32 rounding of the partial sums'
+    order), and bitwise repeatable."""
+    import qerl.rollout.fast as fast
+
+    model = _gpu_model(torch.float32, lora=True)
+    a = _gpu_engine(model).generate(GPU_PROMPTS, 120, greedy=True, ignore_eos=True)
+    monkeypatch.setattr(fast, "PRODUCER_LORA_A_MAX_M", 16)
+    monkeypatch.setattr(fast, "ROPE_LORA_OUT_MAX_M", 16)
+    b = _gpu_engine(model).generate(GPU_PROMPTS, 120, greedy=True, ignore_eos=True)
+    assert_greedy_close(a, b, 1e-3)
+    c = _gpu_engine(model).generate(GPU_PROMPTS, 120, greedy=True, ignore_eos=True)
+    assert torch.equal(b.completion_ids, c.completion_ids) and torch.equal(b.logprobs, c.logprobs)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("M", [1, 3])
