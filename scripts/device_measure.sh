@@ -84,6 +84,13 @@ stage_measure() {
     return 0
 }
 
+xd_cfg() {  # X_DIRECT's KB and REPS: the families task's fastest on this machine where it ran, else the rule's
+    if [ -f "$S/xd_cfg" ]; then
+        QERL_MMA_X_DIRECT_CFG=$(cat "$S/xd_cfg"); export QERL_MMA_X_DIRECT_CFG
+        echo "X_DIRECT config (KB,REPS): $QERL_MMA_X_DIRECT_CFG (the families task's fastest)"
+    fi
+}
+
 measure_task() {
     local t=$1 sha=$QERL_GIT_SHA w=$OUT/w
     local t37="env PYTHONPATH=$S/triton37:$S/hum:$S/site:$PWD TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas"
@@ -98,10 +105,26 @@ measure_task() {
     families)
         CUDA_VISIBLE_DEVICES=$g $t37 python3 -m benchmarks.kernel_families --m 1 2 4 8 12 16 --families mma bf16 \
             --mma d1:X_DIRECT=1,KB=1,REPS=1 d1r2:X_DIRECT=1,KB=1,REPS=2 d1r4:X_DIRECT=1,KB=1,REPS=4 d2:X_DIRECT=1,KB=2,REPS=1 d2r2:X_DIRECT=1,KB=2,REPS=2 d1r2w8:X_DIRECT=1,KB=1,REPS=2,num_warps=8 \
-            --out "$w/families" > "$w/families.txt" 2>&1; local rc=$?; tail -9 "$w/families.txt" | cut -c1-300; return $rc ;;
+            --out "$w/families" > "$w/families.txt" 2>&1; local rc=$?; tail -9 "$w/families.txt" | cut -c1-300
+        # the X_DIRECT config fastest over M 1 and 8 (the decode tail) for the rollout task's X_DIRECT variants
+        python3 - "$w" "$S" <<'EOF' || true
+import glob, json, sys
+w, state = sys.argv[1], sys.argv[2]
+r = json.load(open(sorted(glob.glob(f"{w}/families/*.json"))[0]))
+t = {f: v["1"] + v["8"] for f, v in r["layer_us"].items() if f.startswith("mma:")}
+if t:
+    best = min(t, key=t.get)
+    cfg = r["mma_configs"][best]
+    for d in (w, state):  # the state outlives the call: the profile task of a later call reads it too
+        open(f"{d}/xd_cfg", "w").write(f"{cfg.get('KB', 1)},{cfg.get('REPS', 1)}")
+    print(f"fastest X_DIRECT config over M 1 + 8: {best} {cfg} ({t[best]:.1f} us; the rule: "
+          f"{r['layer_us']['mma']['1'] + r['layer_us']['mma']['8']:.1f})")
+EOF
+        return $rc ;;
     rollout)
         # the rule, then the opt-in paths: mma X_DIRECT up to 16 rows, o_proj's LoRA A in the attention launch
         local r="python3 -m experiments.rollout_throughput --models qwen2.5-7b --methods bf16 nvfp4 --git-sha $sha" rc=0
+        xd_cfg
         local variants="rule:QERL_MMA_X_DIRECT=0 xd16:QERL_MMA_X_DIRECT=16 prod16:QERL_PRODUCER_LORA_A=16 rope16:QERL_ROPE_LORA_OUT=16 all:QERL_MMA_X_DIRECT=16,QERL_PRODUCER_LORA_A=16,QERL_ROPE_LORA_OUT=16"
         for v in $variants; do
             local name=${v%%:*} envs
@@ -121,6 +144,7 @@ measure_task() {
     profile)
         # where a bs1 / bs8 decode step's time goes, by kernel kind, with the rule and with all opt-in paths
         local rc=0
+        xd_cfg
         for v in rule:QERL_MMA_X_DIRECT=0 all:QERL_MMA_X_DIRECT=16,QERL_PRODUCER_LORA_A=16,QERL_ROPE_LORA_OUT=16; do
             local name=${v%%:*} envs
             envs=$(echo "${v#*:}" | tr ',' ' ')

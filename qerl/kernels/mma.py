@@ -412,8 +412,10 @@ def pick_config(M: int, N: int, K: int, wgmma: bool = False) -> dict:
 # iteration; 0 until a GPU measurement says where it pays. QERL_MMA_X_DIRECT=<rows> (read at import, like QERL_PDL)
 # sets it for A/B runs of the decode step.
 X_DIRECT_MAX_M = min(16, int(os.environ.get("QERL_MMA_X_DIRECT", "0") or 0))
-X_DIRECT_KB = 1
-X_DIRECT_REPS = 2  # two 16-row weight blocks a warp: their loads in flight together, one activation operand
+# KB and REPS (16-row weight blocks a warp: their loads in flight together over one activation operand) of that
+# config; QERL_MMA_X_DIRECT_CFG="KB,REPS" sets them for A/B runs (KB 4 with REPS 1 holds the baseline's bytes in
+# flight but costs 164 registers; KB 1 with REPS 2 half of them at 64).
+X_DIRECT_KB, X_DIRECT_REPS = (int(v) for v in (os.environ.get("QERL_MMA_X_DIRECT_CFG") or "1,2").split(","))
 
 # Software prefetch of the weights in registers (the next iteration's loads issued before this one's
 # decode), where the weights do not ride in the ring (now: the BM = 64 mma.sync config only): it
