@@ -64,23 +64,29 @@ def _mma_group(x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor] 
     return kernels.grouped_linear(x, weights)
 
 
-def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
-    """The LoRA A weights of ``modules`` if they form one LoRA group (<= 3, same rank, scaling, bias
-    presence), so that their ``lora_a`` can run inside the norm kernel that feeds them; else None."""
+def _lora_group_parts(modules: list[nn.Module]) -> list[_Parts] | None:
+    """The parts of ``modules`` if they form one LoRA group (<= 3, same rank, scaling, bias presence), else None."""
     parts = [_parts(m) for m in modules]
     if len(parts) > 3 or any(p is None or p.A is None for p in parts) or len({p.key() for p in parts}) != 1:
         return None
-    return [p.A for p in parts]
+    return parts
+
+
+def stacked_A(modules: list[nn.Module]) -> list[torch.Tensor] | None:
+    """The LoRA A weights of ``modules`` if they form one LoRA group, so that their ``lora_a`` can run inside
+    the kernel that feeds them (the norm, the attention, SiLU * up); else None."""
+    parts = _lora_group_parts(modules)
+    return None if parts is None else [p.A for p in parts]
 
 
 def lora_group(modules: list[nn.Module]) -> tuple | None:
-    """(As, Bs, biases, scaling) of ``modules`` if they form one LoRA group (``stacked_A``'s conditions;
-    biases [] when they have none), so that a fused kernel can apply their epilogue; else None."""
-    As = stacked_A(modules)
-    if As is None:
+    """(As, Bs, biases, scaling) of ``modules`` if they form one LoRA group (biases [] when they have none), so
+    that a fused kernel can apply their epilogue; else None."""
+    parts = _lora_group_parts(modules)
+    if parts is None:
         return None
-    parts = [_parts(m) for m in modules]
-    return As, [p.B for p in parts], [p.bias for p in parts] if parts[0].bias is not None else [], float(parts[0].scaling)
+    return ([p.A for p in parts], [p.B for p in parts], [p.bias for p in parts] if parts[0].bias is not None else [],
+            float(parts[0].scaling))
 
 
 # lora_a beside the base matmuls: both read x only, so from LORA_A_BESIDE_MIN_M rows the group's lora_a runs
@@ -124,13 +130,10 @@ def grouped_linears(x: torch.Tensor, modules: list[nn.Module], h: torch.Tensor |
     ``epilogue`` False (a ``lora_group``): the base outputs only, for a kernel that adds bias and LoRA itself."""
     x = x.contiguous()  # the kernels take rows of stride K
     parts = [_parts(m) for m in modules]
-    if not epilogue:
-        ys = _mma_group(x, modules) if all(p is not None for p in parts) else None
-        return ys if ys is not None else [p.base(x).contiguous() for p in parts]
-    launches = []  # (outputs, has_lora, has_bias, scaling, h or a function that gives it)
-    if h is not None:  # one LoRA group (stacked_A)
+    launches = []  # (outputs, has_lora, has_bias, scaling, h or a function that gives it); none without epilogue
+    if epilogue and h is not None:  # one LoRA group (stacked_A)
         launches.append((list(range(len(parts))), True, parts[0].bias is not None, parts[0].scaling, lambda: h))
-    else:
+    elif epilogue:
         groups: dict = {}
         for i, p in enumerate(parts):
             if p is not None and (p.A is not None or p.bias is not None):
